@@ -1,0 +1,186 @@
+"""The engine: request -> scheduler -> model runner -> sampler -> output processor.
+
+The interface the offline API and the server drive:
+    add_request(request_id, prompt, params, priority=0)
+    step() -> list[RequestOutput]   (every request that made progress; `.finished` on the last)
+    abort(request_id)
+    has_unfinished()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from sieve.block_manager import BlockManager
+from sieve.config import EngineConfig
+from sieve.detokenizer import init_offsets
+from sieve.model_runner import ModelRunner
+from sieve.models.arch import ModelArch
+from sieve.models.loader import default_num_threads, load_model, read_config, resolve_dtype, resolve_model_path
+from sieve.output_processor import OutputProcessor
+from sieve.outputs import RequestMetrics, RequestOutput
+from sieve.sampling_params import SamplingParams
+from sieve.scheduler import Scheduler
+from sieve.sequence import Request, Sequence
+
+log = logging.getLogger("sieve")
+
+Prompt = str | dict | list[int]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, too long, cannot ever fit)."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.model is None:
+            from sieve.demo import demo_model_path
+
+            config.model = str(demo_model_path())
+        self.config = config
+        self.device = pick_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model, config.revision)
+        self.model_path = path
+        self.arch = ModelArch.from_hf_config(read_config(path))
+        self.dtype = resolve_dtype(config.dtype, self.arch)
+        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(config.tokenizer or str(path))
+        eos = self.arch.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = tuple(eos)
+
+        max_len = config.max_model_len or self.arch.max_position_embeddings
+        if self.arch.sliding_window and max_len > self.arch.sliding_window:
+            log.warning("capping max_model_len to the model's sliding window (%d)", self.arch.sliding_window)
+            max_len = self.arch.sliding_window
+        config.max_model_len = max_len
+        config.validate()
+
+        model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len)
+        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise RequestError("a dict prompt must hold 'prompt_token_ids'")
+            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer (skip_tokenizer_init): pass prompt_token_ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise RequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.arch.vocab_size}")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        max_len = self.config.max_model_len
+        if params.max_tokens is None:
+            params.max_tokens = max(1, max_len - len(ids))
+        total = len(ids) + params.max_tokens
+        if total > max_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the maximum context length of {max_len} tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if total > capacity:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens can never fit in the KV cache ({capacity} tokens); "
+                "give the cache more memory or ask for fewer tokens"
+            )
+        req = Request(request_id, text, ids, params, priority, RequestMetrics(arrival_time=time.monotonic()))
+        order = next(self._arrivals)
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=seed)
+            init_offsets(seq)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output (finish_reason 'abort')."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = seq.finish_reason or "abort"
+                self.scheduler.remove(seq)
+        return self.output_processor.make_output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.scheduler.postprocess(sched)
+        self.num_steps += 1
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for item, token_id, logprobs in result.sampled:
+            seq = item.seq
+            req = seq.request
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self.output_processor.append_token(seq, token_id, logprobs)
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            out = self.output_processor.make_output(req)
+            if out.finished:
+                del self.requests[req.request_id]
+            outputs.append(out)
+        return outputs
+
+
+def _load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)

@@ -1,0 +1,122 @@
+"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3.
+
+Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> norm. Batch layout
+and pages are the attention layer's business; this file sees a flat token batch [T, hidden].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
+from sieve.layers.linear import Linear
+from sieve.layers.norm import RMSNorm
+from sieve.layers.rotary import RotaryEmbedding
+from sieve.models.arch import ModelArch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.a = a
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.qkv_proj = Linear(a.hidden_size, [q_size, kv_size, kv_size], a.qkv_bias, dtype)
+        self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
+        self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(T, a.num_heads, a.head_dim)
+        k = k.view(T, a.num_kv_heads, a.head_dim)
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        x = x + self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class DecoderModel(nn.Module):
+    # checkpoint sub-module name -> (our module, shard index)
+    _stacked = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, a: ModelArch, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.arch = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(a, rotary, dtype) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, [a.vocab_size], False, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> float32 logits [B, vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load one checkpoint tensor by its Hugging Face name. False if the model has no use for it."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if "rotary_emb" in name:
+            return False
+        if name == "lm_head.weight":
+            if self.lm_head is None:
+                return False  # tied: the embedding is the head
+            self.lm_head.load("weight", tensor)
+            return True
+        parts = name.split(".")
+        if parts[0] == "layers":  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias} or layers.{i}.{norm}.weight
+            layer = self.layers[int(parts[1])]
+            sub, leaf = parts[-2], parts[-1]
+            if sub in self._stacked:
+                module, shard = self._stacked[sub]
+                getattr(layer, module).load(leaf, tensor, shard)
+                return True
+            if sub in ("o_proj", "down_proj"):
+                getattr(layer, sub).load(leaf, tensor)
+                return True
+            target = getattr(layer, sub, None)
+        else:
+            target = self.get_submodule(".".join(parts[:-1]))
+            leaf = parts[-1]
+        param = getattr(target, leaf, None) if target is not None else None
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return True

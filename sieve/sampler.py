@@ -1,0 +1,170 @@
+"""Turn a batch of logits into next tokens, vectorised over the batch.
+
+Order of operations (as in vLLM): raw logprobs for reporting -> penalties -> min_tokens ban ->
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
+exponential race (argmax p / q with q ~ Exp(1)), which equals a multinomial draw; seeded rows
+draw q from their own generator, seeded by (seed, output position), so a seeded request gives the
+same tokens whatever else is in the batch and after preemption or rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sieve.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32 (0 for greedy rows)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64 (vocab size where off); None: no row uses it
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    presence: torch.Tensor | None  # [B] float32
+    frequency: torch.Tensor | None  # [B] float32
+    repetition: torch.Tensor | None  # [B] float32
+    output_ids: torch.Tensor | None  # [B, max_out] int64, padded with vocab_size (a dummy column)
+    prompt_ids: torch.Tensor | None  # [B, max_prompt] int64, padded likewise (repetition penalty only)
+    banned: list[list[int]]  # per row: token ids forbidden this step (EOS/stop ids before min_tokens)
+    seeds: list[int | None]  # per row: seed for this step's draw, or None for the global generator
+    num_logprobs: int  # the largest top-N asked for in the batch; -1: none asked
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, device: torch.device) -> "SamplingMetadata":
+        ps = [s.params for s in seqs]
+        f32 = dict(dtype=torch.float32, device=device)
+
+        def column(values: list, default, **kw) -> torch.Tensor | None:
+            return torch.tensor(values, **kw) if any(v != default for v in values) else None
+
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in ps], **f32)
+        top_k = column([p.top_k if p.top_k > 0 else vocab for p in ps], vocab, dtype=torch.int64, device=device)
+        presence = column([p.presence_penalty for p in ps], 0.0, **f32)
+        frequency = column([p.frequency_penalty for p in ps], 0.0, **f32)
+        repetition = column([p.repetition_penalty for p in ps], 1.0, **f32)
+        output_ids = prompt_ids = None
+        if presence is not None or frequency is not None or repetition is not None:
+            output_ids = _pad([s.output_token_ids for s in seqs], vocab, device)
+            if repetition is not None:
+                prompt_ids = _pad([s.request.prompt_token_ids for s in seqs], vocab, device)
+        banned = []
+        for s, p in zip(seqs, ps):
+            ban: list[int] = []
+            if s.num_output_tokens < p.min_tokens:
+                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+            banned.append(ban)
+        seeds = [None if s.seed is None else _mix(s.seed, s.num_output_tokens) for s in seqs]
+        return cls(
+            temperature=temperature,
+            greedy=temperature == 0,
+            top_k=top_k,
+            top_p=column([p.top_p for p in ps], 1.0, **f32),
+            min_p=column([p.min_p for p in ps], 0.0, **f32),
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            output_ids=output_ids,
+            prompt_ids=prompt_ids,
+            banned=banned,
+            seeds=seeds,
+            num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: logprob of the chosen token
+    ranks: torch.Tensor | None  # [B] int64: 1-based rank of the chosen token
+    top_ids: torch.Tensor | None  # [B, N] int64
+    top_logprobs: torch.Tensor | None  # [B, N] float32
+
+
+def sample(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator | None = None) -> SamplerOutput:
+    """logits [B, V] float32 -> SamplerOutput. `logits` is modified in place."""
+    B, V = logits.shape
+    raw_logprobs = None
+    if m.num_logprobs >= 0:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+    _apply_penalties(logits, m)
+    for row, ban in enumerate(m.banned):
+        if ban:
+            logits[row, [t for t in ban if t < V]] = _NEG_INF
+
+    token_ids = logits.argmax(dim=-1)
+    if not bool(m.greedy.all()):
+        token_ids = torch.where(m.greedy, token_ids, _sample_random(logits, m, generator))
+
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, None)
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = raw_logprobs.topk(m.num_logprobs, dim=-1) if m.num_logprobs > 0 else (None, None)
+    return SamplerOutput(token_ids, chosen, ranks, top_ids, top_lp)
+
+
+def _apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> None:
+    if m.output_ids is None:
+        return
+    B, V = logits.shape
+    counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, m.output_ids, torch.ones_like(m.output_ids, dtype=logits.dtype))
+    counts = counts[:, :V]  # drop the padding column
+    if m.repetition is not None:
+        seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, m.prompt_ids, True)
+        seen = seen[:, :V] | (counts > 0)
+        rep = m.repetition[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if m.frequency is not None:
+        logits -= m.frequency[:, None] * counts
+    if m.presence is not None:
+        logits -= m.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def _sample_random(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator | None) -> torch.Tensor:
+    B, V = logits.shape
+    logits = logits / m.temperature.clamp_min(1e-5)[:, None]
+    if m.top_k is not None or m.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if m.top_k is not None:
+            drop |= torch.arange(V, device=logits.device)[None, :] >= m.top_k[:, None]
+        if m.top_p is not None:
+            probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            drop |= before >= m.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if m.min_p is not None:
+        probs = probs.masked_fill(probs < m.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    q = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(m.seeds) if s is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), V, device=probs.device).exponential_(generator=generator)
+    for i, seed in enumerate(m.seeds):
+        if seed is not None:
+            g = torch.Generator(device=probs.device).manual_seed(seed)
+            q[i].exponential_(generator=g)
+    return (probs / q).argmax(dim=-1)
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def _mix(seed: int, step: int) -> int:
+    """A per-(seed, position) generator seed (splitmix64), so draws never depend on history."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

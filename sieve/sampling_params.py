@@ -1,0 +1,73 @@
+"""Per-request generation options, mirroring vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None  # accepted for API compatibility; not computed
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (0, None):
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be non-negative, got {self.logprobs}")
+        if any(not s for s in self.stop_strings):
+            bad("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

@@ -1,0 +1,127 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+One token budget per step is shared by decodes and prefill chunks (as in vLLM v1), so chunked
+prefill falls out of it: a long prompt takes whatever budget is left and continues next step.
+Order of service is (priority, arrival); when blocks run out the sequence with the largest key
+(lowest priority, latest arrival) is preempted by recompute and goes back to the waiting queue,
+keeping its generated tokens so that it resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from sieve.block_manager import BlockManager
+from sieve.config import EngineConfig
+from sieve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this step (1 for a decode)
+
+    @property
+    def samples(self) -> bool:
+        """True if this step reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by schedule_key
+        self.running: list[Sequence] = []  # kept sorted by schedule_key
+        self.num_preemptions = 0
+
+    # ---- queue changes -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running sequences, in order of service: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
+                i += 1
+                continue
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `seq` itself was preempted: nothing after it can run either
+
+        # 2. Waiting sequences, while there is budget, room and no one was just preempted.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
+                break
+            if not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute-preemption: drop the KV, keep the tokens, queue again."""
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.blocks.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+        out.preempted.append(seq)
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance each scheduled sequence's computed-token count."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens

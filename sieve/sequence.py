@@ -1,0 +1,97 @@
+"""One request's state as it moves through the engine.
+
+A request asking for `n` choices becomes `n` sequences that share a `Request`. The scheduler
+and the model runner see only sequences; the output processor regroups them per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from sieve.outputs import Logprob, RequestMetrics
+from sieve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int  # lower is served first (as in vLLM)
+    metrics: RequestMetrics
+    seqs: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # choice index within the request
+    arrival_order: int  # tie-breaker for FCFS among equal priorities
+    token_ids: list[int]  # prompt followed by generated tokens
+    seed: int | None  # this choice's seed (request seed offset by choice index)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+    # Output side (written by the output processor).
+    output_text: str = ""
+    num_text_emitted: int = 0  # chars of output_text already streamed
+    num_tokens_emitted: int = 0  # output tokens already streamed
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def schedule_key(self) -> tuple[int, int]:
+        """Order of service: priority, then arrival. The largest key is preempted first."""
+        return (self.request.priority, self.arrival_order)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
