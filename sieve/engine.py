@@ -71,7 +71,7 @@ class LLMEngine:
         config.validate()
 
         model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len)
-        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device)
+        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)

@@ -44,8 +44,12 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArch, model: DecoderModel, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, config: EngineConfig, arch: ModelArch, model: DecoderModel, dtype: torch.dtype, device: torch.device,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
+        self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_dtype = dtype
         self.num_blocks = self._plan_num_blocks()
@@ -127,7 +131,7 @@ class ModelRunner:
         if not sampling:
             return StepResult([])
         logits = self.model.compute_logits(hidden[last_rows])
-        meta_s = SamplingMetadata.from_seqs([s.seq for s in sampling], self.arch.eos_token_ids, logits.shape[-1], self.device)
+        meta_s = SamplingMetadata.from_seqs([s.seq for s in sampling], self.eos_token_ids, logits.shape[-1], self.device)
         out = sample(logits, meta_s, self.generator)
         return StepResult(list(zip(sampling, out.token_ids.tolist(), _logprob_dicts(out, [s.seq.params.logprobs for s in sampling]))))
 

@@ -1,0 +1,180 @@
+"""Every sampling option has the effect it claims; seeds reproduce; stops end text correctly."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from sieve import SamplingParams
+from sieve.sampler import SamplingMetadata, sample
+
+PROMPT = {"prompt_token_ids": [11, 12, 13, 14, 15]}
+
+
+def one(llm, **kw):
+    return llm.generate([PROMPT], SamplingParams(**kw))[0].outputs[0]
+
+
+# ---- the sampler on synthetic logits ----------------------------------------------------------
+def meta_for(B, V, **over):
+    m = dict(
+        temperature=torch.ones(B), greedy=torch.zeros(B, dtype=torch.bool), top_k=None, top_p=None, min_p=None,
+        presence=None, frequency=None, repetition=None, output_ids=None, prompt_ids=None,
+        banned=[[] for _ in range(B)], seeds=[None] * B, num_logprobs=-1,
+    )
+    m.update(over)
+    return SamplingMetadata(**m)
+
+
+def draw(logits_row, n=400, **over):
+    counts = collections.Counter()
+    for i in range(n):
+        m = meta_for(1, logits_row.numel(), seeds=[i], **over)
+        counts[sample(logits_row[None].clone(), m).token_ids.item()] += 1
+    return counts
+
+
+LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])  # probs ~ .45 .27 .17 .06 .02 .01
+
+
+def test_top_k_keeps_only_k_tokens():
+    assert set(draw(LOGITS, top_k=torch.tensor([2]))) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    assert set(draw(LOGITS, top_p=torch.tensor([0.6]))) == {0, 1}  # .45 < .6 <= .45 + .27
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_best():
+    assert set(draw(LOGITS, min_p=torch.tensor([0.3]))) == {0, 1, 2}  # .17 / .45 > .3 > .06 / .45
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = draw(LOGITS, temperature=torch.tensor([0.2]))
+    hot = draw(LOGITS, temperature=torch.tensor([5.0]))
+    assert cold[0] > 340 and len(hot) == 6 and hot[0] < 150  # p0: .92 at T=.2, .45 at T=1, ~.2 at T=5
+
+
+def test_sampling_follows_the_distribution():
+    counts = draw(LOGITS, n=2000)
+    probs = LOGITS.softmax(-1)
+    for t in range(3):
+        assert counts[t] / 2000 == pytest.approx(probs[t].item(), abs=0.04)
+
+
+def test_penalties_arithmetic():
+    V = 6
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0, 0.0, 0.0]])
+    out_ids = torch.tensor([[0, 0, 1, V]])  # token 0 twice, token 1 once (V = padding)
+    m = meta_for(1, V, greedy=torch.ones(1, dtype=torch.bool), output_ids=out_ids,
+                 frequency=torch.tensor([0.5]), presence=torch.tensor([0.25]))
+    x = logits.clone()
+    sample(x, m)
+    assert x.tolist() == [[2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 1.0, 0.0, 0.0]]
+    m = meta_for(1, V, greedy=torch.ones(1, dtype=torch.bool), output_ids=out_ids,
+                 repetition=torch.tensor([2.0]), prompt_ids=torch.tensor([[2, V]]))
+    x = logits.clone()
+    sample(x, m)
+    assert x.tolist() == [[1.0, -4.0, 0.5, 1.0, 0.0, 0.0]]  # seen: 0, 1 (output), 2 (prompt)
+
+
+# ---- through the engine ---------------------------------------------------------------------------
+def test_greedy_ignores_seed_and_top_k_1_is_greedy(llama_llm):
+    greedy = one(llama_llm, max_tokens=12, temperature=0, ignore_eos=True).token_ids
+    assert one(llama_llm, max_tokens=12, temperature=0, seed=7, ignore_eos=True).token_ids == greedy
+    assert one(llama_llm, max_tokens=12, temperature=1.0, top_k=1, seed=3, ignore_eos=True).token_ids == greedy
+    assert one(llama_llm, max_tokens=12, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True).token_ids == greedy
+
+
+def test_seed_reproduces_and_different_seeds_differ(llama_llm):
+    a = one(llama_llm, max_tokens=24, temperature=1.0, seed=42, ignore_eos=True).token_ids
+    b = one(llama_llm, max_tokens=24, temperature=1.0, seed=42, ignore_eos=True).token_ids
+    c = one(llama_llm, max_tokens=24, temperature=1.0, seed=43, ignore_eos=True).token_ids
+    assert a == b and a != c
+
+
+def test_n_choices_are_distinct_and_seeded(llama_llm):
+    sp = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    out = llama_llm.generate([PROMPT], sp)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    again = llama_llm.generate([PROMPT], sp)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_frequency_and_presence_penalties_reduce_repetition(llama_llm):
+    plain = one(llama_llm, max_tokens=64, temperature=0, ignore_eos=True).token_ids
+    penalised = one(llama_llm, max_tokens=64, temperature=0, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True).token_ids
+    rep = one(llama_llm, max_tokens=64, temperature=0, repetition_penalty=3.0, ignore_eos=True).token_ids
+    assert len(set(penalised)) > len(set(plain))
+    assert len(set(rep)) > len(set(plain))
+
+
+def test_max_tokens_and_length_finish(llama_llm):
+    out = one(llama_llm, max_tokens=7, temperature=0, ignore_eos=True)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_token_ids_and_eos_and_min_tokens(llama_llm):
+    greedy = one(llama_llm, max_tokens=20, temperature=0, ignore_eos=True).token_ids
+    stop_at = greedy[5]
+    first = greedy.index(stop_at)
+    out = one(llama_llm, max_tokens=20, temperature=0, stop_token_ids=[stop_at])
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens bans the stop token until reached
+    out = one(llama_llm, max_tokens=20, temperature=0, stop_token_ids=[stop_at], min_tokens=first + 2)
+    assert len(out.token_ids) > first + 1 and stop_at not in out.token_ids[: first + 2]
+
+
+def test_eos_ends_unless_ignored_and_min_tokens_bans_it(llama_llm, llama_dir, tmp_path):
+    import json
+    import shutil
+
+    from sieve import LLM
+
+    greedy = one(llama_llm, max_tokens=20, temperature=0, ignore_eos=True).token_ids
+    eos = greedy[4]
+    first = greedy.index(eos)
+    path = tmp_path / "eos-model"
+    shutil.copytree(llama_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=64)
+    out = one(llm, max_tokens=20, temperature=0)
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.stop_reason == eos
+    assert one(llm, max_tokens=20, temperature=0, ignore_eos=True).token_ids == greedy
+    banned = one(llm, max_tokens=20, temperature=0, min_tokens=first + 3)
+    assert eos not in banned.token_ids[: first + 3] and len(banned.token_ids) >= first + 3
+
+
+def test_stop_strings_are_cut_and_span_tokens(llama_llm):
+    tok = llama_llm.get_tokenizer()
+    full = one(llama_llm, max_tokens=30, temperature=0, ignore_eos=True)
+    # pick a stop string that straddles the boundary between two generated tokens
+    pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i - 1]) >= 2 and len(pieces[i]) - len(pieces[i - 1]) >= 2)
+    boundary = len(pieces[k - 1])
+    stop = full.text[boundary - 1 : boundary + 1]
+    assert stop not in full.text[: boundary - 1] + full.text[boundary - 1 : boundary]  # only at the boundary
+    out = one(llama_llm, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    cut = full.text.index(stop)
+    assert out.text == full.text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) == k + 1  # generation stopped at the token completing the stop string
+    inc = one(llama_llm, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert inc.text == full.text[: cut + len(stop)]
+
+
+def test_logprobs_hold_top_n_and_the_chosen_token(llama_llm):
+    out = one(llama_llm, max_tokens=6, temperature=1.0, seed=1, logprobs=3, ignore_eos=True)
+    assert len(out.logprobs) == 6
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and 3 <= len(lp) <= 4
+        ranked = sorted((e.rank, e.logprob) for e in lp.values())
+        assert [lp_ for _, lp_ in ranked] == sorted((lp_ for _, lp_ in ranked), reverse=True)
+        assert all(e.logprob <= 0 for e in lp.values())
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    greedy = one(llama_llm, max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+    assert all(len(lp) == 1 and lp[t].rank == 1 for t, lp in zip(greedy.token_ids, greedy.logprobs))
