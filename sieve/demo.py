@@ -44,7 +44,7 @@ def _corpus_files(limit_bytes: int = 3_000_000) -> list[Path]:
     return files
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     base = os.environ.get("SIEVE_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "sieve")
     return Path(base)
 
@@ -52,7 +52,7 @@ def _cache_root() -> Path:
 def demo_model_path() -> Path:
     """Folder of the demo checkpoint, building it on first use."""
     key = hashlib.sha256(f"{DEMO_VERSION}{sys.version_info[:2]}{json.dumps(MODEL_CONFIG, sort_keys=True)}".encode()).hexdigest()[:12]
-    path = _cache_root() / f"demo-llama-{key}"
+    path = cache_root() / f"demo-llama-{key}"
     if not (path / "model.safetensors").exists():
         build_demo_model(path)
     log.warning("using sieve's built-in DEMO model (%s): random weights, output is not meaningful text", path)

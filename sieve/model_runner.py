@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sieve.config import EngineConfig
+from sieve.kernels import cpu_ops
 from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
@@ -57,6 +58,8 @@ class ModelRunner:
         self.kv_pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.caches = [KVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(arch.num_layers)]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        if device.type == "cpu":
+            cpu_ops()  # build the native kernels now, not inside the first request
 
     @property
     def block_bytes(self) -> int:
@@ -110,12 +113,14 @@ class ModelRunner:
             num_decodes=len(decode_tables),
             decode_block_tables=None,
             decode_mask=None,
+            decode_context_lens=None,
             prefills=prefills,
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=self.device)
             lens = torch.tensor(decode_lens, device=self.device)
+            meta.decode_context_lens = lens
             meta.decode_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
 
         hidden = self.model(

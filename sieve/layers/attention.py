@@ -2,7 +2,8 @@
 
 The model runner lays a step out as decode tokens first (one per sequence), then prefill chunks.
 Every new K/V is written to its cache slot; then
-  - decodes attend in one batched call, reading K/V through their block tables;
+  - decodes attend in one batched call, reading K/V through their block tables (on CPU a native
+    kernel reads them in place from the pool; elsewhere a padded gather + SDPA);
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
     with a causal mask aligned to the chunk's end.
 A later KV dtype (FP8/INT8) changes only `write_kv` and `read_kv`.
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sieve.kernels import cpu_ops
 
 
 @dataclass
@@ -31,6 +34,7 @@ class AttentionMetadata:
     num_decodes: int  # rows [0, num_decodes) are decode tokens
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: key visible
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
 
 
@@ -66,15 +70,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            kc, vc = cache.read_kv(meta.decode_block_tables, q.dtype)  # [nd, L, KVH, D]
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [nd, H, 1, D]
-                kc.transpose(1, 2),  # [nd, KVH, L, D]
-                vc.transpose(1, 2),
-                attn_mask=meta.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            ).squeeze(2)
+            out[:nd] = self._decode(q[:nd], cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -94,6 +90,28 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )[0].transpose(0, 1)
         return out
+
+
+    def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""
+        ops = cpu_ops() if q.device.type == "cpu" and cache.k.dtype == q.dtype else None
+        if ops is not None:  # native: reads K/V in place from the pool, no padding
+            return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
+                                              meta.decode_context_lens, self.scale)
+        return decode_attention_reference(q, cache, meta, self.scale)
+
+
+def decode_attention_reference(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """PyTorch path (any device): gather each table padded to the longest, masked SDPA."""
+    kc, vc = cache.read_kv(meta.decode_block_tables, q.dtype)  # [nd, L, KVH, D]
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [nd, H, 1, D]
+        kc.transpose(1, 2),  # [nd, KVH, L, D]
+        vc.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=True,
+    ).squeeze(2)
 
 
 def _causal_mask_bottom_right(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:

@@ -31,6 +31,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin tables; `forward` gathers them once per step for all layers."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq, _ = _inv_freq(head_dim, theta, scaling)
@@ -38,13 +40,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """positions [T]; each x [T, heads, D] -> rotated x."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            c, s = cos.to(x.dtype), sin.to(x.dtype)
-            x1, x2 = x.chunk(2, dim=-1)
-            out.append(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
-        return tuple(out)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D/2] in `dtype` (as the reference casts them)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> rotated copy (rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -13,12 +13,12 @@ from torch import nn
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
 from sieve.layers.norm import RMSNorm
-from sieve.layers.rotary import RotaryEmbedding
+from sieve.layers.rotary import RotaryEmbedding, apply_rotary
 from sieve.models.arch import ModelArch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArch, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, a: ModelArch, dtype: torch.dtype):
         super().__init__()
         self.a = a
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -27,24 +27,26 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
         self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCacheLayer, meta: AttentionMetadata
     ) -> torch.Tensor:
         a, T = self.a, x.shape[0]
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(T, a.num_heads, a.head_dim)
-        k = k.view(T, a.num_kv_heads, a.head_dim)
-        v = v.view(T, a.num_kv_heads, a.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
+        if self.q_norm is None:  # rotate q and k together: one pass over [T, H + KVH, D]
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(T, -1, a.head_dim), *rope)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         x = x + self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -66,25 +68,32 @@ class DecoderModel(nn.Module):
         self.arch = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(a, rotary, dtype) for _ in range(a.num_layers))
+        self.rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(a, dtype) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.lm_head = None if a.tie_word_embeddings else Linear(a.hidden_size, [a.vocab_size], False, dtype)
+        self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def prepare(self) -> None:
+        """After loading: let every linear layer pick its kernel."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepare()
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
@@ -94,7 +103,7 @@ class DecoderModel(nn.Module):
         if "rotary_emb" in name:
             return False
         if name == "lm_head.weight":
-            if self.lm_head is None:
+            if self.arch.tie_word_embeddings:
                 return False  # tied: the embedding is the head
             self.lm_head.load("weight", tensor)
             return True

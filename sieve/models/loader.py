@@ -78,6 +78,7 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.de
     missing = sorted(expected - {n.removeprefix("model.") for n in loaded})
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.prepare()
     return model.eval()
 
 

@@ -1,0 +1,54 @@
+"""Random-weight checkpoints shaped like published models, for benchmarks (no hub needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Published config values of Qwen/Qwen2.5-0.5B (config.json on the hub).
+QWEN25_05B = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936,
+    bos_token_id=151643, eos_token_id=151643, hidden_act="silu", use_sliding_window=False, sliding_window=32768,
+    max_window_layers=24, torch_dtype="bfloat16",
+)
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B}
+
+
+def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 0) -> Path:
+    """Write config.json + model.safetensors with seeded random weights (std 0.02) in the config's dtype."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        return path
+    cfg = SHAPES[shape]
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg["torch_dtype"])
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    tensors = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    if not cfg["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rnd(v, h)
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        tensors.update({
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.q_proj.bias": rnd(q),
+            p + "self_attn.k_proj.weight": rnd(kv, h), p + "self_attn.k_proj.bias": rnd(kv),
+            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.v_proj.bias": rnd(kv),
+            p + "self_attn.o_proj.weight": rnd(h, q),
+            p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h), p + "mlp.down_proj.weight": rnd(h, i),
+        })
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

@@ -1,0 +1,153 @@
+"""`sieve` command line: generate, bench offline, bench bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+
+from sieve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local checkpoint folder or hub id (default: built-in demo model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sieve.engine import LLMEngine, RequestError
+    from sieve.sampling_params import SamplingParams
+
+    engine = LLMEngine(config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        tok = engine.tokenizer
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        )
+        engine.add_request("cli", prompt, params)
+    except (RequestError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.deltas[0][0])
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if out is not None and args.verbose:
+        print(f"[finish_reason={out.outputs[0].finish_reason} tokens={len(out.outputs[0].token_ids)}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sieve.engine import LLMEngine
+    from sieve.server.app import create_app
+
+    engine = LLMEngine(config_from_args(args))
+    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
+    print(f"sieve serving {args.served_model_name or engine.config.model} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from sieve.bench.offline import run_offline_benchmark
+
+    result = run_offline_benchmark(args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
+    from sieve.bench.bandwidth import measure_bandwidth, report_floor
+
+    bw = measure_bandwidth(args.device if args.device != "auto" else "cpu", array_mib=args.array_mib)
+    print(f"memory bandwidth ({bw.threads} threads, {bw.array_mib} MiB arrays): copy {bw.copy_gbps:.1f} GB/s, triad {bw.triad_gbps:.1f} GB/s")
+    if args.model:
+        report_floor(args, bw)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="sieve", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--verbose", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--served-model-name", default=None)
+    sv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    o = bench.add_parser("offline", help="offline throughput against plain transformers and the bandwidth floor")
+    add_engine_args(o)
+    o.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b"], help="write a random checkpoint of this shape at --model if absent")
+    o.add_argument("--num-prompts", type=int, default=200)
+    o.add_argument("--input-len", default="32:1024", help="min:max prompt tokens")
+    o.add_argument("--output-len", default="16:512", help="min:max output tokens")
+    o.add_argument("--workload-seed", type=int, default=0)
+    o.add_argument("--hf-one-at-a-time", type=int, default=8, help="requests of the workload run through HF generate one by one (0: skip)")
+    o.add_argument("--hf-static-batches", type=int, default=2, help="static batches of 16 run through HF generate (0: skip)")
+    o.add_argument("--batch1-tokens", type=int, default=128, help="decode tokens for the batch-1 measurement")
+    o.add_argument("--output-json", default=None)
+    o.set_defaults(func=cmd_bench_offline)
+    b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
+    b.add_argument("--model", default=None)
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--context", type=int, default=0, help="tokens of KV read per sequence per step")
+    b.add_argument("--array-mib", type=int, default=512)
+    b.set_defaults(func=cmd_bench_bandwidth)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

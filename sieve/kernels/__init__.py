@@ -1,0 +1,48 @@
+"""Native kernels behind the same interfaces as the PyTorch path.
+
+`cpu_ops()` JIT-builds the CPU C++ kernels once per machine (cached under the sieve cache folder,
+keyed by the source and the CPU's instruction set) and returns None where that is impossible (no
+compiler, no ninja, SIEVE_NO_NATIVE=1); callers then use the PyTorch path, which the tests also use as
+the reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger("sieve")
+_SRC = Path(__file__).with_name("paged_attention.cpp")
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+@lru_cache(maxsize=1)
+def cpu_ops():
+    if os.environ.get("SIEVE_NO_NATIVE") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from sieve.demo import cache_root
+
+        key = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:10] + "-" + _cpu_signature()
+        build = cache_root() / "kernels" / key
+        build.mkdir(parents=True, exist_ok=True)
+        return load(
+            name=f"sieve_cpu_ops_{key.replace('-', '_')}", sources=[str(_SRC)], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, unsupported platform
+        log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None

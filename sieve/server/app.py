@@ -1,0 +1,218 @@
+"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /health, /version."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import sieve
+from sieve.engine import LLMEngine, RequestError
+from sieve.outputs import RequestOutput
+from sieve.server.async_engine import AsyncEngine
+from sieve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+
+
+def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="sieve", version=sieve.__version__)
+    aengine = AsyncEngine(engine)
+    model_name = served_model_name or str(engine.config.model)
+    tokenizer = engine.tokenizer
+    app.state.async_engine = aengine
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.on_event("shutdown")
+    async def _shutdown():
+        aengine.stop()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{model_name}`", code="model_not_found", param="model")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": sieve.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sieve",
+                                            "max_model_len": engine.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        params = _params(body, body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        return await _serve(raw, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this server has no tokenizer, so no chat template")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+        n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs)
+        return await _serve(raw, body, [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}], params, chat=True)
+
+    def _params(body, max_tokens, logprobs):
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def _serve(raw: Request, body, prompts: list, params, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = []
+        for i, prompt in enumerate(prompts):
+            gen = aengine.generate(f"{rid}-{i}", prompt, params, priority=body.priority)
+            try:
+                first = await gen.__anext__()  # raises a refused request before anything is sent
+            except RequestError as e:
+                for g in streams:
+                    await g[0].aclose()
+                raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "context" in str(e) else None) from e
+            streams.append((gen, first))
+        if body.stream:
+            return StreamingResponse(
+                _stream(raw, rid, created, streams, params.n, chat, body, params.logprobs or 0), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        finals = []
+        for gen, first in streams:
+            last = first
+            async for out in gen:
+                last = out
+            finals.append(last)
+        return _full_response(rid, created, finals, params.n, chat, body, params.logprobs or 0)
+
+    async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+
+        def chunk(choices):
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}) + "\n\n"
+
+        try:
+            for p_idx, (gen, first) in enumerate(streams):
+                if chat:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
+                out = first
+                while True:
+                    choices = []
+                    for c, (text, ids) in zip(out.outputs, out.deltas):
+                        if not (text or ids or c.finish_reason):
+                            continue
+                        lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top) if c.logprobs is not None else None
+                        idx = p_idx * n + c.index
+                        if chat:
+                            choices.append({"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason})
+                        else:
+                            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                    if choices:
+                        yield chunk(choices)
+                    if out.finished:
+                        break
+                    if await raw.is_disconnected():
+                        return
+                    out = await gen.__anext__()
+                usage["prompt_tokens"] += len(out.prompt_token_ids)
+                usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+            if body.stream_options and body.stream_options.include_usage:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for gen, _ in streams:
+                await gen.aclose()
+
+    def _full_response(rid, created, finals: list[RequestOutput], n, chat, body, n_top):
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p_idx, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = _logprobs(c, 0, chat, n_top) if c.logprobs is not None else None
+                if chat:
+                    choices.append({"index": p_idx * n + c.index, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lp, "finish_reason": c.finish_reason})
+                else:
+                    text = ((out.prompt or _decode(out.prompt_token_ids)) + c.text) if getattr(body, "echo", False) else c.text
+                    choices.append({"index": p_idx * n + c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name,
+                "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}}
+
+    def _decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    def _token_str(t: int) -> str:
+        return tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
+
+    def _logprobs(c, start: int, chat: bool, n_top: int) -> dict:
+        """OpenAI logprobs for tokens [start:] of choice `c`: the chosen token's and the top `n_top`."""
+        ids, lps = c.token_ids[start:], c.logprobs[start:]
+        if chat:
+            def entry(t, logprob):
+                s = _token_str(t)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+            return {"content": [
+                {**entry(t, lp[t].logprob),
+                 "top_logprobs": [entry(k, v.logprob) for k, v in sorted(lp.items(), key=lambda kv: kv[1].rank) if v.rank <= n_top]}
+                for t, lp in zip(ids, lps)
+            ]}
+        tokens = [_token_str(t) for t in ids]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp[t].logprob for t, lp in zip(ids, lps)],
+                "top_logprobs": [{_token_str(k): v.logprob for k, v in lp.items()} for lp in lps], "text_offset": offsets}
+
+    return app

@@ -1,0 +1,119 @@
+"""Drives the engine from a thread of its own so the event loop never blocks on a model step.
+
+Requests and aborts cross into the engine thread through a lock-protected inbox; outputs cross
+back to each request's asyncio.Queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from sieve.engine import LLMEngine, Prompt
+from sieve.outputs import RequestOutput
+from sieve.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="sieve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop --------------------------------------------------------
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields outputs as the request progresses; aborts it if the consumer goes away."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._queues[request_id] = (loop, queue)
+            self._inbox.append(("add", request_id, prompt, params, priority, done))
+        self._wake.set()
+        await done  # raises the engine's error (bad request) here, before any output
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug in a step must not hang every client: fail them all
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, last=out.finished)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for cmd in inbox:
+            if cmd[0] == "add":
+                _, rid, prompt, params, priority, done = cmd
+                loop = self._queues[rid][0]
+                try:
+                    self.engine.add_request(rid, prompt, params, priority)
+                except Exception as e:
+                    with self._lock:
+                        self._queues.pop(rid, None)
+                    loop.call_soon_threadsafe(_settle, done, e)
+                else:
+                    loop.call_soon_threadsafe(_settle, done, None)
+            else:
+                out = self.engine.abort(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out, last=True)
+
+    def _deliver(self, rid: str, item, last: bool) -> None:
+        with self._lock:
+            entry = self._queues.pop(rid, None) if last else self._queues.get(rid)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
+
+
+def _settle(fut: asyncio.Future, error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

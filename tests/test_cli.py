@@ -1,0 +1,54 @@
+"""The `sieve` command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from sieve import LLM, SamplingParams
+
+
+def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "sieve.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_generate_greedy_matches_the_offline_api(llama_dir):
+    r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--max-tokens", "12", "--temperature", "0",
+                "--ignore-eos", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    expected = LLM(str(llama_dir), dtype="float32", num_gpu_blocks_override=64).generate(
+        ["Hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].text
+    assert r.stdout == expected + "\n"
+
+
+def test_generate_reports_bad_input_without_a_traceback(llama_dir):
+    r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--max-tokens", "0")
+    assert r.returncode == 2 and "max_tokens must be at least 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_without_model_uses_the_demo(demo_dir):
+    r = run_cli("generate", "--prompt", "def f():", "--max-tokens", "5", "--temperature", "0",
+                env_extra={"SIEVE_CACHE": str(demo_dir.parent)})
+    assert r.returncode == 0, r.stderr
+    assert "DEMO model" in r.stderr
+
+
+def test_bench_bandwidth_prints_the_floor(llama_dir):
+    r = run_cli("bench", "bandwidth", "--model", str(llama_dir), "--array-mib", "64", "--context", "128")
+    assert r.returncode == 0, r.stderr
+    assert "triad" in r.stdout and "decode floor at batch 1" in r.stdout
+
+
+def test_bench_offline_small_run(llama_dir, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "offline", "--model", str(llama_dir), "--dtype", "float32", "--num-prompts", "6",
+                "--input-len", "4:40", "--output-len", "2:12", "--hf-one-at-a-time", "2", "--hf-static-batches", "1",
+                "--batch1-tokens", "8", "--output-json", str(out), "--kv-cache-memory-gb", "0.05")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["sieve"]["requests"] == 6 and res["sieve"]["output_tokens"] > 0
+    assert res["hf_one_at_a_time"]["sieve_ratio"] > 0 and res["hf_static_batch16"]["requests"] == 6
+    assert 0 < res["batch1"]["fraction_of_floor"]
