@@ -99,3 +99,14 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, checkpoints):
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a folder"):
         LLM(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_decode_weight_bytes_counts_every_weight_a_step_reads(arch, checkpoints):
+    from sieve.bench.bandwidth import decode_weight_bytes
+
+    llm = LLM(str(checkpoints[arch]), dtype="bfloat16", num_gpu_blocks_override=16)
+    model = llm.llm_engine.runner.model
+    read = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if not ("embed_tokens" in n and not model.arch.tie_word_embeddings))
+    assert decode_weight_bytes(model.arch, 2) == read

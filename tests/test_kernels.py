@@ -1,0 +1,63 @@
+"""The native CPU paged-attention kernel agrees with the PyTorch path it replaces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sieve import SamplingParams
+from sieve.kernels import cpu_ops
+from sieve.layers import attention
+from sieve.layers.attention import AttentionMetadata, KVCacheLayer, decode_attention_reference
+
+
+def decode_meta(lens: list[int], block_size: int, num_blocks: int, rng: random.Random) -> AttentionMetadata:
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)  # tables point anywhere in the pool
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(blocks[used : used + nb])
+        used += nb
+    width = max(len(t) for t in tables)
+    lens_t = torch.tensor(lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_mask=(torch.arange(width * block_size)[None, :] < lens_t[:, None])[:, None, None, :],
+        decode_context_lens=lens_t, prefills=[],
+    )
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size, kv_heads, heads, head_dim", [(16, 2, 14, 64), (1, 4, 4, 32), (8, 1, 8, 16), (32, 2, 4, 128)])
+def test_native_decode_attention_matches_reference(dtype, tol, block_size, kv_heads, heads, head_dim):
+    ops = cpu_ops()
+    assert ops is not None, "the native CPU kernels should build on this machine (g++ and ninja)"
+    rng = random.Random(block_size * 7 + heads)
+    lens = [1, block_size, block_size + 1, 3 * block_size, 97, 300][: 6]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 5
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    meta = decode_meta(lens, block_size, num_blocks, rng)
+    scale = head_dim**-0.5
+    got = ops.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, scale)
+    ref = decode_attention_reference(q, KVCacheLayer(k, v), meta, scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_engine_outputs_equal_with_and_without_native_kernel(llama_engine_factory, monkeypatch):
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17, 90)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    native = llama_engine_factory().generate(prompts, params)
+    monkeypatch.setattr(attention, "cpu_ops", lambda: None)
+    reference = llama_engine_factory().generate(prompts, params)
+    for a, b in zip(native, reference):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
