@@ -18,6 +18,7 @@ import torch
 from sieve.block_manager import BlockManager
 from sieve.config import EngineConfig
 from sieve.detokenizer import init_offsets
+from sieve.device import pick_device
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
 from sieve.models.loader import default_num_threads, load_model, read_config, resolve_dtype, resolve_model_path
@@ -34,12 +35,6 @@ Prompt = str | dict | list[int]
 
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, too long, cannot ever fit)."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class LLMEngine:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sieve.config import EngineConfig
+from sieve.device import available_memory_bytes
 from sieve.kernels import cpu_ops
 from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk
 from sieve.models.arch import ModelArch
@@ -28,20 +29,6 @@ class StepResult:
     """Sampled tokens for the sequences whose step reached their end, in scheduled order."""
 
     sampled: list[tuple[ScheduledSeq, int, dict[int, Logprob] | None]]
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 class ModelRunner:

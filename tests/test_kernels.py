@@ -61,3 +61,36 @@ def test_engine_outputs_equal_with_and_without_native_kernel(llama_engine_factor
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for t in la:
                 assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 1152, 896), (3, 7, 100), (4, 513, 31), (2, 1, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_gemv_matches_linear(rows, out_features, in_features, with_bias):
+    ops = cpu_ops()
+    if not hasattr(ops, "gemv_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16: the GEMV kernel is not built and Linear uses oneDNN")
+    g = torch.Generator().manual_seed(rows * 31 + out_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    got = ops.gemv_bf16(x, w, b).float()
+    exact = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    # float32 accumulation, one bf16 rounding at the end: within half a bf16 ulp (plus summation order)
+    assert torch.all((got - exact).abs() <= exact.abs() * 2**-8 + 1e-2)
+
+
+def test_linear_picks_gemv_for_small_batches_and_packed_for_large(monkeypatch):
+    from sieve.layers.linear import Linear
+
+    lin = Linear(64, [48, 16], bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    lin.prepare(allow_two_layouts=True)
+    calls = []
+    if lin.gemv is not None:
+        real = lin.gemv
+        lin.gemv = lambda *a: calls.append("gemv") or real(*a)
+    for rows in (1, 4, 5, 64):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, lin.weight, lin.bias).float(), atol=0.1, rtol=0.02)
+    if lin.gemv is not None:
+        assert calls == ["gemv", "gemv"] and lin.packed is not None

@@ -89,11 +89,11 @@ class DecoderModel(nn.Module):
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
         return self.lm_head(hidden).float()
 
-    def prepare(self) -> None:
-        """After loading: let every linear layer pick its kernel."""
+    def prepare(self, allow_two_layouts: bool) -> None:
+        """After loading: let every linear layer pick its kernels (two weight layouts only if allowed)."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare()
+                m.prepare(allow_two_layouts)
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:

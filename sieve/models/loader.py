@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sieve.device import available_memory_bytes
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 
@@ -78,7 +79,10 @@ def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.de
     missing = sorted(expected - {n.removeprefix("model.") for n in loaded})
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    model.prepare()
+    # A second weight layout (plain for decode GEMV + packed for batches) only where memory is ample.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    two_layouts = 2 * weight_bytes < 0.4 * available_memory_bytes(device)
+    model.prepare(allow_two_layouts=two_layouts)
     return model.eval()
 
 
