@@ -90,7 +90,8 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from sieve.bench.bandwidth import measure_bandwidth, report_floor
 
     bw = measure_bandwidth(args.device if args.device != "auto" else "cpu", array_mib=args.array_mib)
-    print(f"memory bandwidth ({bw.threads} threads, {bw.array_mib} MiB arrays): copy {bw.copy_gbps:.1f} GB/s, triad {bw.triad_gbps:.1f} GB/s")
+    print(f"memory bandwidth ({bw.threads} threads, {bw.array_mib} MiB arrays): copy {bw.copy_gbps:.1f} GB/s, "
+          f"triad {bw.triad_gbps:.1f} GB/s, read-only {bw.read_gbps:.1f} GB/s")
     if args.model:
         report_floor(args, bw)
     return 0

@@ -25,8 +25,7 @@ def decode_new_text(seq: Sequence, tokenizer, skip_special_tokens: bool) -> str:
     full = tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
-    # The window's re-decoding is stable on its prefix for every tokenizer we have seen; guard anyway.
-    new = full[len(prefix) :] if full.startswith(prefix) else full[len(prefix) :]
+    new = full[len(prefix) :]
     seq.detok_prefix_offset = seq.detok_read_offset
     seq.detok_read_offset = len(ids)
     return new

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 from sieve.config import EngineConfig
@@ -61,6 +62,4 @@ class LLM:
 
 def _copy(p: SamplingParams) -> SamplingParams:
     """The engine fills defaults (max_tokens=None) per request; keep the caller's object intact."""
-    import copy
-
     return copy.copy(p)

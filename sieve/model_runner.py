@@ -99,16 +99,13 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decodes=len(decode_tables),
             decode_block_tables=None,
-            decode_mask=None,
             decode_context_lens=None,
             prefills=prefills,
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=self.device)
-            lens = torch.tensor(decode_lens, device=self.device)
-            meta.decode_context_lens = lens
-            meta.decode_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens = torch.tensor(decode_lens, device=self.device)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta

@@ -26,7 +26,6 @@ def decode_meta(lens: list[int], block_size: int, num_blocks: int, rng: random.R
     return AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=len(lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_mask=(torch.arange(width * block_size)[None, :] < lens_t[:, None])[:, None, None, :],
         decode_context_lens=lens_t, prefills=[],
     )
 

@@ -110,3 +110,12 @@ def test_decode_weight_bytes_counts_every_weight_a_step_reads(arch, checkpoints)
     read = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if not ("embed_tokens" in n and not model.arch.tie_word_embeddings))
     assert decode_weight_bytes(model.arch, 2) == read
+
+
+def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at call time
+    with pytest.raises(FileNotFoundError, match="locally or download it from the hub"):
+        LLM("some-org/some-model-that-is-not-cached")

@@ -101,6 +101,60 @@ def run_batch1_decode(llm, tokens: int, prompt_len: int = 32) -> dict:
     return dict(decode_tokens=tokens, median_step_ms=step * 1e3, tokens_per_s=1 / step)
 
 
+def profile_batch1(llm, tokens: int = 32) -> dict:
+    """Where a batch-1 decode step goes: time in the linear layers (per weight shape) against the rest,
+    and the same linear layers run back to back in isolation (their best case)."""
+    from sieve.layers.linear import Linear
+
+    model = llm.llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    spent: dict[tuple, float] = {}
+    original = Linear.forward
+
+    def timed(self, x):
+        t = time.perf_counter()
+        y = original(self, x)
+        key = tuple(self.weight.shape)
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+        return y
+
+    engine = llm.llm_engine
+    engine.add_request("profile", {"prompt_token_ids": list(range(100, 132))},
+                       SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True))
+    engine.step()  # prefill, not profiled
+    Linear.forward = timed
+    try:
+        t, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        step_s = (time.perf_counter() - t) / steps
+    finally:
+        Linear.forward = original
+    counts: dict[tuple, int] = {}
+    for m in linears:
+        counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
+    elem = linears[0].weight.element_size()
+    per_shape = {f"{n}x{k}": dict(ms_per_step=spent[(n, k)] / steps * 1e3,
+                                  gbps=counts[(n, k)] * n * k * elem / (spent[(n, k)] / steps) / 1e9)
+                 for (n, k) in spent}
+    linear_s = sum(spent.values()) / steps
+    xs = {m.in_features: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears}
+    with torch.inference_mode():
+        for _ in range(2):
+            [m(xs[m.in_features]) for m in linears]
+        iso = []
+        for _ in range(7):
+            t = time.perf_counter()
+            [m(xs[m.in_features]) for m in linears]
+            iso.append(time.perf_counter() - t)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    isolated_s = statistics.median(iso)
+    return dict(step_ms=step_s * 1e3, linear_ms=linear_s * 1e3, other_ms=(step_s - linear_s) * 1e3,
+                linear_gbps_in_step=weight_bytes / linear_s / 1e9, per_shape=per_shape,
+                linear_ms_isolated=isolated_s * 1e3, linear_gbps_isolated=weight_bytes / isolated_s / 1e9)
+
+
 def run_offline_benchmark(args) -> dict:
     from sieve.cli import config_from_args
     from sieve.llm import LLM
@@ -127,8 +181,9 @@ def run_offline_benchmark(args) -> dict:
     weights = decode_weight_bytes(engine.arch, engine.dtype.itemsize)
     floor_tps = bw.best_gbps * 1e9 / weights
     result["bandwidth"] = dict(copy_gbps=bw.copy_gbps, triad_gbps=bw.triad_gbps, weight_bytes=weights, floor_tokens_per_s=floor_tps)
-    print(f"bandwidth: copy {bw.copy_gbps:.1f} GB/s, triad {bw.triad_gbps:.1f} GB/s; weights {weights / 1e9:.3f} GB "
-          f"-> batch-1 floor {floor_tps:.1f} tok/s")
+    result["bandwidth"]["read_gbps"] = bw.read_gbps
+    print(f"bandwidth: copy {bw.copy_gbps:.1f} GB/s, triad {bw.triad_gbps:.1f} GB/s (read-only {bw.read_gbps:.1f}); "
+          f"weights {weights / 1e9:.3f} GB -> batch-1 floor {floor_tps:.1f} tok/s")
 
     b1 = run_batch1_decode(llm, args.batch1_tokens)
     b1["fraction_of_floor"] = b1["tokens_per_s"] / floor_tps
@@ -136,6 +191,13 @@ def run_offline_benchmark(args) -> dict:
     result["batch1"] = b1
     print(f"batch-1 decode: {b1['tokens_per_s']:.1f} tok/s ({b1['median_step_ms']:.1f} ms/step, {b1['achieved_gbps']:.1f} GB/s) "
           f"= {b1['fraction_of_floor']:.0%} of the floor")
+
+    result["batch1_profile"] = prof = profile_batch1(llm)
+    print(f"batch-1 step {prof['step_ms']:.1f} ms: linear layers {prof['linear_ms']:.1f} ms "
+          f"({prof['linear_gbps_in_step']:.1f} GB/s), everything else {prof['other_ms']:.1f} ms; "
+          f"the same linear layers back to back: {prof['linear_ms_isolated']:.1f} ms ({prof['linear_gbps_isolated']:.1f} GB/s)")
+    for shape, v in prof["per_shape"].items():
+        print(f"    {shape:>12}: {v['ms_per_step']:.2f} ms/step, {v['gbps']:.1f} GB/s")
 
     result["sieve"] = s = run_sieve(llm, reqs)
     print(f"sieve: {s['requests']} requests, {s['output_tokens']} output tokens in {s['seconds']:.1f} s "

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("sieve")
-_SRC = Path(__file__).with_name("paged_attention.cpp")
+_SRC = Path(__file__).with_name("cpu_kernels.cpp")
 
 
 def _cpu_signature() -> str:

@@ -33,7 +33,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) of each token
     num_decodes: int  # rows [0, num_decodes) are decode tokens
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: key visible
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
 
@@ -104,11 +103,12 @@ class Attention(nn.Module):
 def decode_attention_reference(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """PyTorch path (any device): gather each table padded to the longest, masked SDPA."""
     kc, vc = cache.read_kv(meta.decode_block_tables, q.dtype)  # [nd, L, KVH, D]
+    visible = torch.arange(kc.shape[1], device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [nd, L]
     return F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [nd, H, 1, D]
         kc.transpose(1, 2),  # [nd, KVH, L, D]
         vc.transpose(1, 2),
-        attn_mask=meta.decode_mask,
+        attn_mask=visible[:, None, None, :],
         scale=scale,
         enable_gqa=True,
     ).squeeze(2)

@@ -1,4 +1,4 @@
-// Paged decode attention on the CPU: one query token per sequence, K/V read in place from the
+// Native CPU kernels. (1) Paged decode attention: one query token per sequence, K/V read in place from the
 // block pool through each sequence's block table (no gather, no padding to the longest context).
 //
 //   q            [num_seqs, num_heads, head_dim]                  (float32 | bfloat16 | float16)
@@ -113,7 +113,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
 #if defined(__AVX512BF16__)
 constexpr int64_t kGemvMaxRows = 4;
 
-inline void gemv_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* r0, const uint16_t* r1,
+template <int64_t M>  // rows of x, known at compile time so the accumulators stay in registers
+inline void gemv_rows(const uint16_t* x, int64_t K, const uint16_t* r0, const uint16_t* r1,
                       float out0[kGemvMaxRows], float out1[kGemvMaxRows]) {
   __m512 a0[kGemvMaxRows], a1[kGemvMaxRows];
   for (int64_t m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
@@ -149,7 +150,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     bc = bias->contiguous();
     bp = bc.data_ptr<c10::BFloat16>();
   }
-  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+  auto rows = M == 1 ? gemv_rows<1> : M == 2 ? gemv_rows<2> : M == 3 ? gemv_rows<3> : gemv_rows<4>;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     const int64_t half = (end - begin) / 2;
     float o0[kGemvMaxRows], o1[kGemvMaxRows];
     auto store = [&](int64_t n, const float* o) {
@@ -158,12 +160,12 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     };
     for (int64_t i = 0; i < half; ++i) {
       const int64_t n0 = begin + i, n1 = begin + half + i;
-      gemv_rows(xp, M, K, wp + n0 * K, wp + n1 * K, o0, o1);
+      rows(xp, K, wp + n0 * K, wp + n1 * K, o0, o1);
       store(n0, o0);
       store(n1, o1);
     }
     if ((end - begin) % 2) {
-      gemv_rows(xp, M, K, wp + (end - 1) * K, nullptr, o0, o1);
+      rows(xp, K, wp + (end - 1) * K, nullptr, o0, o1);
       store(end - 1, o0);
     }
   });
