@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(config_from_args(args))
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
-    print(f"sieve serving {args.served_model_name or engine.config.model} on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"sieve serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

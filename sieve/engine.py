@@ -39,6 +39,7 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        self.model_name = config.model or "sieve-demo"  # what the server calls it by default
         if config.model is None:
             from sieve.demo import demo_model_path
 

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +30,15 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="sieve", version=sieve.__version__)
     aengine = AsyncEngine(engine)
-    model_name = served_model_name or str(engine.config.model)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
+    model_name = served_model_name or engine.model_name
     tokenizer = engine.tokenizer
     app.state.async_engine = aengine
 
@@ -55,10 +62,6 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
-
-    @app.on_event("shutdown")
-    async def _shutdown():
-        aengine.stop()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
