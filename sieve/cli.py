@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--served-model-name", default=None)
     sv.set_defaults(func=cmd_serve)
 
+    pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")
+    from sieve.plan.command import add_plan_args, run_plan
+
+    add_plan_args(pl)
+    pl.set_defaults(func=run_plan)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     o = bench.add_parser("offline", help="offline throughput against plain transformers and the bandwidth floor")
     add_engine_args(o)

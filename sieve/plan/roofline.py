@@ -1,0 +1,190 @@
+"""The roofline arithmetic behind `sieve plan`: what bounds a decode step, and how many users fit.
+
+A decode step at batch b reads the weights once and each sequence's KV at its context, and does
+2 FLOPs per active weight per token plus attention. Its time floor is the larger of bytes / bandwidth
+and FLOPs / compute. A batch is admissible when its step time meets the TPOT target and its
+sequences' KV fits in the memory the weights leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sieve.plan.devices import Device
+from sieve.plan.shape import ModelShape
+
+MEMORY_UTILIZATION = 0.9  # share of device memory the engine may use (vLLM's default)
+
+
+@dataclass(frozen=True)
+class Workload:
+    weights: str = "bf16"
+    kv: str = "bf16"
+    context: int = 4096  # prompt tokens
+    output_tokens: int = 512
+    slo_tpot_ms: float = 50.0
+    slo_ttft_ms: float = 2000.0
+    spec_tokens: int = 0  # speculative tokens per step (0: off)
+    acceptance: float = 0.7  # per-token acceptance rate of the speculation
+
+
+@dataclass
+class Point:
+    batch: int
+    step_ms: float  # decode step floor
+    bytes_per_step: float
+    flops_per_step: float
+    bound: str  # "bandwidth" | "compute"
+    tokens_per_s_per_user: float
+    tokens_per_s_total: float
+
+
+def compute_dtype(device: Device, weights: str) -> str:
+    """FP8 weights use FP8 tensor cores where the device has them; everything else computes in 16-bit."""
+    return "fp8" if weights == "fp8" and device.has("fp8") else "bf16"
+
+
+def decode_point(m: ModelShape, dev: Device, w: Workload, batch: int) -> Point:
+    ctx = w.context  # KV read per sequence: the given context
+    tokens = 1 + w.spec_tokens  # tokens each sequence verifies per step
+    bytes_ = m.step_weight_bytes(w.weights, batch) + batch * ctx * m.kv_bytes_per_token(w.kv)
+    flops = batch * tokens * m.flops_per_token(ctx)
+    t_mem = bytes_ / (dev.bandwidth_gbps * 1e9)
+    t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
+    step = max(t_mem, t_cmp)
+    per_step = expected_tokens_per_step(w)
+    return Point(batch, step * 1e3, bytes_, flops, "bandwidth" if t_mem >= t_cmp else "compute",
+                 per_step / step, batch * per_step / step)
+
+
+def expected_tokens_per_step(w: Workload) -> float:
+    """Tokens a sequence gains per verification step with k speculative tokens at acceptance a:
+    (1 - a^(k+1)) / (1 - a) (the accepted run plus the corrected or bonus token)."""
+    k, a = w.spec_tokens, w.acceptance
+    if k == 0:
+        return 1.0
+    return (k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def kv_memory_bytes(m: ModelShape, dev: Device, w: Workload) -> float:
+    return MEMORY_UTILIZATION * dev.memory_gb * 1e9 - m.weight_bytes(w.weights)
+
+
+def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
+    per_seq = (w.context + w.output_tokens) * m.kv_bytes_per_token(w.kv)
+    return max(0, int(kv_memory_bytes(m, dev, w) // per_seq))
+
+
+def prefill_ms(m: ModelShape, dev: Device, w: Workload) -> float:
+    """Time to first token floor for one prompt of `context` tokens (compute or bandwidth bound)."""
+    flops = sum(m.flops_per_token(i) for i in (0, w.context // 2, w.context)) / 3 * w.context
+    t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
+    t_mem = (m.step_weight_bytes(w.weights, w.context) + w.context * m.kv_bytes_per_token(w.kv)) / (dev.bandwidth_gbps * 1e9)
+    return max(t_cmp, t_mem) * 1e3
+
+
+def tpot_ms(p: Point, w: Workload) -> float:
+    return p.step_ms / expected_tokens_per_step(w)
+
+
+def max_batch_within_slo(m: ModelShape, dev: Device, w: Workload) -> tuple[int, str]:
+    """Largest batch whose TPOT meets the SLO and whose KV fits; and what stopped it growing."""
+    fit = sequences_that_fit(m, dev, w)
+    if fit < 1:
+        return 0, "memory capacity"
+    if tpot_ms(decode_point(m, dev, w, 1), w) > w.slo_tpot_ms:
+        return 0, decode_point(m, dev, w, 1).bound
+    lo, hi = 1, fit
+    if tpot_ms(decode_point(m, dev, w, hi), w) <= w.slo_tpot_ms:
+        return fit, "memory capacity"
+    while lo < hi - 1:  # step time grows with batch: bisect for the last batch within the SLO
+        mid = (lo + hi) // 2
+        if tpot_ms(decode_point(m, dev, w, mid), w) <= w.slo_tpot_ms:
+            lo = mid
+        else:
+            hi = mid
+    return lo, decode_point(m, dev, w, hi).bound
+
+
+@dataclass
+class Plan:
+    model: str
+    device: str
+    workload: dict
+    total_params: float
+    active_params: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+    ridge_flop_per_byte: float
+    decode_intensity_b1: float
+    decode_intensity_at_users: float
+    prefill_intensity: float
+    decode_step_ms: float  # batch 1, at the given context
+    decode_bound_b1: str
+    tokens_per_s_b1: float
+    prefill_ms: float
+    sequences_that_fit: int
+    max_batch_within_slo: int
+    users_per_device: int
+    binding: str
+    tokens_per_s_total_at_users: float
+    meets_ttft_slo: bool
+
+
+def plan(m: ModelShape, dev: Device, w: Workload) -> Plan:
+    b1 = decode_point(m, dev, w, 1)
+    users, binding = max_batch_within_slo(m, dev, w)
+    at_users = decode_point(m, dev, w, max(users, 1))
+    ttft = prefill_ms(m, dev, w)
+    prefill_flops = m.flops_per_token(w.context // 2) * w.context
+    prefill_bytes = m.step_weight_bytes(w.weights, w.context) + w.context * m.kv_bytes_per_token(w.kv)
+    return Plan(
+        model=m.name, device=dev.name, workload=asdict(w),
+        total_params=m.total_params, active_params=m.active_params,
+        weight_bytes=m.weight_bytes(w.weights), kv_bytes_per_token=m.kv_bytes_per_token(w.kv),
+        ridge_flop_per_byte=dev.flops(compute_dtype(dev, w.weights)) / (dev.bandwidth_gbps * 1e9),
+        decode_intensity_b1=b1.flops_per_step / b1.bytes_per_step,
+        decode_intensity_at_users=at_users.flops_per_step / at_users.bytes_per_step,
+        prefill_intensity=prefill_flops / prefill_bytes,
+        decode_step_ms=b1.step_ms, decode_bound_b1=b1.bound, tokens_per_s_b1=b1.tokens_per_s_per_user,
+        prefill_ms=ttft, sequences_that_fit=sequences_that_fit(m, dev, w), max_batch_within_slo=users,
+        users_per_device=users if ttft <= w.slo_ttft_ms else 0, binding=binding if ttft <= w.slo_ttft_ms else "compute (TTFT)",
+        tokens_per_s_total_at_users=at_users.tokens_per_s_total if users else 0.0, meets_ttft_slo=ttft <= w.slo_ttft_ms,
+    )
+
+
+@dataclass
+class Rung:
+    name: str
+    users: int
+    factor: float  # over naive
+    binding: str
+    tpot_ms: float
+
+
+def ladder(m: ModelShape, dev: Device, w: Workload, spec_tokens: int, acceptance: float) -> list[Rung]:
+    """Users per device at the SLO, one change at a time on top of the previous rung."""
+    low_weights = "fp8" if dev.has("fp8") else "int8"
+    steps = [
+        ("naive: one request at a time", dict(weights="bf16", kv="bf16", spec_tokens=0), True),
+        ("continuous batching", dict(weights="bf16", kv="bf16", spec_tokens=0), False),
+        (f"{low_weights.upper()} weights", dict(weights=low_weights, kv="bf16", spec_tokens=0), False),
+        (f"speculative decoding (k={spec_tokens}, acceptance {acceptance:g})",
+         dict(weights=low_weights, kv="bf16", spec_tokens=spec_tokens, acceptance=acceptance), False),
+        ("FP8 KV cache", dict(weights=low_weights, kv="fp8", spec_tokens=spec_tokens, acceptance=acceptance), False),
+        ("INT4 weights", dict(weights="int4", kv="fp8", spec_tokens=spec_tokens, acceptance=acceptance), False),
+    ]
+    rungs: list[Rung] = []
+    base = None
+    for name, change, naive in steps:
+        wl = Workload(**{**asdict(w), **change})
+        if naive:
+            p = decode_point(m, dev, wl, 1)
+            ok = tpot_ms(p, wl) <= wl.slo_tpot_ms and sequences_that_fit(m, dev, wl) >= 1
+            users, binding, t = int(ok), "one request at a time", tpot_ms(p, wl)
+        else:
+            users, binding = max_batch_within_slo(m, dev, wl)
+            t = tpot_ms(decode_point(m, dev, wl, max(users, 1)), wl)
+        base = base if base is not None else max(users, 1)
+        rungs.append(Rung(name, users, users / base, binding, t))
+    return rungs

@@ -1,0 +1,110 @@
+"""`sieve plan` reproduces public arithmetic from published configs (tests/fixtures/configs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sieve.plan.devices import get_device
+from sieve.plan.roofline import Workload, decode_point, ladder, plan
+from sieve.plan.shape import shape_from_config
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+
+
+def shape(name: str):
+    return shape_from_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
+
+
+def test_7b_fp16_on_a100_is_about_7ms_a_token_and_about_2ms_in_int4():
+    m, a100 = shape("llama-2-7b"), get_device("a100")
+    assert m.total_params / 1e9 == pytest.approx(6.74, abs=0.01)
+    fp16 = decode_point(m, a100, Workload(weights="fp16", kv="fp16", context=1), 1)
+    int4 = decode_point(m, a100, Workload(weights="int4", kv="fp16", context=1), 1)
+    assert fp16.step_ms == pytest.approx(7.0, rel=0.1) and fp16.bound == "bandwidth"  # 13.2 GB / 2.04 TB/s
+    assert int4.step_ms == pytest.approx(2.0, abs=0.25)
+    # INT4 with scales and zero points: a bit over a quarter of the FP16 linear bytes, plus the 16-bit head
+    assert m.weight_bytes("int4") / m.weight_bytes("fp16") == pytest.approx(0.29, abs=0.02)
+
+
+def test_h100_sxm_bf16_ridge_is_about_295_flop_per_byte():
+    p = plan(shape("llama-2-7b"), get_device("h100-sxm"), Workload())
+    assert p.ridge_flop_per_byte == pytest.approx(295, abs=1)
+
+
+def test_qwen3_8b_kv_per_token_is_about_2_6x_qwen2_5_7b():
+    q3, q25 = shape("qwen3-8b"), shape("qwen2.5-7b")
+    assert q3.kv_bytes_per_token("bf16") == 2 * 36 * 8 * 128 * 2  # 147,456 B
+    assert q25.kv_bytes_per_token("bf16") == 2 * 28 * 4 * 128 * 2  # 57,344 B
+    assert q3.kv_bytes_per_token("bf16") / q25.kv_bytes_per_token("bf16") == pytest.approx(2.6, abs=0.05)
+    assert q3.kv_bytes_per_token("fp8") * 2 == q3.kv_bytes_per_token("bf16")
+
+
+def test_llama_3_1_70b_fp16_needs_about_140_gb_of_weights():
+    m = shape("llama-3.1-70b")
+    assert m.total_params / 1e9 == pytest.approx(70.6, abs=0.1)
+    assert m.weight_bytes("fp16") / 1e9 == pytest.approx(141, abs=1.5)
+    assert plan(m, get_device("h100"), Workload()).users_per_device == 0  # does not fit on one 80 GB device
+
+
+@pytest.mark.parametrize("name, total_b, active_b", [("mixtral-8x7b", 46.7, 12.9), ("qwen1.5-moe-a2.7b", 14.3, 2.7),
+                                                     ("deepseek-v2-lite", 15.7, 2.4)])
+def test_moe_total_and_active_parameters(name, total_b, active_b):
+    m = shape(name)
+    assert m.is_moe
+    assert m.total_params / 1e9 == pytest.approx(total_b, rel=0.03)
+    # Model cards differ on whether "activated" counts the input embedding table (Qwen's A2.7B does,
+    # DeepSeek's 2.4B does not): the published figure must match one of the two readings.
+    readings = (m.active_params, m.active_params - m.embed_params)
+    assert any(abs(r / 1e9 - active_b) / active_b < 0.05 for r in readings), [r / 1e9 for r in readings]
+    # a batch touches more experts than one token: bytes per step grow towards the whole model
+    assert m.step_weight_bytes("bf16", 1) < m.step_weight_bytes("bf16", 64) <= m.weight_bytes("bf16")
+
+
+def test_mla_caches_the_latent():
+    m = shape("deepseek-v2-lite")
+    assert m.is_mla and m.kv_bytes_per_token("bf16") == 27 * (512 + 64) * 2  # 31,104 B, vs 27*2*16*128*2 for MHA
+
+
+def test_users_per_device_respects_slo_and_memory_and_ladder_climbs():
+    m, h100 = shape("llama-2-7b"), get_device("h100")
+    w = Workload(weights="bf16", kv="bf16", context=4096, output_tokens=512, slo_tpot_ms=50)
+    p = plan(m, h100, w)
+    assert 1 < p.users_per_device <= p.sequences_that_fit
+    assert decode_point(m, h100, w, p.users_per_device).step_ms <= 50
+    rungs = ladder(m, h100, w, spec_tokens=4, acceptance=0.7)
+    assert [r.users for r in rungs][0] == 1
+    assert all(b.users >= a.users for a, b in zip(rungs[1:], rungs[2:]))  # each change helps or holds
+    assert rungs[-1].factor > rungs[1].factor > 1
+    assert rungs[1].binding == "memory capacity"  # bf16 7B at 4k context: KV space runs out first
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "sieve.cli", "plan", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_compare_ladder_and_plot(tmp_path):
+    out = tmp_path / "roofline.png"
+    r = run_cli("--model", str(CONFIGS / "qwen3-8b.json"), "--device", "h100", "--json", "--ladder",
+                "--compare", str(CONFIGS / "qwen2.5-7b.json"), "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    for key in ("weight_bytes", "kv_bytes_per_token", "decode_step_ms", "users_per_device"):
+        assert key in j
+    assert j["kv_bytes_per_token"] / j["compare"]["kv_bytes_per_token"] == pytest.approx(2.57, abs=0.01)
+    assert len(j["ladder"]) == 6 and out.stat().st_size > 10_000
+    text = run_cli("--model", str(CONFIGS / "qwen3-8b.json"), "--device", "l4", "--ladder")
+    assert text.returncode == 0 and "users per device" in text.stdout and "INT4 weights" in text.stdout
+
+
+def test_cli_bad_device_and_custom_spec():
+    r = run_cli("--model", str(CONFIGS / "llama-2-7b.json"), "--device", "tpu-v9")
+    assert r.returncode != 0 and "unknown device" in r.stderr
+    spec = json.dumps({"name": "mine", "memory_gb": 48, "bandwidth_gbps": 1000, "tflops": {"bf16": 200}})
+    r = run_cli("--model", str(CONFIGS / "llama-2-7b.json"), "--device-spec", spec, "--json", "--context", "1")
+    j = json.loads(r.stdout)
+    assert j["device"] == "mine" and j["decode_step_ms"] == pytest.approx(13.2, abs=0.2)  # 13.2 GB at 1 TB/s
