@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.server.app import create_app
 
     engine = LLMEngine(config_from_args(args))
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
+    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting)
     print(f"sieve serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
     sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")

@@ -14,15 +14,13 @@ API_KEY = "test-key"
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
+def start_server(engine, **app_kwargs):
+    """Serve `engine` on a free port of 127.0.0.1 from a thread; returns (base url, stop function)."""
     import uvicorn
 
-    from sieve import EngineConfig, LLMEngine
     from sieve.server.app import create_app
 
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
-    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY)
+    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY, **app_kwargs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -32,9 +30,28 @@ def server(llama_dir):
     deadline = time.time() + 30
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def wait_idle(engine, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
+    url, stop = start_server(engine)
+    yield url, engine
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +150,119 @@ def test_errors_have_openai_shape(server, client):
     while engine.has_unfinished() and time.time() < deadline:
         time.sleep(0.05)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client):
+    before = httpx.get(server[0] + "/metrics").text
+    client.completions.create(model=MODEL, prompt=[9, 8, 7], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    text = httpx.get(server[0] + "/metrics").text
+
+    def value(name: str, page: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name))
+
+    assert value('sieve:request_success_total{finished_reason="length"', text) >= value('sieve:request_success_total{finished_reason="length"', before) + 1
+    assert value("sieve:generation_tokens_total", text) >= value("sieve:generation_tokens_total", before) + 5
+    assert value("sieve:prompt_tokens_total", text) >= value("sieve:prompt_tokens_total", before) + 3
+    for hist in ("sieve:time_to_first_token_seconds_count", "sieve:time_per_output_token_seconds_count", "sieve:e2e_request_latency_seconds_count"):
+        assert value(hist, text) > value(hist, before)
+    for gauge in ("sieve:num_requests_running", "sieve:num_requests_waiting", "sieve:kv_cache_usage_perc"):
+        assert gauge + "{" in text
+
+
+def aborted_count(base: str) -> float:
+    line = next((l for l in httpx.get(base + "/metrics").text.splitlines()
+                 if l.startswith("sieve:request_success_total{") and 'finished_reason="abort"' in l), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_non_streaming_client_that_gives_up_frees_its_blocks(server):
+    engine = server[1]
+    aborted = aborted_count(server[0])
+    with pytest.raises(httpx.ReadTimeout):  # 16 prompts x 480 tokens take seconds; the client waits 0.2 s
+        httpx.post(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.2,
+                   json={"prompt": [[3 + i] * 8 for i in range(16)], "max_tokens": 480, "ignore_eos": True})
+    wait_idle(engine)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert aborted_count(server[0]) == aborted + 16, "the requests must be aborted, not run to their end"
+
+
+def test_overload_answers_429_with_retry_after(llama_dir):
+    import asyncio
+
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_num_seqs=1))
+    url, stop = start_server(engine, max_waiting=2)
+    try:
+        async def one(client, i):
+            return await client.post(url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                     json={"prompt": [5 + i] * 4, "max_tokens": 40, "ignore_eos": True})
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "queue_full"
+        wait_idle(engine)
+        ok = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200  # still serving once the queue drains
+        assert "sieve:request_rejected_total" in httpx.get(url + "/metrics").text
+    finally:
+        stop()
+
+
+def test_load_64_streams_a_third_disconnecting(server):
+    """64 concurrent streaming clients; every third hangs up after a few chunks. The rest get complete
+    answers, and afterwards nothing runs, nothing waits and every KV block is free."""
+    import asyncio
+    import json as _json
+    import random
+
+    base, engine = server
+    rng = random.Random(0)
+    plan = [(i, rng.randint(2, 12) if i % 3 == 0 else None) for i in range(64)]
+    aborted = aborted_count(base)
+
+    async def client_run(client, i, hang_up_after):
+        # those that hang up ask for far more tokens than they read: only an abort ends them early
+        body = {"prompt": [10 + i % 50] * (3 + i % 20), "max_tokens": 24 if hang_up_after is None else 400,
+                "stream": True, "ignore_eos": True, "temperature": 0.7, "seed": i}
+        text, finish, chunks = "", None, 0
+        async with client.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = _json.loads(line[6:])
+                chunks += 1
+                text += chunk["choices"][0]["text"]
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if hang_up_after is not None and chunks >= hang_up_after:
+                    return i, None  # leaving the block closes the connection mid-stream
+        return i, (text, finish)
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(client_run(client, i, k) for i, k in plan))
+
+    results = dict(asyncio.run(run_all()))
+    completed = [i for i, k in plan if k is None]
+    assert all(results[i] is not None and results[i][1] == "length" for i in completed)
+    wait_idle(engine, timeout=20)
+    page = httpx.get(base + "/metrics").text
+    assert 'sieve:num_requests_running{model_name="tiny-llama"} 0.0' in page
+    assert 'sieve:num_requests_waiting{model_name="tiny-llama"} 0.0' in page
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert aborted_count(base) == aborted + sum(1 for _, k in plan if k is not None)
+    # the completed answers are whole: same text as the same seeded request made without streaming
+    sample = completed[0]
+    ref = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, json={
+        "prompt": [10 + sample % 50] * (3 + sample % 20), "max_tokens": 24, "ignore_eos": True, "temperature": 0.7, "seed": sample})
+    assert ref.json()["choices"][0]["text"] == results[sample][0]

@@ -2,35 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sieve
 from sieve.engine import LLMEngine, RequestError
 from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine
+from sieve.server.metrics import Metrics
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status, headers=headers)
 
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    aengine = AsyncEngine(engine)
+def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+               max_waiting: int | None = None) -> FastAPI:
+    model_name = served_model_name or engine.model_name
+    metrics = Metrics(engine, model_name)
+    aengine = AsyncEngine(engine, on_finished=metrics.record_finished)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -38,13 +48,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         aengine.stop()
 
     app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
-    model_name = served_model_name or engine.model_name
     tokenizer = engine.tokenizer
     app.state.async_engine = aengine
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
@@ -56,12 +65,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def _http_error(_: Request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, which would
+    # hide client disconnects from the handlers (and disconnects must abort requests).
+    async def require_api_key(request: Request) -> None:
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -71,23 +79,27 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/version")
     async def version():
         return {"version": sieve.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sieve",
                                             "max_model_len": engine.config.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
         params = _params(body, body.max_tokens, body.logprobs)
         prompts = body.prompts()
         return await _serve(raw, body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
         if tokenizer is None:
@@ -108,6 +120,10 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
             raise APIError(400, str(e)) from e
 
     async def _serve(raw: Request, body, prompts: list, params, chat: bool):
+        if max_waiting is not None and engine.num_waiting + aengine.num_pending >= max_waiting:
+            metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry shortly",
+                           "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = []
@@ -125,12 +141,21 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                 _stream(raw, rid, created, streams, params.n, chat, body, params.logprobs or 0), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        finals = []
-        for gen, first in streams:
+        async def collect(gen, first):
             last = first
             async for out in gen:
                 last = out
-            finals.append(last)
+            return last
+
+        task = asyncio.ensure_future(asyncio.gather(*(collect(g, f) for g, f in streams)))
+        while not task.done():  # a client that goes away aborts its request at once
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()  # the cancellation reaches each generator's `finally`, which aborts its request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+        finals = task.result()
         return _full_response(rid, created, finals, params.n, chat, body, params.logprobs or 0)
 
     async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:

@@ -16,8 +16,9 @@ from sieve.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_finished=None):
         self.engine = engine
+        self.on_finished = on_finished  # called in the engine thread with each request's final output
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple] = []
@@ -51,6 +52,12 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    @property
+    def num_pending(self) -> int:
+        """Requests handed to the engine thread but not yet in its queues."""
+        with self._lock:
+            return sum(1 for cmd in self._inbox if cmd[0] == "add")
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
@@ -75,6 +82,8 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             for out in outputs:
+                if out.finished and self.on_finished is not None:
+                    self.on_finished(out)
                 self._deliver(out.request_id, out, last=out.finished)
 
     def _drain_inbox(self) -> None:
@@ -95,6 +104,8 @@ class AsyncEngine:
             else:
                 out = self.engine.abort(cmd[1])
                 if out is not None:
+                    if self.on_finished is not None:
+                        self.on_finished(out)
                     self._deliver(cmd[1], out, last=True)
 
     def _deliver(self, rid: str, item, last: bool) -> None:

@@ -1,0 +1,53 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` -> `sieve:`) so its dashboards map over.
+
+Timestamps come from the engine (monotonic, per request); the arithmetic happens here, at the edge.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sieve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        label = {"model_name": model_name}
+        self.requests = Counter("sieve:request_success", "Finished requests by finish reason", ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("sieve:prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r).labels(**label)
+        self.generation_tokens = Counter("sieve:generation_tokens", "Tokens generated", ["model_name"], registry=r).labels(**label)
+        self.ttft = Histogram("sieve:time_to_first_token_seconds", "Time to first token", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.tpot = Histogram("sieve:time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("sieve:e2e_request_latency_seconds", "End-to-end request latency", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full)", ["model_name"], registry=r).labels(**label)
+        gauges = {
+            "sieve:num_requests_running": ("Sequences running", lambda: engine.num_running),
+            "sieve:num_requests_waiting": ("Sequences waiting", lambda: engine.num_waiting),
+            "sieve:kv_cache_usage_perc": ("KV-cache usage, 0 to 1", lambda: engine.block_manager.usage),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, ["model_name"], registry=r).labels(**label).set_function(fn)
+        self.model_name = model_name
+
+    def record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.requests.labels(model_name=self.model_name, finished_reason=c.finish_reason or "abort").inc()
+            self.generation_tokens.inc(len(c.token_ids))
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            n = max(len(c.token_ids) for c in out.outputs)
+            if n > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
