@@ -64,15 +64,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from sieve.engine import LLMEngine
     from sieve.server.app import create_app
+    from sieve.server.serve import serve
 
     engine = LLMEngine(config_from_args(args))
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting)
     print(f"sieve serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, args.host, args.port, grace=args.shutdown_grace)
     return 0
 
 
@@ -124,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     sv.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")

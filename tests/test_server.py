@@ -266,3 +266,88 @@ def test_load_64_streams_a_third_disconnecting(server):
     ref = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, json={
         "prompt": [10 + sample % 50] * (3 + sample % 20), "max_tokens": 24, "ignore_eos": True, "temperature": 0.7, "seed": sample})
     assert ref.json()["choices"][0]["text"] == results[sample][0]
+
+
+def test_sigterm_lets_short_requests_finish_and_aborts_the_rest(llama_dir):
+    import json as _json
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sieve.cli", "serve", "--model", str(llama_dir), "--dtype", "float32", "--port", str(port),
+         "--shutdown-grace", "0.5", "--kv-cache-memory-gb", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        results: dict = {}
+
+        def long_stream():  # 16 choices x 480 tokens: seconds of work, far beyond the grace period
+            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                    "prompt": [5] * 4, "max_tokens": 480, "n": 16, "stream": True, "ignore_eos": True}) as r:
+                results["long"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+        def short():
+            results["short"] = httpx.post(base + "/v1/completions", timeout=60,
+                                          json={"prompt": [6] * 4, "max_tokens": 20, "ignore_eos": True}).json()
+
+        threads = [threading.Thread(target=long_stream), threading.Thread(target=short)]
+        threads[0].start()
+        time.sleep(0.3)
+        threads[1].start()
+        while 'sieve:num_requests_running{model_name="' in (page := httpx.get(base + "/metrics").text) and \
+                not any(l.startswith("sieve:num_requests_running") and float(l.split()[-1]) >= 17 for l in page.splitlines()):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.15)
+        with pytest.raises(httpx.ConnectError):  # no new connections once shutting down
+            httpx.get(base + "/health", timeout=2)
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        assert results["short"]["choices"][0]["finish_reason"] == "length"  # finished within the grace period
+        events = results["long"]
+        assert events[-1] == "[DONE]"
+        finishes = [c["finish_reason"] for e in events[:-1] for c in _json.loads(e)["choices"] if c["finish_reason"]]
+        assert sorted(set(finishes)) == ["abort"] and len(finishes) == 16  # each choice told it was cut off
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_every_sampling_field_has_its_effect(client):
+    base = dict(model=MODEL, prompt=[21, 22, 23], max_tokens=40, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **base).choices[0].text
+    sampled = client.completions.create(temperature=1.0, seed=5, **base).choices[0].text
+    assert sampled != greedy  # temperature and seed act
+
+    def with_extra(**extra):
+        kw = dict(base, extra_body={"ignore_eos": True, **extra})
+        return client.completions.create(temperature=1.0, seed=5, **kw).choices[0].text
+
+    assert with_extra(top_k=1) == greedy
+    assert client.completions.create(temperature=1.0, seed=5, top_p=0.001, **base).choices[0].text == greedy
+    assert with_extra(min_p=1.0) == greedy
+
+    tok_plain = client.completions.create(temperature=0, logprobs=0, **base).choices[0].logprobs.tokens
+    tok_pen = client.completions.create(temperature=0, presence_penalty=2.0, frequency_penalty=2.0, logprobs=0, **base).choices[0].logprobs.tokens
+    assert len(set(tok_pen)) > len(set(tok_plain))
+
+    lp = client.completions.create(temperature=0, logprobs=3, **base).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 40
+    assert all(3 <= len(t) <= 4 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5,
+                                          temperature=0, user="someone", extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"

@@ -63,6 +63,13 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight; each stream then receives its final ('abort') output."""
+        with self._lock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.abort(rid)
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()

@@ -1,0 +1,35 @@
+"""Run the app under uvicorn with a graceful SIGTERM/SIGINT: stop accepting, let requests in flight
+finish for `grace` seconds, then abort the rest (each stream gets a final 'abort' chunk and [DONE])
+and exit once the connections have closed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import uvicorn
+
+log = logging.getLogger("sieve")
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, async_engine, grace: float):
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.grace = grace
+        self._timer: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._timer is None:
+            log.warning("shutting down: no new requests; aborting what is still running in %.1f s", self.grace)
+            self._timer = threading.Timer(self.grace, self.async_engine.abort_all)
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutting down; ours is handled, so exit with status 0
+        getattr(self, "_captured_signals", []).clear()
+
+
+def serve(app, host: str, port: int, grace: float) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 10)
+    GracefulServer(config, app.state.async_engine, grace).run()
