@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -116,12 +117,26 @@ def test_async_client_concurrent(server):
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=API_KEY)
-        return await asyncio.gather(*[
+        plain = await asyncio.gather(*[
             aclient.completions.create(model=MODEL, prompt=[5 + i] * (3 + i), max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
             for i in range(8)
         ])
 
-    assert all(r.usage.completion_tokens == 6 for r in asyncio.run(run()))
+        async def streamed(i):
+            stream = await aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=6, temperature=0.9, seed=i,
+                stream=True, extra_body={"ignore_eos": True})
+            return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+        texts = await asyncio.gather(*(streamed(i) for i in range(4)))
+        whole = await asyncio.gather(*(aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=6, temperature=0.9, seed=i,
+            extra_body={"ignore_eos": True}) for i in range(4)))
+        return plain, texts, [w.choices[0].message.content for w in whole]
+
+    plain, texts, whole = asyncio.run(run())
+    assert all(r.usage.completion_tokens == 6 for r in plain)
+    assert texts == whole  # async streaming gives the same text as async non-streaming, same seeds
 
 
 def test_errors_have_openai_shape(server, client):
@@ -351,3 +366,43 @@ def test_every_sampling_field_has_its_effect(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5,
                                           temperature=0, user="someone", extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+
+
+def test_prompt_forms_echo_stream_and_one_choice_per_chunk(client):
+    two = client.completions.create(model=MODEL, prompt=["def a():", "class B:"], max_tokens=4, n=2, temperature=1.0, seed=1,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3] and two.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model=MODEL, prompt="def a():", max_tokens=4, n=2, temperature=1.0, seed=1, stream=True,
+                                            echo=True, extra_body={"ignore_eos": True}))
+    assert all(len(ch.choices) == 1 for ch in chunks)
+    for i in (0, 1):
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i)
+        assert text.startswith("def a():") and text == "def a():" + two.choices[i].text
+
+
+def test_ignore_eos_through_the_server(llama_dir, tmp_path):
+    import shutil
+
+    from sieve import EngineConfig, LLMEngine
+
+    path = tmp_path / "eos-model"
+    shutil.copytree(llama_dir, path)
+    probe = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_gpu_blocks_override=64))
+    from sieve import SamplingParams
+
+    probe.add_request("p", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while probe.has_unfinished():
+        out = probe.step()
+    greedy = out[0].outputs[0].token_ids
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = greedy[3]
+    (path / "config.json").write_text(json.dumps(cfg))
+    url, stop = start_server(LLMEngine(EngineConfig(model=str(path), dtype="float32", num_gpu_blocks_override=64)))
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        stopped = c.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=12, temperature=0)
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == greedy.index(greedy[3]) + 1
+        ignored = c.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 12
+    finally:
+        stop()

@@ -167,22 +167,23 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
 
         try:
             for p_idx, (gen, first) in enumerate(streams):
-                if chat:
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
                 out = first
+                for i in range(n):  # opening chunk per choice: the role (chat) or the echoed prompt
+                    if chat:
+                        yield chunk([{"index": p_idx * n + i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                    elif getattr(body, "echo", False):
+                        prompt_text = out.prompt or _decode(out.prompt_token_ids)
+                        yield chunk([{"index": p_idx * n + i, "text": prompt_text, "logprobs": None, "finish_reason": None}])
                 while True:
-                    choices = []
-                    for c, (text, ids) in zip(out.outputs, out.deltas):
+                    for c, (text, ids) in zip(out.outputs, out.deltas):  # one chunk per choice per step, as OpenAI
                         if not (text or ids or c.finish_reason):
                             continue
                         lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top) if c.logprobs is not None else None
                         idx = p_idx * n + c.index
                         if chat:
-                            choices.append({"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason})
+                            yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason}])
                         else:
-                            choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-                    if choices:
-                        yield chunk(choices)
+                            yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
                     if out.finished:
                         break
                     if await raw.is_disconnected():
