@@ -156,6 +156,15 @@ def test_errors_have_openai_shape(server, client):
         err = resp.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "512" in cases[3][0].json()["error"]["message"]
+    # an internal failure (here: a tokenizer that raises) is a 500 in the same shape, and serving goes on
+    engine = server[1]
+    real_encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("tokenizer exploded"))
+    try:
+        resp = httpx.post(base + "/v1/completions", json={"prompt": "hi"}, headers=h)
+    finally:
+        engine.tokenizer.encode = real_encode
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
     # still serving afterwards, with nothing left behind

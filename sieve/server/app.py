@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +23,9 @@ from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine
 from sieve.server.metrics import Metrics
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+log = logging.getLogger("sieve")
 
 
 class APIError(Exception):
@@ -60,6 +64,11 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", ".".join(loc) or None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):  # a bug must still answer in the OpenAI shape
+        log.exception("unhandled error while serving a request")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
