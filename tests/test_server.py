@@ -415,3 +415,14 @@ def test_ignore_eos_through_the_server(llama_dir, tmp_path):
         assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 12
     finally:
         stop()
+
+
+def test_streams_of_several_prompts_interleave(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=[[31, 32], [41, 42]], max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    order = [ch.choices[0].index for ch in chunks if ch.choices]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0), "prompt 1 should stream while prompt 0 is still going"
+    assert chunks[-1].usage.completion_tokens == 40 and chunks[-1].usage.prompt_tokens == 4
+    full = client.completions.create(model=MODEL, prompt=[[31, 32], [41, 42]], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    for i in (0, 1):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) == full.choices[i].text

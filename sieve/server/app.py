@@ -174,38 +174,53 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
         def chunk(choices):
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}) + "\n\n"
 
+        async def pump(p_idx: int, gen, first, queue: asyncio.Queue) -> None:
+            await queue.put((p_idx, first))
+            if not first.finished:
+                async for out in gen:
+                    await queue.put((p_idx, out))
+
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps: list[asyncio.Task] = []
         try:
             for p_idx, (gen, first) in enumerate(streams):
-                out = first
                 for i in range(n):  # opening chunk per choice: the role (chat) or the echoed prompt
                     if chat:
                         yield chunk([{"index": p_idx * n + i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
                     elif getattr(body, "echo", False):
-                        prompt_text = out.prompt or _decode(out.prompt_token_ids)
-                        yield chunk([{"index": p_idx * n + i, "text": prompt_text, "logprobs": None, "finish_reason": None}])
-                while True:
-                    for c, (text, ids) in zip(out.outputs, out.deltas):  # one chunk per choice per step, as OpenAI
-                        if not (text or ids or c.finish_reason):
-                            continue
-                        lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top) if c.logprobs is not None else None
-                        idx = p_idx * n + c.index
-                        if chat:
-                            yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason}])
-                        else:
-                            yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
-                    if out.finished:
-                        break
-                    if await raw.is_disconnected():
-                        return
-                    out = await gen.__anext__()
-                usage["prompt_tokens"] += len(out.prompt_token_ids)
-                usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+                        yield chunk([{"index": p_idx * n + i, "text": first.prompt or _decode(first.prompt_token_ids), "logprobs": None, "finish_reason": None}])
+            # the prompts of one request generate together; their chunks interleave as they come
+            pumps = [asyncio.create_task(pump(i, gen, first, queue)) for i, (gen, first) in enumerate(streams)]
+            remaining = len(streams)
+            while remaining:
+                p_idx, out = await queue.get()
+                for c, (text, ids) in zip(out.outputs, out.deltas):  # one chunk per choice per step, as OpenAI
+                    if not (text or ids or c.finish_reason):
+                        continue
+                    lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top) if c.logprobs is not None else None
+                    idx = p_idx * n + c.index
+                    if chat:
+                        yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason}])
+                    else:
+                        yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
+                if out.finished:
+                    remaining -= 1
+                    usage["prompt_tokens"] += len(out.prompt_token_ids)
+                    usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+                elif await raw.is_disconnected():
+                    return
             if body.stream_options and body.stream_options.include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for gen, _ in streams:
+            # Cancelling a pump reaches its generator's `finally`, which aborts an unfinished request.
+            for task in pumps:
+                task.cancel()
+            for task in pumps:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for gen, _ in streams[len(pumps):] if pumps else streams:
                 await gen.aclose()
 
     def _full_response(rid, created, finals: list[RequestOutput], n, chat, body, n_top):
