@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the factor positions are divided by."""
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with the checkpoint's rope scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
-        return inv_freq, 1.0
+        return inv_freq
     if kind == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
+        return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -26,7 +26,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
+        return torch.where(medium, smoothed, scaled)
     raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
@@ -35,7 +35,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq, _ = _inv_freq(head_dim, theta, scaling)
+        inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
