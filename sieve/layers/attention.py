@@ -66,8 +66,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
         cache.write_kv(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if not meta.prefills:  # decode-only step: no output buffer to assemble
+            return self._decode(q, cache, meta)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta)
         for chunk in meta.prefills:

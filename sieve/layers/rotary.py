@@ -41,11 +41,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, D/2] in `dtype` (as the reference casts them)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """positions [T] -> (cos | cos, -sin | sin), each [T, 1, D] in `dtype` (as the reference casts them)."""
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] -> rotated copy (rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> rotated copy (rotate-half convention): [x1 cos - x2 sin, x2 cos + x1 sin].
+    `roll` swaps the halves and the sign lives in the table, so this is 4 ops per call instead of 8,
+    with the same floating-point result (a - b == a + (-b))."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
