@@ -50,7 +50,6 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
         path = resolve_model_path(config.model, config.revision)
-        self.model_path = path
         self.arch = ModelArch.from_hf_config(read_config(path))
         self.dtype = resolve_dtype(config.dtype, self.arch)
         self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(config.tokenizer or str(path))

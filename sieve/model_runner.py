@@ -60,8 +60,8 @@ class ModelRunner:
             budget = int(c.kv_cache_memory_gb * (1 << 30))
             source = f"--kv-cache-memory {c.kv_cache_memory_gb} GiB"
         else:
-            if self.device.type == "cuda":  # measure what a full-size forward pass really leaves
-                torch.cuda.synchronize(self.device)
+            # Free memory after the weights are loaded; a step's activations are not reserved yet,
+            # which is why only a fraction is taken.
             budget = int(available_memory_bytes(self.device) * c.kv_cache_memory_fraction)
             source = f"{c.kv_cache_memory_fraction:.0%} of free memory"
         # Never more than enough for max_num_seqs sequences at full length (plus one spare each).

@@ -20,18 +20,20 @@ class OutputProcessor:
         p = seq.params
         seq.token_ids.append(token_id)
         if logprobs is not None:
-            seq.logprobs = (seq.logprobs or []) + [logprobs]
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token_id].logprob
         n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens
         is_stop_token = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
-        if self.tokenizer is not None and not (is_stop_token and n_out > p.min_tokens - 1):
+        if may_stop and is_stop_token:  # the stop token itself adds no text
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+            return
+        if self.tokenizer is not None:
             seq.output_text += decode_new_text(seq, self.tokenizer, p.skip_special_tokens)
-        if n_out >= p.min_tokens:
-            if is_stop_token:
-                seq.finish_reason, seq.stop_reason = "stop", token_id
-                return
-            if p.stop_strings and self._check_stop_strings(seq):
-                return
+        if may_stop and p.stop_strings and self._check_stop_strings(seq):
+            return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
@@ -69,7 +71,7 @@ class OutputProcessor:
                 token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
-                logprobs=seq.logprobs,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             ))
         finished = req.finished

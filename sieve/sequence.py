@@ -7,7 +7,6 @@ and the model runner see only sequences; the output processor regroups them per 
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 from sieve.outputs import Logprob, RequestMetrics
@@ -18,9 +17,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-_seq_ids = itertools.count()
 
 
 @dataclass
@@ -45,7 +41,6 @@ class Sequence:
     arrival_order: int  # tie-breaker for FCFS among equal priorities
     token_ids: list[int]  # prompt followed by generated tokens
     seed: int | None  # this choice's seed (request seed offset by choice index)
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -66,10 +61,6 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
 
     @property
     def schedule_key(self) -> tuple[int, int]:

@@ -169,7 +169,7 @@ def run_offline_benchmark(args) -> dict:
         make_random_checkpoint(path, args.create_model)
 
     config = config_from_args(args, skip_tokenizer_init=True)
-    llm = LLM(**{**config.__dict__})
+    llm = LLM(**vars(config))
     engine = llm.llm_engine
     reqs = make_workload(args.num_prompts, _parse_range(args.input_len), _parse_range(args.output_len),
                          engine.arch.vocab_size, args.workload_seed)
