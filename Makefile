@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test run bench clean
+.PHONY: install test run bench bench-peers bench-prefix clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,23 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/sieve bench offline --model bench-out/qwen2.5-0.5b --create-model qwen2.5-0.5b --dtype bfloat16 --output-json bench-out/offline.json
+
+# sieve vs llama.cpp (f16 and q8_0) on the same random Qwen2.5-0.5B-shaped checkpoint; the `peers`
+# extra compiles llama-cpp-python, and --build-llama-server compiles llama.cpp's own server from its sources.
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[peers]"
+	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --create-model qwen2.5-0.5b --build-llama-server \
+		--gguf f16,q8_0 --concurrency 1,2,4,8,16,32 --num-prompts 96 --prompts-per-user 3 \
+		--input-len 64:256 --output-len 64:128 --output-json bench-out/peers.json --plot bench-out/peers.png
+
+# prefix cache on vs off: 8 system prompts of 2,000 tokens shared by 200 requests, then multi-turn chat
+bench-prefix: $(STAMP)
+	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --create-model qwen2.5-0.5b --engines sieve,sieve-no-prefix-cache \
+		--dataset shared-prefix --num-prefixes 8 --prefix-len 2000 --num-prompts 200 --input-len 50:100 --output-len 32:64 \
+		--concurrency 8 --output-json bench-out/prefix-shared.json
+	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --engines sieve,sieve-no-prefix-cache \
+		--dataset multi-turn --num-prompts 16 --turns 6 --input-len 100:200 --output-len 32:64 \
+		--concurrency 8 --output-json bench-out/prefix-multiturn.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

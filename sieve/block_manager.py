@@ -1,35 +1,66 @@
-"""Accounting for the paged KV cache: a pool of fixed-size blocks and per-sequence block tables.
+"""Accounting for the paged KV cache: a pool of fixed-size blocks, per-sequence block tables, and
+the automatic prefix cache over full blocks.
 
 The K/V tensors themselves live with the model runner; this module only decides which block
-holds which tokens. Every block carries a reference count so that later features can share full
-blocks between sequences (prefix caching) and a sequence can give back its tail blocks after
-speculative tokens are rejected (`truncate`). A block is written only while its count is 1.
+holds which tokens. Every block carries a reference count; a block is written only while its count
+is 1 and it is not yet full, so sharing full blocks between sequences is safe.
+
+Prefix caching. A full block is named by a chained hash: the hash of (the previous block's hash,
+this block's token ids), rooted in a per-engine namespace (model, dtype, KV dtype, block size). So a
+block is reused only when everything before it matches too. Chained hashes were chosen over a radix
+tree because the pool is already block-granular: a hash per full block is one dict lookup per block,
+needs no tree surgery on eviction, and gives the same longest-prefix answer at block granularity.
+Blocks whose count drops to 0 keep their contents and hash and wait, least recently used first,
+in `evictable`; they are handed out again (and forgotten) only when no never-cached block is free.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from sieve.sequence import Sequence
 
 
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, namespace: str = ""):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # hold nothing worth keeping
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # set while a block is in the cache
+        self.cached: dict[bytes, int] = {}  # chained hash -> block holding it
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
+        self.num_hit_tokens = 0
+        self.num_evictions = 0  # cached blocks handed out again for other contents
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks that can be handed out now: never-cached free ones plus unreferenced cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -38,31 +69,119 @@ class BlockManager:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Chained hashes of `seq`'s first `num_blocks` full blocks (memoised on the sequence)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else self.root_hash, seq.token_ids[j * bs : (j + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of `seq`, leaving at least its last token to compute
+        (a step must produce logits to sample from)."""
+        if not self.enable_prefix_caching:
+            return []
+        hit = []
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
     # ---- changes -------------------------------------------------------------------------
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """Before `seq`'s first step after it (re)enters: share the blocks of its longest cached prefix
+        and mark those tokens computed. Returns the number of tokens taken from the cache."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        hit = self.cached_prefix_blocks(seq)
+        for block in hit:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+        seq.block_table = list(hit)
+        seq.num_registered_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * self.block_size
+        return seq.num_computed_tokens
+
+    def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Statistics: a sequence entered the batch with `num_hit_tokens` of its tokens cached."""
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
+
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s table to cover `num_tokens` tokens. All or nothing: False if short."""
         need = self.num_new_blocks(seq, num_tokens)
-        if need > len(self.free_blocks):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block = self.free_blocks.popleft()
+            block = self._take_block()
             assert self.ref_counts[block] == 0
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         return True
 
+    def commit(self, seq: Sequence) -> None:
+        """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
+        content another block already holds stays private (and is freed as usual)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for j in range(seq.num_registered_blocks, full):
+            block = seq.block_table[j]
+            if hashes[j] not in self.cached and self.block_hash[block] is None:
+                self.cached[hashes[j]] = block
+                self.block_hash[block] = hashes[j]
+        seq.num_registered_blocks = full
+
     def free(self, seq: Sequence) -> None:
-        """Return all of `seq`'s blocks (finish, abort or preemption)."""
+        """Return all of `seq`'s blocks (finish, abort or preemption). Cached ones stay cached."""
         self._release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback)."""
-        keep = self.blocks_needed(num_tokens)
+        """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback).
+        Every block from the one holding token `num_tokens` on may hold rejected tokens (and the kept
+        partial one will be written again), so they leave the cache; none of them may be shared."""
+        keep, first_dirty = self.blocks_needed(num_tokens), num_tokens // self.block_size
+        for block in seq.block_table[first_dirty:]:
+            if self.ref_counts[block] != 1:
+                raise RuntimeError(f"truncate into shared block {block}: rollback may only touch a sequence's own blocks")
+            self._forget(block)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_registered_blocks = min(seq.num_registered_blocks, num_tokens // self.block_size)
+        del seq.block_hashes[num_tokens // self.block_size :]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (e.g. after weights change)."""
+        while self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self._forget(block)
+            self.free_blocks.append(block)
+
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.popleft()
+        block, _ = self.evictable.popitem(last=False)  # least recently used cached block
+        self._forget(block)
+        self.num_evictions += 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
 
     def _release(self, blocks: list[int]) -> None:
         # Reversed, so the tail of a table (least likely to be shared later) is reused first.
@@ -70,4 +189,7 @@ class BlockManager:
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)

@@ -1,4 +1,4 @@
-"""`sieve` command line: generate, bench offline, bench bandwidth."""
+"""`sieve` command line: generate, serve, plan, bench offline|serve|bandwidth|peers."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share the KV of repeated prompt prefixes")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="lpm: with a long queue, admit requests with the longest cached prefix first (starvation-guarded)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
 
@@ -145,6 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--batch1-tokens", type=int, default=128, help="decode tokens for the batch-1 measurement")
     o.add_argument("--output-json", default=None)
     o.set_defaults(func=cmd_bench_offline)
+    bs = bench.add_parser("serve", help="load-test any OpenAI-compatible endpoint: TTFT, TPOT, ITL, throughput, goodput")
+    from sieve.bench.serve_command import add_bench_serve_args, run_bench_serve
+
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=run_bench_serve)
+    pe = bench.add_parser("peers", help="sieve vs llama.cpp on the same checkpoint and workload (extra: peers)")
+    from sieve.bench.peers import add_peers_args, run_peers
+
+    add_peers_args(pe)
+    pe.set_defaults(func=run_peers)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

@@ -33,10 +33,10 @@ MODEL_CONFIG = dict(
 )
 
 
-def _corpus_files(limit_bytes: int = 3_000_000) -> list[Path]:
+def _corpus_files(limit_bytes: int = 3_000_000, recursive: bool = False) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
-    for f in sorted(root.glob("*.py")):
+    for f in sorted(root.rglob("*.py") if recursive else root.glob("*.py")):
         files.append(f)
         total += f.stat().st_size
         if total >= limit_bytes:
@@ -59,27 +59,37 @@ def demo_model_path() -> Path:
     return path
 
 
-def build_demo_model(path: Path) -> None:
-    import torch
+def stdlib_bpe_tokenizer(vocab_size: int, corpus_bytes: int = 3_000_000, recursive: bool = False):
+    """A byte-level BPE trained on the standard library's source: ids 0-2 are SPECIAL_TOKENS (EOS is
+    <|im_end|>, so a chat turn ends generation), with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in _corpus_files()]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in _corpus_files(corpus_bytes, recursive)]
     tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the stdlib corpus gave {tok.get_vocab_size()} tokens, not {vocab_size}")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(tmp)
+    return fast
+
+
+def build_demo_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    stdlib_bpe_tokenizer(VOCAB_SIZE).save_pretrained(tmp)
 
     torch.manual_seed(1234)
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL_CONFIG.items() if k not in ("architectures", "model_type")}))

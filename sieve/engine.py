@@ -67,7 +67,10 @@ class LLMEngine:
 
         model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len)
         self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        # Blocks are only shared within one engine's pool, but the namespace still names what their
+        # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
+        namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.requests: dict[str, Request] = {}

@@ -5,6 +5,9 @@ prefill falls out of it: a long prompt takes whatever budget is left and continu
 Order of service is (priority, arrival); when blocks run out the sequence with the largest key
 (lowest priority, latest arrival) is preempted by recompute and goes back to the waiting queue,
 keeping its generated tokens so that it resumes exactly where it stopped.
+
+With prefix caching, a sequence (re)entering the batch first takes the blocks of its longest cached
+prefix and computes only the rest; after each step its newly full blocks enter the cache.
 """
 
 from __future__ import annotations
@@ -95,14 +98,19 @@ class Scheduler:
 
         # 2. Waiting sequences, while there is budget, room and no one was just preempted.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            idx = self._next_waiting()
+            seq = self.waiting[idx]
+            cached = self.blocks.take_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)
-            if not self.config.enable_chunked_prefill and num_new < remaining:
+            if (not self.config.enable_chunked_prefill and num_new < remaining) or \
+                    not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                self.blocks.free(seq)  # give the shared prefix back; it is taken again next time
                 break
-            if not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
-                break
-            self.waiting.pop(0)
+            self.blocks.count_query(seq.num_tokens, cached)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+            self.waiting.pop(idx)
             seq.status = SequenceStatus.RUNNING
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
@@ -110,6 +118,21 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _next_waiting(self) -> int:
+        """Index in `waiting` of the sequence to admit next under the configured policy."""
+        cfg = self.config
+        if cfg.scheduling_policy != "lpm" or len(self.waiting) < cfg.lpm_min_waiting:
+            return 0
+        window = self.waiting[:256]  # bound the cost of a very long queue
+        now = time.monotonic()
+        starved = [i for i, s in enumerate(window) if now - s.request.metrics.arrival_time > cfg.lpm_max_wait_s]
+        if starved:
+            return min(starved, key=lambda i: window[i].arrival_order)
+        # Priority still comes first; among equals, the longest cached prefix, then arrival.
+        return min(range(len(window)), key=lambda i: (window[i].request.priority,
+                                                      -len(self.blocks.cached_prefix_blocks(window[i])),
+                                                      window[i].arrival_order))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute-preemption: drop the KV, keep the tokens, queue again."""
@@ -125,3 +148,4 @@ class Scheduler:
         """After the model ran: advance each scheduled sequence's computed-token count."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit(s.seq)

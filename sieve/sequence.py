@@ -45,7 +45,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first scheduled
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (block manager's memo)
+    num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
 
     # Output side (written by the output processor).
     output_text: str = ""

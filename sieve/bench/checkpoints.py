@@ -16,15 +16,31 @@ QWEN25_05B = dict(
 SHAPES = {"qwen2.5-0.5b": QWEN25_05B}
 
 
-def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 0) -> Path:
-    """Write config.json + model.safetensors with seeded random weights (std 0.02) in the config's dtype."""
+def add_tokenizer(path: Path, cfg: dict) -> None:
+    """A byte-level BPE with the checkpoint's full vocabulary, trained on the standard library's source
+    (so text in and out of a server is real text, and llama.cpp can take the same vocabulary). Its own
+    special tokens (ids 0-2) replace the published BOS/EOS ids in config.json."""
+    from sieve.demo import stdlib_bpe_tokenizer
+
+    tok = stdlib_bpe_tokenizer(cfg["vocab_size"], corpus_bytes=80_000_000, recursive=True)
+    tok.save_pretrained(path)
+    cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 0, tokenizer: bool = True) -> Path:
+    """Write config.json + model.safetensors with seeded random weights (std 0.02) in the config's dtype,
+    and (unless `tokenizer=False`) a tokenizer with the full vocabulary; a folder that has the weights
+    but no tokenizer gets one."""
     import torch
     from safetensors.torch import save_file
 
     path = Path(path)
+    cfg = dict(SHAPES[shape])
     if (path / "model.safetensors").exists():
+        if tokenizer and not (path / "tokenizer.json").exists():
+            add_tokenizer(path, cfg)
         return path
-    cfg = SHAPES[shape]
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg["torch_dtype"])
@@ -51,4 +67,6 @@ def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 
         })
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer:
+        add_tokenizer(path, cfg)
     return path

@@ -23,12 +23,17 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each such chunk
     prompt_tokens: int = 0
+    reported_output_tokens: int | None = None  # the server's usage.completion_tokens, when it sent one
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     ok: bool = True
     error: str | None = None
+    session: int = 0  # which simulated user sent it, and which of its turns it was
+    turn: int = 0
 
     @property
     def output_tokens(self) -> int:
-        return sum(self.chunk_tokens)
+        """The server's own count where it reports one (fair across engines), else tokens seen in chunks."""
+        return self.reported_output_tokens if self.reported_output_tokens is not None else sum(self.chunk_tokens)
 
     @property
     def ttft(self) -> float | None:
@@ -95,4 +100,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO = SLO())
         "e2e_s": distribution([r.e2e for r in done if r.e2e is not None]),
         "goodput": len(good) / duration_s,
         "slo_attainment": len(good) / len(records) if records else math.nan,
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        # share of prompt tokens the server says it took from its prefix cache (None: it does not say)
+        "prefix_cache_hit_rate": (sum(r.cached_tokens or 0 for r in done) / max(1, sum(r.prompt_tokens for r in done))
+                                  if any(r.cached_tokens is not None for r in done) else None),
     }

@@ -170,6 +170,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
     async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        cached_tokens = 0
 
         def chunk(choices):
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}) + "\n\n"
@@ -207,10 +208,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key:
                     remaining -= 1
                     usage["prompt_tokens"] += len(out.prompt_token_ids)
                     usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+                    cached_tokens += out.num_cached_tokens
                 elif await raw.is_disconnected():
                     return
             if body.stream_options and body.stream_options.include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -6,6 +6,7 @@ Timestamps come from the engine (monotonic, per request); the arithmetic happens
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sieve.outputs import RequestOutput
 
@@ -32,6 +33,7 @@ class Metrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**label).set_function(fn)
+        r.register(_PrefixCacheCollector(engine.block_manager, model_name))
         self.model_name = model_name
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -51,3 +53,22 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """Prefix-cache counters read from the block manager at scrape time (tokens, as vLLM counts them)."""
+
+    def __init__(self, blocks, model_name: str):
+        self.blocks, self.model_name = blocks, model_name
+
+    def collect(self):
+        b, label = self.blocks, [self.model_name]
+        queries = CounterMetricFamily("sieve:prefix_cache_queries", "Tokens looked up in the prefix cache", labels=["model_name"])
+        queries.add_metric(label, b.num_queried_tokens)
+        hits = CounterMetricFamily("sieve:prefix_cache_hits", "Tokens found in the prefix cache", labels=["model_name"])
+        hits.add_metric(label, b.num_hit_tokens)
+        rate = GaugeMetricFamily("sieve:prefix_cache_hit_rate", "Prefix-cache hits / queries since start, 0 to 1", labels=["model_name"])
+        rate.add_metric(label, b.hit_rate)
+        cached = GaugeMetricFamily("sieve:prefix_cache_blocks", "KV blocks held by the prefix cache", labels=["model_name"])
+        cached.add_metric(label, b.num_cached_blocks)
+        yield from (queries, hits, rate, cached)

@@ -1,0 +1,279 @@
+"""`sieve bench peers`: the same checkpoint, the same workload, sieve against llama.cpp, one invocation.
+
+(`--engines sieve,sieve-no-prefix-cache` compares sieve with itself, prefix cache on and off, the same way.)
+
+Needs the optional extra `peers` (`pip install -e '.[peers]'`: llama-cpp-python[server] and gguf).
+1. Convert the checkpoint to GGUF (f16 and/or q8_0) with `gguf_export` (cached next to the output).
+2. Find llama.cpp's own HTTP server, `llama-server`, which serves many requests at once through
+   parallel slots with continuous batching: `--llama-server PATH`, `$LLAMA_SERVER`, the PATH, or the
+   copy `--build-llama-server` compiles from the llama.cpp source that ships inside the installed
+   llama-cpp-python's source distribution (downloaded from the package registry). Without it, the
+   Python server of llama-cpp-python (`python -m llama_cpp.server`) is used and the table says so:
+   that server answers one request at a time, which is not llama.cpp at its best.
+3. Start each server in turn on 127.0.0.1 with the same threads, run the same `bench serve` sweep
+   against it, stop it; then print ratios sieve ÷ llama.cpp per load point and write JSON and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from sieve.bench.serve_command import add_workload_args, floor_step_seconds, quiet_http_logs, workload_from_args
+from sieve.bench.serving import Target, parse_loads, sweep
+from sieve.bench.serving_stats import SLO
+from sieve.demo import cache_root
+
+SERVED_NAME = "bench"
+# llama-server flags per GGUF type. On this development machine (Xeon with AMX, torch and llama.cpp both
+# see AMX_INT8), llama.cpp's AMX-repacked Q8_0 weights crash at warm-up (SIGSEGV, exit 139); without
+# repacking Q8_0 runs on its AVX512 kernels. F16 is not repacked, so it is unaffected.
+LLAMA_FLAGS = {"q8_0": ["--no-repack"]}
+
+
+def add_peers_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face checkpoint folder (with tokenizer.json)")
+    p.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b"], help="write a random checkpoint of this shape at --model if absent")
+    p.add_argument("--dtype", default="bfloat16", help="sieve's dtype for the checkpoint")
+    p.add_argument("--engines", default="sieve,llama.cpp",
+                   help="comma list of sieve, sieve-no-prefix-cache, llama.cpp; ratios are the first ÷ each other")
+    p.add_argument("--gguf", default="f16", help="llama.cpp formats to run, comma list of f16,q8_0")
+    p.add_argument("--gguf-dir", default=None, help="where GGUF files are written (default: beside the sieve cache)")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="path of llama.cpp's llama-server")
+    p.add_argument("--build-llama-server", action="store_true", help="compile llama-server from the installed llama-cpp-python's sources")
+    p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
+    p.add_argument("--ctx-per-slot", type=int, default=4096, help="llama.cpp context per parallel slot")
+    p.add_argument("--sieve-arg", action="append", default=[], help="extra `sieve serve` flag, repeatable (e.g. --sieve-arg=--max-num-seqs=64)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_workload_args(p)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--log-dir", default=None, help="server logs (default: beside the GGUF files)")
+    p.set_defaults(concurrency="1,2,4,8,16,32", slo_ttft_ms=2000.0, slo_tpot_ms=200.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(base_url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; log: {log_path}\n"
+                               + log_path.read_text()[-2000:])
+        try:
+            r = httpx.get(base_url + "/models", timeout=5)
+            if r.status_code == 200:
+                probe = httpx.post(base_url + "/completions", json={"model": SERVED_NAME, "prompt": "hi", "max_tokens": 1}, timeout=120)
+                if probe.status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not ready after {timeout:.0f}s; log: {log_path}")
+
+
+class Server:
+    """A server subprocess that is stopped (SIGTERM, then SIGKILL) when the block ends."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path, timeout: float):
+        self.cmd, self.base_url, self.log_path, self.timeout = cmd, f"http://127.0.0.1:{port}/v1", log_path, timeout
+
+    def __enter__(self) -> "Server":
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(self.base_url, self.proc, self.timeout, self.log_path)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def build_llama_server(log=print) -> Path:
+    """Compile llama-server from the llama.cpp tree inside the installed llama-cpp-python's sdist."""
+    from importlib.metadata import version
+
+    ver = version("llama-cpp-python")
+    root = cache_root() / "llama.cpp" / ver
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    src = root / "src"
+    if not src.exists():
+        dl = root / "sdist"
+        log(f"downloading llama-cpp-python {ver} sources from the package registry")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dl),
+                        f"llama-cpp-python=={ver}"], check=True)
+        import tarfile
+
+        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(dl, filter="data")
+        shutil.move(str(next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))), src)
+    log(f"compiling llama-server in {root / 'build'} (several minutes)")
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"]
+    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True)
+    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], check=True)
+    return binary
+
+
+def find_llama_server(args, log=print) -> Path | None:
+    for cand in (args.llama_server, shutil.which("llama-server")):
+        if cand and Path(cand).exists():
+            return Path(cand)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        built = cache_root() / "llama.cpp" / version("llama-cpp-python") / "build" / "bin" / "llama-server"
+    except PackageNotFoundError:
+        return None
+    if built.exists():
+        return built
+    return build_llama_server(log) if args.build_llama_server else None
+
+
+def llama_cmd(binary: Path | None, gguf: Path, port: int, threads: int, parallel: int, ctx_per_slot: int,
+              extra: list[str] = ()) -> tuple[list[str], str]:
+    if binary is not None:
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+               "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "--alias", SERVED_NAME,
+               "--no-webui", *extra]
+        return cmd, f"llama.cpp llama-server ({parallel} parallel slots{', ' + ' '.join(extra) if extra else ''})"
+    return ([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx_per_slot),
+             "--model_alias", SERVED_NAME], "llama-cpp-python server (one request at a time: no llama-server binary)")
+
+
+def ratio_table(ours: dict, theirs: dict, key: str) -> list[dict]:
+    """sieve ÷ llama.cpp per load point. For latencies a ratio below 1 means sieve is faster."""
+    by_load = {r[key]: r for r in theirs["runs"]}
+    rows = []
+    for r in ours["runs"]:
+        t = by_load.get(r[key])
+        if t is None:
+            continue
+        div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+        rows.append({key: r[key],
+                     "output_throughput": div(r["output_token_throughput"], t["output_token_throughput"]),
+                     "ttft_p50": div(r["ttft_s"]["p50"], t["ttft_s"]["p50"]), "ttft_p99": div(r["ttft_s"]["p99"], t["ttft_s"]["p99"]),
+                     "tpot_p50": div(r["tpot_s"]["p50"], t["tpot_s"]["p50"]), "tpot_p99": div(r["tpot_s"]["p99"], t["tpot_s"]["p99"]),
+                     "goodput": div(r["goodput"], t["goodput"])})
+    return rows
+
+
+def format_table(rows: list[dict], key: str, ours: dict, theirs: dict, name: str, us: str = "sieve") -> str:
+    lines = [f"{us} ÷ {name} (throughput, goodput: higher is better for {us}; TTFT, TPOT: lower is better)",
+             f"| {key} | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r[key]} | {r['output_throughput']:.2f}× | {r['ttft_p50']:.2f}× | {r['ttft_p99']:.2f}× | "
+                     f"{r['tpot_p50']:.2f}× | {r['tpot_p99']:.2f}× | {r['goodput']:.2f}× |")
+    m = f"max_{key}_within_slo"
+    lines.append(f"max {key} within the SLO: {us} {ours[m]}, {name} {theirs[m]}")
+    return "\n".join(lines)
+
+
+def run_peers(args) -> int:
+    from sieve.bench.gguf_export import export_gguf
+    from sieve.bench.serve_command import load_tokenizer
+
+    quiet_http_logs()
+    model = Path(args.model)
+    if args.create_model:
+        from sieve.bench.checkpoints import make_random_checkpoint
+
+        make_random_checkpoint(model, args.create_model)
+    threads = args.threads or os.cpu_count() or 1
+    loads = parse_loads(args.concurrency, args.request_rate)
+    slo = SLO(args.slo_ttft_ms / 1e3 if args.slo_ttft_ms else None, args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None)
+    key = "concurrency" if loads[0].concurrency is not None else "request_rate"
+    parallel = max(l.concurrency or 32 for l in loads)
+    gguf_dir = Path(args.gguf_dir) if args.gguf_dir else cache_root() / "gguf"
+    log_dir = Path(args.log_dir) if args.log_dir else gguf_dir
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    floor = floor_step_seconds(str(model), args.dtype)  # measured before any server runs
+    sessions = workload_from_args(args).build(load_tokenizer(str(model)))
+    results: dict[str, dict] = {}
+    engines: list[tuple[str, list[str]]] = []
+    port = _free_port()
+    sieve_cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", str(model), "--dtype", args.dtype, "--port", str(port),
+                 "--num-threads", str(threads), "--served-model-name", SERVED_NAME,
+                 "--max-num-seqs", str(max(64, parallel)), *args.sieve_arg]
+    llama_names = {}
+    for name in args.engines.split(","):
+        if name == "sieve":
+            engines.append(("sieve", sieve_cmd))
+        elif name == "sieve-no-prefix-cache":
+            engines.append((name, [*sieve_cmd, "--no-prefix-caching"]))
+            llama_names[name] = "sieve serve --no-prefix-caching"
+        elif name == "llama.cpp":
+            binary = find_llama_server(args)
+            for qtype in args.gguf.split(","):
+                gguf = gguf_dir / f"{model.resolve().name}-{qtype}.gguf"
+                if not gguf.exists() or gguf.stat().st_mtime < (model / "config.json").stat().st_mtime:
+                    export_gguf(model, gguf, qtype)
+                cmd, desc = llama_cmd(binary, gguf, port, threads, parallel, args.ctx_per_slot, LLAMA_FLAGS.get(qtype, []))
+                llama_names[f"llama.cpp {qtype}"] = desc
+                engines.append((f"llama.cpp {qtype}", cmd))
+        else:
+            raise SystemExit(f"unknown engine {name!r}: use sieve, sieve-no-prefix-cache or llama.cpp")
+
+    print(f"peers: {model.name}, {threads} threads each, {args.dataset} workload, loads {[getattr(l, key) for l in loads]}")
+    out = {"model": str(model), "threads": threads, "dataset": args.dataset, "workload": vars(workload_from_args(args)),
+           "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "floor_step_s": floor,
+           "engines": results, "failed": {}, "ratios": {}}
+    for label, cmd in engines:
+        print(f"== {label}: {llama_names.get(label, 'sieve serve')}")
+        try:
+            with Server(cmd, port, log_dir / f"{label.replace(' ', '-')}.log", args.startup_timeout) as server:
+                target = Target(server.base_url, SERVED_NAME, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+                results[label] = sweep(target, sessions, loads, slo, floor_step_s=floor, seed=args.workload_seed,
+                                       progress=args.progress, sessions_per_user=args.prompts_per_user)
+                results[label]["server"] = llama_names.get(label, "sieve serve")
+        except RuntimeError as e:  # one engine that will not start must not lose the others' results
+            print(f"{label} failed: {e}")
+            out["failed"][label] = str(e)[:2000]
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(out, indent=2))
+
+    first = engines[0][0]
+    if first not in results:
+        return 1
+    for label in list(results)[1:]:
+        rows = ratio_table(results[first], results[label], key)
+        out["ratios"][label] = rows
+        print(format_table(rows, key, results[first], results[label], label, first))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        from sieve.bench.plot import plot_sweeps
+
+        plot_sweeps(results, args.plot, f"{' vs '.join(results)}: {model.name}, {args.dataset} workload, {threads} threads each",
+                    slo.ttft_s, slo.tpot_s)
+        print(f"plot written to {args.plot}")
+    return 1 if out["failed"] else 0

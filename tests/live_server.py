@@ -1,0 +1,40 @@
+"""A sieve server on a free port of 127.0.0.1, run from a thread, for the tests that need a live one."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+
+
+def start_server(engine, **app_kwargs):
+    """Serve `engine` on a free port of 127.0.0.1 from a thread; returns (base url, stop function)."""
+    import uvicorn
+
+    from sieve.server.app import create_app
+
+    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY, **app_kwargs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def wait_idle(engine, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.05)
