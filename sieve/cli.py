@@ -17,6 +17,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq"],
+                   help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ)")
+    g.add_argument("--quantization-group-size", type=int, default=128)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="KV cache storage: fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold ~2x the tokens")
+    g.add_argument("--quantize-lm-head", action="store_true")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -79,6 +85,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from sieve.evaluate import evaluate
+
+    options = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+               "quantization_group_size": args.quantization_group_size, "quantize_lm_head": args.quantize_lm_head}
+    try:
+        r = evaluate(args.model, args.data, dtype=args.dtype, window=args.window, max_windows=args.max_windows,
+                     chunk=args.chunk, **options)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    label = ", ".join(f"{k}={v}" for k, v in options.items() if v not in (None, "auto", False, 128)) or "no lossy option"
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"{label}: {r['tokens_scored']} tokens in {r['windows']} windows of {r['window']}")
+        print(f"  perplexity {r['perplexity']:.4f} (reference {r['reference_perplexity']:.4f}), "
+              f"KL {r['kl_divergence']:.5f} nats/token, top-1 agreement {r['top1_agreement']:.2%}, "
+              f"linear weights {r['weight_bytes'] / 1e6:.3f} MB (reference {r['reference_weight_bytes'] / 1e6:.3f} MB)")
+    if args.max_kl is not None and r["kl_divergence"] > args.max_kl:
+        print(f"KL divergence {r['kl_divergence']:.5f} exceeds --max-kl {args.max_kl}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from sieve.quant.awq import awq_quantize
+
+    report = awq_quantize(args.model, args.calib, args.out, group=args.group_size, seq_len=args.seq_len,
+                          max_windows=args.max_windows)
+    awq = sum(v["awq"] for v in report.values())
+    plain = sum(v["plain"] for v in report.values())
+    print(f"output error of the quantized linears on the calibration text: AWQ {awq:.4g} vs plain rounding {plain:.4g} "
+          f"({awq / plain:.2f}x)")
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from sieve.bench.offline import run_offline_benchmark
 
@@ -129,6 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     sv.set_defaults(func=cmd_serve)
+
+    ev = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement of lossy options against the checkpoint")
+    add_engine_args(ev)
+    ev.add_argument("--data", required=True, help="text file to score")
+    ev.add_argument("--window", type=int, default=256, help="tokens per scored window")
+    ev.add_argument("--max-windows", type=int, default=None)
+    ev.add_argument("--chunk", type=int, default=64, help="prefill chunk: later chunks read K/V back from the cache")
+    ev.add_argument("--max-kl", type=float, default=None, help="exit with status 3 when the mean KL exceeds this")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
+
+    qz = sub.add_parser("quantize", help="write an AWQ (INT4, AutoAWQ layout) checkpoint from calibration text")
+    qz.add_argument("--model", required=True)
+    qz.add_argument("--method", default="awq", choices=["awq"])
+    qz.add_argument("--calib", required=True, help="calibration text file")
+    qz.add_argument("--out", required=True)
+    qz.add_argument("--group-size", type=int, default=128)
+    qz.add_argument("--seq-len", type=int, default=256)
+    qz.add_argument("--max-windows", type=int, default=32)
+    qz.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")
     from sieve.plan.command import add_plan_args, run_plan

@@ -13,6 +13,12 @@ class EngineConfig:
     revision: str | None = None
     dtype: str = "auto"  # auto (checkpoint's torch_dtype) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Weight format of the decoder's linear layers: None (the dtype), int8 (W8A16 per channel), fp8 (e4m3
+    # per channel), int4 (groups, plain rounding), awq (int4 with activation-aware scales: an AWQ checkpoint,
+    # e.g. from `sieve quantize`; such a checkpoint is recognised without asking).
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = False
     seed: int = 0
 
     # KV cache
@@ -21,6 +27,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.3  # share of free memory taken when no budget is given
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests)
     enable_prefix_caching: bool = True  # share the KV of full blocks whose whole prefix matches
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (e4m3, per-layer scales) | int8 (per token-head scales)
 
 
     # Scheduler
@@ -43,6 +50,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.quantization not in (None, "int8", "fp8", "int4", "awq"):
+            raise ValueError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
+        if self.quantization_group_size < 1:
+            raise ValueError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:

@@ -65,7 +65,9 @@ class LLMEngine:
         config.max_model_len = max_len
         config.validate()
 
-        model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len)
+        model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len,
+                           quantization=config.quantization, group_size=config.quantization_group_size,
+                           quantize_lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids)
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
@@ -149,6 +151,24 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Logits [T, vocab] (float32) at every position of `token_ids`, for evaluation. Runs between
+        steps on blocks borrowed from the pool; `chunk` splits the prefill so later chunks read the
+        earlier ones through the (possibly quantized) KV cache, as serving does."""
+        from types import SimpleNamespace
+
+        from sieve.model_runner import score_logits
+
+        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
+        if not self.block_manager.allocate(holder, len(token_ids)):
+            raise RequestError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
+        try:
+            step = chunk or len(token_ids)
+            return torch.cat([score_logits(self.runner, token_ids, s, min(s + step, len(token_ids)), holder.block_table)
+                              for s in range(0, len(token_ids), step)])
+        finally:
+            self.block_manager.free(holder)
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

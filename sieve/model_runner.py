@@ -14,7 +14,7 @@ import torch
 from sieve.config import EngineConfig
 from sieve.device import available_memory_bytes
 from sieve.kernels import cpu_ops
-from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk
+from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk, QuantizedKVCacheLayer
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
@@ -39,18 +39,34 @@ class ModelRunner:
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
-        self.kv_dtype = dtype
+        self.kv_kind = config.kv_cache_dtype
+        self.kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kv_kind]
         self.num_blocks = self._plan_num_blocks()
         shape = (2, arch.num_layers, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-        self.caches = [KVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(arch.num_layers)]
+        if self.kv_kind == "auto":
+            self.caches = [KVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(arch.num_layers)]
+        elif self.kv_kind == "int8":
+            self.kv_scales = torch.ones(shape[:-1], dtype=torch.float16, device=device)
+            self.caches = [QuantizedKVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i], "int8", self.kv_scales[0, i],
+                                                 self.kv_scales[1, i]) for i in range(arch.num_layers)]
+        else:  # fp8: the checkpoint's per-layer scales where it has them, else calibrated on the first batch
+            scales = getattr(model, "kv_scales", {})
+            self.caches = [QuantizedKVCacheLayer(
+                self.kv_pool[0, i], self.kv_pool[1, i], "fp8",
+                torch.tensor(float(scales.get((i, "k"), 1.0)), device=device),
+                torch.tensor(float(scales.get((i, "v"), 1.0)), device=device),
+                calibrate=(i, "k") not in scales) for i in range(arch.num_layers)]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
 
     @property
     def block_bytes(self) -> int:
-        return self.arch.kv_bytes_per_token(self.kv_dtype.itemsize) * self.block_size
+        per_token = self.arch.kv_bytes_per_token(self.kv_dtype.itemsize)
+        if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
+            per_token += 2 * self.arch.num_layers * self.arch.num_kv_heads * 2
+        return per_token * self.block_size
 
     def _plan_num_blocks(self) -> int:
         c = self.config
@@ -67,11 +83,17 @@ class ModelRunner:
         # Never more than enough for max_num_seqs sequences at full length (plus one spare each).
         cap = c.max_num_seqs * (-(-c.max_model_len // self.block_size) + 1)
         num_blocks = min(max(budget // self.block_bytes, 1), cap)
+        gain = ""
+        if self.kv_kind != "auto":
+            plain = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+            gain = f"; {plain / self.block_bytes:.2f}x the tokens {str(self.dtype).removeprefix('torch.')} would hold"
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %s)",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %s%s)",
             num_blocks, self.block_size, num_blocks * self.block_size,
-            num_blocks * self.block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."), source,
+            num_blocks * self.block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."), source, gain,
         )
+        if num_blocks == cap:
+            log.info("KV cache capped at max_num_seqs x max_model_len; the budget would hold %d blocks", budget // self.block_bytes)
         return num_blocks
 
     # ---- one step --------------------------------------------------------------------------
@@ -123,6 +145,21 @@ class ModelRunner:
         meta_s = SamplingMetadata.from_seqs([s.seq for s in sampling], self.eos_token_ids, logits.shape[-1], self.device)
         out = sample(logits, meta_s, self.generator)
         return StepResult(list(zip(sampling, out.token_ids.tolist(), _logprob_dicts(out, [s.seq.params.logprobs for s in sampling]))))
+
+
+@torch.inference_mode()
+def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int, block_table: list[int]) -> torch.Tensor:
+    """Float32 logits [end - start, vocab] for positions start..end-1 of one sequence whose tokens
+    before `start` are already in `block_table` (same cache writes and reads as serving, so a
+    quantized KV cache counts)."""
+    bs, dev = runner.block_size, runner.device
+    slots = [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+    table = torch.tensor(block_table[: -(-end // bs)], device=dev)
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), 0, None, None,
+                             [PrefillChunk(0, end - start, end, table)])
+    hidden = runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev),
+                          runner.caches, meta)
+    return runner.model.compute_logits(hidden)
 
 
 def _logprob_dicts(out: SamplerOutput, wanted: list[int | None]) -> list[dict[int, Logprob] | None]:

@@ -139,12 +139,13 @@ def test_sweep_against_a_live_sieve_server(live, llama_dir):
 
     url, engine = live
     tok = AutoTokenizer.from_pretrained(llama_dir)
-    sessions = WorkloadSpec(num_prompts=8, input_len=(8, 40), output_len=(4, 12), seed=0).build(tok)
-    result = sweep(Target(url, MODEL, API_KEY), sessions, parse_loads("1,4", None), SLO(30.0, 5.0), progress=False,
+    points = WorkloadSpec(num_prompts=8, input_len=(8, 40), output_len=(4, 12), seed=0).build_points(tok, 2)
+    assert points[0][0].turns[0].user != points[1][0].turns[0].user  # each load point has its own prompts
+    result = sweep(Target(url, MODEL, API_KEY), points, parse_loads("1,4", None), SLO(30.0, 5.0), progress=False,
                    log=lambda s: None)
     assert [r["concurrency"] for r in result["runs"]] == [1, 4]
-    want = sum(s.turns[0].max_tokens for s in sessions)
-    for r in result["runs"]:
+    for r, sessions in zip(result["runs"], points):
+        want = sum(s.turns[0].max_tokens for s in sessions)
         assert r["completed"] == 8 and r["errors"] == 0 and r["within_slo"]
         assert r["output_token_throughput"] * r["duration_s"] == pytest.approx(want)
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["tpot_s"]["p50"] > 0

@@ -196,3 +196,34 @@ def test_lpm_needs_prefix_caching():
         EngineConfig(scheduling_policy="lpm", enable_prefix_caching=False).validate()
     with pytest.raises(ValueError, match="fcfs"):
         EngineConfig(scheduling_policy="sjf").validate()
+
+
+def test_server_reports_cached_tokens_and_hit_rate(llama_dir):
+    """Over HTTP with the openai client: the second request with the same long prefix says how many
+    of its prompt tokens came from the cache (streamed and not), and /metrics counts the hits."""
+    import httpx
+    import openai
+
+    from live_server import API_KEY, MODEL, start_server
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=512))
+    url, stop = start_server(engine)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        system = "def long_function(argument):\n    return argument * 2\n" * 8
+        first = client.completions.create(model=MODEL, prompt=system + "# first", max_tokens=4, temperature=0)
+        second = client.completions.create(model=MODEL, prompt=system + "# second", max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 16 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+        stream = client.completions.create(model=MODEL, prompt=system + "# third", max_tokens=4, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        assert usage.prompt_tokens_details.cached_tokens == cached
+        page = httpx.get(url + "/metrics").text
+        hits = next(float(l.split()[-1]) for l in page.splitlines() if l.startswith("sieve:prefix_cache_hits_total"))
+        rate = next(float(l.split()[-1]) for l in page.splitlines() if l.startswith("sieve:prefix_cache_hit_rate"))
+        assert hits == 2 * cached and 0 < rate < 1
+    finally:
+        stop()

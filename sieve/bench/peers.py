@@ -217,7 +217,7 @@ def run_peers(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
 
     floor = floor_step_seconds(str(model), args.dtype)  # measured before any server runs
-    sessions = workload_from_args(args).build(load_tokenizer(str(model)))
+    sessions = workload_from_args(args).build_points(load_tokenizer(str(model)), len(loads))
     results: dict[str, dict] = {}
     engines: list[tuple[str, list[str]]] = []
     port = _free_port()

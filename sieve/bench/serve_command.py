@@ -106,7 +106,7 @@ def run_bench_serve(args) -> int:
         loads = parse_loads(args.concurrency, args.request_rate)
         model = args.model or first_model(args.base_url, args.api_key)
         tok_name = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
-        sessions = workload_from_args(args).build(load_tokenizer(tok_name))
+        sessions = workload_from_args(args).build_points(load_tokenizer(tok_name), len(loads))
     except (ValueError, httpx.HTTPError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,8 +114,8 @@ def run_bench_serve(args) -> int:
               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
     floor = floor_step_seconds(args.floor_model, args.floor_dtype) if args.floor_model else None
     target = Target(args.base_url, model, args.api_key, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
-    n_req = sum(len(s.turns) for s in sessions)
-    print(f"bench serve: {model} at {args.base_url}, {args.dataset} workload ({len(sessions)} sessions, {n_req} requests)")
+    n_req = sum(len(s.turns) for s in sessions[0])
+    print(f"bench serve: {model} at {args.base_url}, {args.dataset} workload ({len(sessions[0])} sessions, {n_req} requests per load point)")
     result = sweep(target, sessions, loads, slo, floor_step_s=floor, seed=args.workload_seed, progress=args.progress,
                    sessions_per_user=args.prompts_per_user)
     key = next(k for k in result if k.startswith("max_"))

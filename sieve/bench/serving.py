@@ -169,16 +169,18 @@ def within_slo(summary: dict, slo: SLO) -> bool:
     return slo.tpot_s is None or math.isnan(tpot99) or tpot99 <= slo.tpot_s
 
 
-def sweep(target: Target, sessions: list[Session], loads: list[Load], slo: SLO, floor_step_s: float | None = None,
+def sweep(target: Target, sessions: list[list[Session]], loads: list[Load], slo: SLO, floor_step_s: float | None = None,
           seed: int = 0, progress: bool = True, log=print, sessions_per_user: int | None = None) -> dict:
-    """Every load point in turn on the same sessions (with `sessions_per_user`, a concurrency-c point
-    runs only the first c x that many, so light loads do not take hours). `floor_step_s` (weight bytes /
-    bandwidth) adds each point's fraction of the floor: floor step time / TPOT p50."""
+    """Every load point in turn, point i on `sessions[i]` (each point its own prompts, so no point
+    finds the previous one's prompts in a server's prefix cache; with `sessions_per_user`, a
+    concurrency-c point runs only the first c x that many, so light loads do not take hours).
+    `floor_step_s` (weight bytes / bandwidth) adds each point's fraction of the floor: floor step
+    time / TPOT p50."""
     runs = []
-    for load in loads:
-        todo = sessions
+    for load, point_sessions in zip(loads, sessions, strict=True):
+        todo = point_sessions
         if sessions_per_user and load.concurrency is not None:
-            todo = sessions[: load.concurrency * sessions_per_user]
+            todo = point_sessions[: load.concurrency * sessions_per_user]
         records, duration = asyncio.run(run_load(target, todo, load, seed=seed, progress=progress))
         s = summarize(records, duration, slo)
         s.update({k: v for k, v in asdict(load).items() if v is not None})

@@ -17,6 +17,7 @@ the asked length after the round trip). The server's `usage` gives the counts th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -124,6 +125,10 @@ class WorkloadSpec:
     prefix_len: int = 2000
     turns: int = 4
     seed: int = 0
+
+    def build_points(self, tokenizer, num_points: int) -> list[list[Session]]:
+        """One workload per load point of a sweep, each from its own seed (jsonl: the same file each time)."""
+        return [dataclasses.replace(self, seed=self.seed + 1000 * i).build(tokenizer) for i in range(num_points)]
 
     def build(self, tokenizer) -> list[Session]:
         if self.dataset.startswith("jsonl:"):

@@ -6,7 +6,9 @@ Every new K/V is written to its cache slot; then
     kernel reads them in place from the pool; elsewhere a padded gather + SDPA);
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
     with a causal mask aligned to the chunk's end.
-A later KV dtype (FP8/INT8) changes only `write_kv` and `read_kv`.
+A quantized KV cache (FP8 with a per-layer scale, INT8 with a scale per token and head) changes only
+`write_kv` and `read_kv` (`QuantizedKVCacheLayer`); decodes then take the PyTorch path, which reads
+through `read_kv`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,50 @@ class KVCacheLayer:
         k = self.k[block_table].flatten(-4, -3)
         v = self.v[block_table].flatten(-4, -3)
         return k.to(dtype), v.to(dtype)
+
+
+class QuantizedKVCacheLayer(KVCacheLayer):
+    """K/V stored as fp8 (e4m3, x = q * scale, one scale per layer for K and one for V) or int8
+    (x = q * scale[token, head], scales kept as float16 beside the blocks).
+
+    FP8 scales come from the checkpoint when it has them; otherwise they are calibrated on the first
+    batch written (as vLLM's `calculate_kv_scales`): amax x FP8_MARGIN / 448, so later values up to
+    FP8_MARGIN times larger still fit before clamping."""
+
+    FP8_MARGIN = 2.0
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, kind: str, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, calibrate: bool = False):
+        super().__init__(k, v)
+        self.kind = kind
+        self.k_scale, self.v_scale = k_scale, v_scale  # fp8: float32 scalars; int8: [num_blocks, block_size, kv_heads]
+        self.calibrate = calibrate and kind == "fp8"
+
+    def _quant(self, x: torch.Tensor, scale_store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp8":
+            return (x.float() / scale_store).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        s = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8)  # [T, KVH]
+        scale_store.view(-1, scale_store.shape[-1]).index_copy_(0, slots, s.to(scale_store.dtype))
+        s = s.to(scale_store.dtype).float()  # what will be read back
+        return torch.round(x.float() / s[..., None]).clamp(-127, 127).to(torch.int8)
+
+    # Copies and gathers go through byte views: CPU kernels for them do not all exist for float8.
+    def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.calibrate:
+            self.k_scale.fill_(max(k.abs().max().item() * self.FP8_MARGIN / 448.0, 1e-6))
+            self.v_scale.fill_(max(v.abs().max().item() * self.FP8_MARGIN / 448.0, 1e-6))
+            self.calibrate = False
+        for pool, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
+            pool.view(torch.uint8).view(-1, *pool.shape[2:]).index_copy_(0, slots, self._quant(x, scale, slots).view(torch.uint8))
+
+    def read_kv(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k.view(torch.uint8)[block_table].view(self.k.dtype).flatten(-4, -3).float()
+        v = self.v.view(torch.uint8)[block_table].view(self.v.dtype).flatten(-4, -3).float()
+        if self.kind == "fp8":
+            return (k * self.k_scale).to(dtype), (v * self.v_scale).to(dtype)
+        ks = self.k_scale[block_table].flatten(-3, -2).float()[..., None]
+        vs = self.v_scale[block_table].flatten(-3, -2).float()[..., None]
+        return (k * ks).to(dtype), (v * vs).to(dtype)
 
 
 class Attention(nn.Module):

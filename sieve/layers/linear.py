@@ -1,4 +1,5 @@
-"""Linear layers. Quantization (a later feature) swaps this class at load time; model code never changes.
+"""Linear layers. Quantization replaces the weight by a smaller format at load time (`prepare`) and
+picks that format's kernel (sieve/quant); model code never changes.
 
 `Linear` may hold several checkpoint matrices stacked along the output dimension (q/k/v, gate/up)
 so that one GEMM serves them all; `shard_sizes` says where each lands.
@@ -38,14 +39,31 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.shard_sizes = list(shard_sizes)
         out_features = sum(shard_sizes)
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU bf16/fp16)
         self.gemv = None  # native small-batch kernel (CPU bf16)
         self.gemv_max_rows = 0
+        self.qweight = None  # quantized weight (sieve.quant.formats), replacing `weight`
+        self.qkernel = None
+        self.awq_parts: dict[int, dict[str, torch.Tensor]] = {}  # AWQ checkpoint tensors per output shard
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.shard_sizes)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight one forward reads (the quantized format's, scales included)."""
+        return self.qweight.nbytes if self.qweight is not None else self.weight.numel() * self.weight.element_size()
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        """Copy checkpoint tensor `name` ('weight' or 'bias') into output shard `shard`."""
+        """Copy checkpoint tensor `name` ('weight' or 'bias'; 'qweight', 'qzeros', 'scales' from an AWQ
+        checkpoint) into output shard `shard`."""
+        if name in ("qweight", "qzeros", "scales"):
+            self.awq_parts.setdefault(shard, {})[name] = tensor
+            return
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {name} this layer does not expect")
@@ -55,8 +73,23 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(tensor.shape)}, model {tuple(rows.shape)}")
         rows.copy_(tensor)
 
-    def prepare(self, allow_two_layouts: bool) -> None:
-        """Pick the kernels for this device and dtype, once, after the weights are loaded."""
+    def prepare(self, allow_two_layouts: bool, quantization: str | None = None, group_size: int = 128) -> None:
+        """Pick the kernels for this device and dtype, once, after the weights are loaded; with
+        `quantization`, first replace the weight by that format (the full-precision copy is dropped)."""
+        if quantization is not None:
+            from sieve.quant.formats import quantize
+            from sieve.quant.kernels import make_kernel
+
+            if self.awq_parts:  # an AWQ checkpoint arrives already quantized
+                self.qweight = _join_awq_shards(self.awq_parts, self.shard_sizes, group_size)
+                self.awq_parts = {}
+            elif quantization == "awq":
+                raise ValueError("quantization 'awq' needs an AWQ checkpoint: make one with `sieve quantize --method awq`")
+            else:
+                self.qweight = quantize(self.weight.detach(), quantization, group_size)
+            self.qkernel = make_kernel(self.qweight, self.dtype)
+            self.weight = None
+            return
         w = self.weight
         ops = cpu_ops() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
         if ops is not None and hasattr(ops, "gemv_bf16"):
@@ -68,8 +101,23 @@ class Linear(nn.Module):
                 self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.qkernel is not None:
+            return self.qkernel(x, self.bias)
         if self.gemv is not None and x.shape[0] <= self.gemv_max_rows:
             return self.gemv(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _join_awq_shards(parts: dict[int, dict[str, torch.Tensor]], shard_sizes: list[int], group: int):
+    """AutoAWQ tensors of each stacked matrix (q, k, v or gate, up) -> one int4 weight."""
+    from sieve.quant.awq import from_awq_tensors
+    from sieve.quant.formats import Int4Weight
+
+    if sorted(parts) != list(range(len(shard_sizes))) or any(len(p) != 3 for p in parts.values()):
+        raise ValueError("an AWQ checkpoint must give qweight, qzeros and scales for every matrix of a layer")
+    ws = [from_awq_tensors(parts[i]["qweight"], parts[i]["qzeros"], parts[i]["scales"], n, group)
+          for i, n in enumerate(shard_sizes)]
+    return Int4Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), torch.cat([w.zero for w in ws]),
+                      group, ws[0].k)

@@ -72,6 +72,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, dtype) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
+        self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v") -> FP8 KV scale from the checkpoint
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
 
@@ -89,11 +90,18 @@ class DecoderModel(nn.Module):
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
         return self.lm_head(hidden).float()
 
-    def prepare(self, allow_two_layouts: bool) -> None:
-        """After loading: let every linear layer pick its kernels (two weight layouts only if allowed)."""
-        for m in self.modules():
+    def prepare(self, allow_two_layouts: bool, quantization: str | None = None, group_size: int = 128,
+                quantize_lm_head: bool = False) -> None:
+        """After loading: let every linear layer pick its kernels (two weight layouts only if allowed).
+        With `quantization`, the decoder layers' linears (and the LM head if asked; never the
+        embedding or norms) take that weight format."""
+        for name, m in self.named_modules():
             if isinstance(m, Linear):
-                m.prepare(allow_two_layouts)
+                head = name == "lm_head"
+                q = quantization if quantization and (not head or quantize_lm_head) else None
+                if head and q and self.arch.tie_word_embeddings:
+                    m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
+                m.prepare(allow_two_layouts, q, group_size)
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
@@ -108,6 +116,9 @@ class DecoderModel(nn.Module):
             self.lm_head.load("weight", tensor)
             return True
         parts = name.split(".")
+        if parts[0] == "layers" and parts[-1] in ("k_scale", "v_scale"):  # FP8 KV-cache scales (vLLM / ModelOpt names)
+            self.kv_scales[(int(parts[1]), parts[-1][0])] = float(tensor.float().reshape(-1).max())
+            return True
         if parts[0] == "layers":  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias} or layers.{i}.{norm}.weight
             layer = self.layers[int(parts[1])]
             sub, leaf = parts[-2], parts[-1]

@@ -65,24 +65,44 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int) -> DecoderModel:
+def checkpoint_quantization(config: dict) -> tuple[str | None, int | None]:
+    """('awq', group size) for an AWQ checkpoint, (None, None) for an unquantized one."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None, None
+    method = qc.get("quant_method")
+    if method == "awq" and qc.get("bits", 4) == 4 and qc.get("version", "gemm").lower() == "gemm":
+        return "awq", int(qc.get("group_size", 128))
+    raise ValueError(f"checkpoint quantization {qc!r} is not supported: sieve loads AWQ 4-bit 'gemm' checkpoints")
+
+
+def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False) -> DecoderModel:
+    ckpt_quant, ckpt_group = checkpoint_quantization(read_config(path))
+    if ckpt_quant is not None:
+        if quantization not in (None, ckpt_quant):
+            raise ValueError(f"{path} is already quantized ({ckpt_quant}); it cannot be loaded as {quantization}")
+        quantization, group_size = ckpt_quant, ckpt_group
     with torch.device(device):
         model = DecoderModel(arch, dtype, max_positions)
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(name)
+                is_awq = name.endswith((".qweight", ".qzeros", ".scales"))
+                tensor = tensor.to(device=device) if is_awq else tensor.to(device=device, dtype=dtype)
                 if model.load_weight(name, tensor):
-                    loaded.add(name)
+                    loaded.add(name.replace(".qweight", ".weight") if is_awq else name)
     expected = _expected_names(arch)
     missing = sorted(expected - {n.removeprefix("model.") for n in loaded})
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     # A second weight layout (plain for decode GEMV + packed for batches) only where memory is ample.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    two_layouts = 2 * weight_bytes < 0.4 * available_memory_bytes(device)
-    model.prepare(allow_two_layouts=two_layouts)
+    two_layouts = quantization is None and 2 * weight_bytes < 0.4 * available_memory_bytes(device)
+    model.prepare(allow_two_layouts=two_layouts, quantization=quantization, group_size=group_size,
+                  quantize_lm_head=quantize_lm_head)
     return model.eval()
 
 

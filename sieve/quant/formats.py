@@ -1,0 +1,107 @@
+"""Weight formats: how a [out, in] matrix is stored in fewer bytes, and how to get it back.
+
+    int8   symmetric, one scale per output channel:      w ≈ q * s[n],              q in [-127, 127]
+    fp8    e4m3, one scale per output channel:           w ≈ float(q) * s[n],       |q| <= 448
+    int4   asymmetric, groups of `group` inputs:         w ≈ (q - z[n, g]) * s[n, g], q, z in [0, 15]
+           (an input size that `group` does not divide gets a shorter last group: q is stored padded)
+
+Scales are float32 here; kernels cast them to what they need. int4 keeps one 4-bit value per byte in
+this form (kernels pack them); `pack_int4_pairs` halves that for storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class Int8Weight:
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 2  # scales are kept 16-bit by the kernels
+
+
+@dataclass
+class Fp8Weight:
+    q: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N] float32
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+
+@dataclass
+class Int4Weight:
+    q: torch.Tensor  # [N, Kp] uint8, values 0..15; Kp = K rounded up to a whole number of groups
+    scale: torch.Tensor  # [N, Kp // group] float32
+    zero: torch.Tensor  # [N, Kp // group] uint8, integer zero points 0..15
+    group: int
+    k: int  # the true input size
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        n, kp = self.q.shape
+        q = self.q.to(torch.float32).view(n, kp // self.group, self.group)
+        w = (q - self.zero.to(torch.float32)[..., None]) * self.scale[..., None]
+        return w.view(n, kp)[:, : self.k].to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() // 2 + self.scale.numel() * 2 + self.zero.numel() // 2
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    w = w.to(torch.float32)
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    w = w.to(torch.float32)
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(q, scale)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
+    """Plain rounding to 16 levels between each group's min and max (the min/max always representable)."""
+    n, k = w.shape
+    if group < 1:
+        raise ValueError(f"int4 group size must be >= 1, got {group}")
+    kp = -(-k // group) * group
+    w = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))  # zero padding: the range keeps 0 anyway
+    g = w.view(n, kp // group, group)
+    lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)  # keep 0 exact, as AWQ does
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return Int4Weight(q.view(n, kp).to(torch.uint8), scale, zero.to(torch.uint8), group, k)
+
+
+def quantize(w: torch.Tensor, method: str, group: int = 128):
+    if method == "int8":
+        return quantize_int8(w)
+    if method == "fp8":
+        return quantize_fp8(w)
+    if method in ("int4", "awq"):
+        return quantize_int4(w, group)
+    raise ValueError(f"unknown weight format {method!r}")
+
+
+def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2m] values 0..15 -> [..., m] bytes (low nibble first)."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)

@@ -1,0 +1,176 @@
+"""Quantized weights (int8, fp8, int4, AWQ) and KV cache (fp8, int8): error bounds, kernels against
+their dequantized reference, AWQ on real weights, capacity, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sieve.quant.formats import quantize_fp8, quantize_int4, quantize_int8
+from sieve.quant.kernels import make_kernel
+
+SHARED_MODEL = "stories260K"
+
+
+@pytest.fixture(scope="module")
+def stories(request):
+    from conftest import SHARED
+
+    path = SHARED / "models" / SHARED_MODEL
+    if not path.exists():
+        pytest.fail(f"{path} is missing: ../shared holds the real checkpoint these tests measure")
+    return path
+
+
+def test_int8_per_channel_round_trip_is_within_half_a_step():
+    w = torch.randn(96, 200) * torch.rand(96, 1) * 3
+    q = quantize_int8(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (96,)
+    assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all()
+
+
+def test_fp8_round_trip_keeps_three_mantissa_bits():
+    w = torch.randn(64, 128) * torch.rand(64, 1) * 5
+    q = quantize_fp8(w)
+    assert q.q.dtype == torch.float8_e4m3fn
+    err = (q.dequantize() - w).abs()
+    # e4m3: relative error <= 2^-4 for normal numbers; tiny values are absolute (subnormal step)
+    assert (err <= w.abs() * 2**-4 + q.scale[:, None] * 2**-9 + 1e-7).all()
+
+
+@pytest.mark.parametrize("k,group", [(256, 128), (200, 64), (172, 128)])  # whole groups, and a short last group
+def test_int4_groupwise_round_trip(k, group):
+    w = torch.randn(48, k)
+    q = quantize_int4(w, group)
+    assert q.q.max() <= 15 and q.zero.max() <= 15 and q.scale.shape == (48, -(-k // group))
+    step = q.scale.repeat_interleave(group, dim=1)[:, :k]
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    groups = -(-k // group)  # 4 bits per (padded) weight, a 16-bit scale and a 4-bit zero per group
+    assert q.nbytes == 48 * groups * group // 2 + 48 * groups * 2 + 48 * groups // 2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3, 32])  # the packed small-batch kernels and the dequantize + GEMM path
+def test_kernels_match_their_dequantized_weight(fmt, rows):
+    torch.manual_seed(0)
+    w = torch.randn(256, 256) * 0.05
+    qw = {"int8": quantize_int8, "int4": lambda t: quantize_int4(t, 128), "fp8": quantize_fp8}[fmt](w)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    bias = torch.randn(256).to(torch.bfloat16)
+    got = make_kernel(qw, torch.bfloat16)(x, bias).float()
+    want = F.linear(x.float(), qw.dequantize(), bias.float())
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_quantized_engine_stays_close_to_the_checkpoint(stories, method):
+    """On the real (trained) checkpoint: low KL and high top-1 agreement; weights shrink."""
+    from sieve.evaluate import evaluate
+
+    r = evaluate(str(stories), stories.parents[1] / "data" / "tinystories_valid_sample.txt", window=128, max_windows=3,
+                 quantization=method, quantization_group_size=32)
+    assert r["weight_bytes"] < 0.4 * r["reference_weight_bytes"]
+    bound = {"int8": 0.01, "fp8": 0.05, "int4": 0.3}[method]
+    assert r["kl_divergence"] < bound and r["top1_agreement"] > 0.7
+    assert r["perplexity"] >= r["reference_perplexity"] * 0.97
+
+
+def test_awq_beats_plain_rounding_and_its_checkpoint_reloads(stories, tmp_path):
+    from safetensors.torch import load_file
+
+    from sieve import LLM, SamplingParams
+    from sieve.quant.awq import awq_quantize, from_awq_tensors, to_awq_tensors
+
+    data = stories.parents[1] / "data" / "tinystories_valid_sample.txt"
+    report = awq_quantize(stories, data, tmp_path / "awq", group=32, seq_len=128, max_windows=8, log=lambda s: None)
+    awq, plain = sum(v["awq"] for v in report.values()), sum(v["plain"] for v in report.values())
+    assert awq < 0.9 * plain  # the activation-aware scales cut the output error of the quantized linears
+
+    cfg = json.loads((tmp_path / "awq" / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    tensors = load_file(str(tmp_path / "awq" / "model.safetensors"))
+    qw = tensors["model.layers.0.mlp.gate_proj.qweight"]
+    assert qw.dtype == torch.int32 and qw.shape == (64, 22)  # [in, ceil(172 / 8)]
+
+    # pack -> unpack is exact
+    w4 = quantize_int4(torch.randn(172, 64), 32)
+    back = from_awq_tensors(**to_awq_tensors(w4), out_features=172, group=32)
+    assert torch.equal(back.q, w4.q) and torch.equal(back.zero, w4.zero) and torch.allclose(back.scale, w4.scale, rtol=1e-3)
+
+    # the checkpoint loads (recognised from its config), twice the same, and speaks like the original
+    prompts = ["Once upon a time", "The little dog"]
+    p = SamplingParams(max_tokens=24, temperature=0)
+    a = LLM(str(tmp_path / "awq"), dtype="float32", num_gpu_blocks_override=64).generate(prompts, p)
+    b = LLM(str(tmp_path / "awq"), dtype="float32", num_gpu_blocks_override=64).generate(prompts, p)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    ref = LLM(str(stories), dtype="float32", num_gpu_blocks_override=64).generate(prompts, p)
+    same = sum(x == y for o, r in zip(a, ref) for x, y in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
+    assert same >= 0.5 * 48
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(str(tmp_path / "awq"), quantization="int8")
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_kv_cache_attention_is_close(stories, kv):
+    """Logits read through a quantized cache (prefill in chunks, so later chunks read it back) against
+    the model-dtype cache, on the real checkpoint; and greedy decoding through the decode path."""
+    from sieve.evaluate import _engine
+
+    plain = _engine(str(stories), "float32", 128)
+    text = (stories.parents[1] / "data" / "tinystories_valid_sample.txt").read_text()
+    ids = plain.tokenizer(text).input_ids[:120]
+    ref = plain.score(ids, chunk=16)
+    got = _engine(str(stories), "float32", 128, kv_cache_dtype=kv).score(ids, chunk=16)
+    lr, lg = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = (lr.exp() * (lr - lg)).sum(-1).mean().item()
+    assert 0 < kl < {"fp8": 0.05, "int8": 0.01}[kv]  # e4m3 keeps 3 mantissa bits; int8 per token-head ~7
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+    from sieve import LLM, SamplingParams
+
+    p = SamplingParams(max_tokens=32, temperature=0)
+    a = LLM(str(stories), dtype="float32", kv_cache_dtype=kv, num_gpu_blocks_override=32).generate(["Once upon a time"], p)
+    b = LLM(str(stories), dtype="float32", num_gpu_blocks_override=32).generate(["Once upon a time"], p)
+    assert a[0].outputs[0].token_ids[:16] == b[0].outputs[0].token_ids[:16]
+
+
+def test_kv_capacity_doubles_in_the_same_memory(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    def blocks(kv):
+        e = LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype=kv,
+                                   max_num_seqs=1024))
+        return e.block_manager.num_blocks, e.arch.head_dim
+
+    base, d = blocks("auto")
+    fp8, _ = blocks("fp8")
+    int8, _ = blocks("int8")
+    assert fp8 == pytest.approx(2 * base, abs=1)
+    assert int8 == pytest.approx(2 * base * d / (d + 2), abs=1)  # a float16 scale per token and head
+
+
+def test_unsupported_combinations_are_clear_errors(llama_dir):
+    from sieve import LLM
+    from sieve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="AWQ checkpoint"):
+        LLM(str(llama_dir), quantization="awq")
+    for bad in (dict(quantization="int3"), dict(kv_cache_dtype="fp4"), dict(quantization_group_size=0)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad).validate()
+
+
+def test_cli_eval_gates_on_max_kl(stories, capsys):
+    from sieve.cli import main
+
+    data = str(stories.parents[1] / "data" / "tinystories_valid_sample.txt")
+    base = ["eval", "--model", str(stories), "--data", data, "--window", "64", "--max-windows", "2", "--quantization", "int4",
+            "--quantization-group-size", "32"]
+    assert main(base + ["--json"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads(out[out.index("{"):])
+    assert r["kl_divergence"] > 0 and 0 < r["top1_agreement"] <= 1
+    assert main(base + ["--max-kl", "1e-9"]) == 3
