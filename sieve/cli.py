@@ -92,11 +92,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
                "quantization_group_size": args.quantization_group_size, "quantize_lm_head": args.quantize_lm_head}
     try:
         r = evaluate(args.model, args.data, dtype=args.dtype, window=args.window, max_windows=args.max_windows,
-                     chunk=args.chunk, **options)
+                     chunk=args.chunk, reference=args.reference, **options)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     label = ", ".join(f"{k}={v}" for k, v in options.items() if v not in (None, "auto", False, 128)) or "no lossy option"
+    if args.reference:
+        label = f"{args.model} against {args.reference}" + ("" if label == "no lossy option" else f", {label}")
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -126,6 +128,16 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     from sieve.bench.offline import run_offline_benchmark
 
     result = run_offline_benchmark(args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def cmd_bench_quant(args: argparse.Namespace) -> int:
+    from sieve.bench.quant import run_quant_benchmark
+
+    result = run_quant_benchmark(args)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement of lossy options against the checkpoint")
     add_engine_args(ev)
     ev.add_argument("--data", required=True, help="text file to score")
+    ev.add_argument("--reference", default=None, help="unquantized checkpoint to compare with (default: --model as it is)")
     ev.add_argument("--window", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-windows", type=int, default=None)
     ev.add_argument("--chunk", type=int, default=64, help="prefill chunk: later chunks read K/V back from the cache")
@@ -222,6 +235,19 @@ def main(argv: list[str] | None = None) -> int:
 
     add_peers_args(pe)
     pe.set_defaults(func=run_peers)
+    bq = bench.add_parser("quant", help="each weight format against bf16 (batch 1, many at once) and KV capacity per KV dtype")
+    bq.add_argument("--model", required=True)
+    bq.add_argument("--formats", default="bf16,int8,fp8,int4,awq")
+    bq.add_argument("--awq-model", default=None, help="AWQ checkpoint of the same model (from `sieve quantize`)")
+    bq.add_argument("--group-size", type=int, default=128)
+    bq.add_argument("--batch1-tokens", type=int, default=64)
+    bq.add_argument("--concurrent", type=int, default=32)
+    bq.add_argument("--prompt-len", type=int, default=128)
+    bq.add_argument("--output-len", type=int, default=64)
+    bq.add_argument("--kv-context", type=int, default=4096)
+    bq.add_argument("--kv-memory-gb", type=float, default=2.0)
+    bq.add_argument("--output-json", default=None)
+    bq.set_defaults(func=cmd_bench_quant)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

@@ -93,3 +93,24 @@ def test_linear_picks_gemv_for_small_batches_and_packed_for_large(monkeypatch):
         torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, lin.weight, lin.bias).float(), atol=0.1, rtol=0.02)
     if lin.gemv is not None:
         assert calls == ["gemv", "gemv"] and lin.packed is not None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_native_one_byte_weight_kernels_decode_every_code(fmt):
+    """dequant_q8 and gemv_q8 widen every int8 / e4m3 code (fp8: subnormals and signed zero too)
+    exactly as PyTorch's conversion does."""
+    ops = cpu_ops()
+    if not hasattr(ops, "gemv_q8"):
+        pytest.skip("this CPU has no AVX512-BF16: the one-byte-weight kernels are not built")
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    q = codes.view(torch.int8) if fmt == "int8" else codes.view(torch.float8_e4m3fn)
+    exact = q.float()
+    finite = ~exact.isnan()  # e4m3 has two NaN codes (0x7f, 0xff); quantization never writes them
+    q = q[finite].reshape(2, -1) if fmt == "fp8" else q.reshape(4, -1)
+    exact = exact[finite].reshape(q.shape)
+    scale = torch.tensor([0.5, 2.0, 1.0, 0.25][: q.shape[0]])
+    want = exact * scale[:, None]
+    torch.testing.assert_close(ops.dequant_q8(q, scale).float(), want.bfloat16().float(), rtol=0, atol=0)
+    # one-hot rows pick out single columns: y[m, n] = w[n, m] * scale[n], exactly (then rounded to bf16)
+    x = torch.eye(4, q.shape[1]).bfloat16()
+    torch.testing.assert_close(ops.gemv_q8(x, q, scale, None).float(), want[:, :4].t().bfloat16().float(), rtol=0, atol=0)

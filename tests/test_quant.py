@@ -45,7 +45,7 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
 def test_int4_groupwise_round_trip(k, group):
     w = torch.randn(48, k)
     q = quantize_int4(w, group)
-    assert q.q.max() <= 15 and q.zero.max() <= 15 and q.scale.shape == (48, -(-k // group))
+    assert q.values().max() <= 15 and q.zero.max() <= 15 and q.scale.shape == (48, -(-k // group))
     step = q.scale.repeat_interleave(group, dim=1)[:, :k]
     assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
     groups = -(-k // group)  # 4 bits per (padded) weight, a 16-bit scale and a 4-bit zero per group
@@ -98,7 +98,7 @@ def test_awq_beats_plain_rounding_and_its_checkpoint_reloads(stories, tmp_path):
     # pack -> unpack is exact
     w4 = quantize_int4(torch.randn(172, 64), 32)
     back = from_awq_tensors(**to_awq_tensors(w4), out_features=172, group=32)
-    assert torch.equal(back.q, w4.q) and torch.equal(back.zero, w4.zero) and torch.allclose(back.scale, w4.scale, rtol=1e-3)
+    assert torch.equal(back.packed, w4.packed) and torch.equal(back.zero, w4.zero) and torch.allclose(back.scale, w4.scale, rtol=1e-3)
 
     # the checkpoint loads (recognised from its config), twice the same, and speaks like the original
     prompts = ["Once upon a time", "The little dog"]

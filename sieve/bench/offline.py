@@ -114,7 +114,7 @@ def profile_batch1(llm, tokens: int = 32) -> dict:
     def timed(self, x):
         t = time.perf_counter()
         y = original(self, x)
-        key = tuple(self.weight.shape)
+        key = (self.out_features, self.in_features)
         spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
         return y
 
@@ -131,15 +131,15 @@ def profile_batch1(llm, tokens: int = 32) -> dict:
         step_s = (time.perf_counter() - t) / steps
     finally:
         Linear.forward = original
-    counts: dict[tuple, int] = {}
+    shape_bytes: dict[tuple, int] = {}  # weight bytes read per step, per shape (quantized formats count their own)
     for m in linears:
-        counts[tuple(m.weight.shape)] = counts.get(tuple(m.weight.shape), 0) + 1
-    elem = linears[0].weight.element_size()
+        key = (m.out_features, m.in_features)
+        shape_bytes[key] = shape_bytes.get(key, 0) + m.weight_bytes
     per_shape = {f"{n}x{k}": dict(ms_per_step=spent[(n, k)] / steps * 1e3,
-                                  gbps=counts[(n, k)] * n * k * elem / (spent[(n, k)] / steps) / 1e9)
+                                  gbps=shape_bytes[(n, k)] / (spent[(n, k)] / steps) / 1e9)
                  for (n, k) in spent}
     linear_s = sum(spent.values()) / steps
-    xs = {m.in_features: torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in linears}
+    xs = {m.in_features: torch.randn(1, m.in_features, dtype=m.dtype) for m in linears}
     with torch.inference_mode():
         for _ in range(2):
             [m(xs[m.in_features]) for m in linears]
@@ -148,7 +148,7 @@ def profile_batch1(llm, tokens: int = 32) -> dict:
             t = time.perf_counter()
             [m(xs[m.in_features]) for m in linears]
             iso.append(time.perf_counter() - t)
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    weight_bytes = sum(m.weight_bytes for m in linears)
     isolated_s = statistics.median(iso)
     return dict(step_ms=step_s * 1e3, linear_ms=linear_s * 1e3, other_ms=(step_s - linear_s) * 1e3,
                 linear_gbps_in_step=weight_bytes / linear_s / 1e9, per_shape=per_shape,

@@ -119,5 +119,5 @@ def _join_awq_shards(parts: dict[int, dict[str, torch.Tensor]], shard_sizes: lis
         raise ValueError("an AWQ checkpoint must give qweight, qzeros and scales for every matrix of a layer")
     ws = [from_awq_tensors(parts[i]["qweight"], parts[i]["qzeros"], parts[i]["scales"], n, group)
           for i, n in enumerate(shard_sizes)]
-    return Int4Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), torch.cat([w.zero for w in ws]),
+    return Int4Weight(torch.cat([w.packed for w in ws]), torch.cat([w.scale for w in ws]), torch.cat([w.zero for w in ws]),
                       group, ws[0].k)

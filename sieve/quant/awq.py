@@ -56,7 +56,7 @@ def unpack_awq(packed: torch.Tensor, cols: int) -> torch.Tensor:
 
 def to_awq_tensors(w: Int4Weight) -> dict[str, torch.Tensor]:
     """Our [out, in] int4 weight -> AutoAWQ's qweight / qzeros / scales."""
-    return {"qweight": pack_awq(w.q[:, : w.k].t()), "qzeros": pack_awq(w.zero.t()),
+    return {"qweight": pack_awq(w.values()[:, : w.k].t()), "qzeros": pack_awq(w.zero.t()),
             "scales": w.scale.t().contiguous().to(torch.float16)}
 
 
@@ -68,7 +68,7 @@ def from_awq_tensors(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     q = torch.nn.functional.pad(q, (0, groups * group - k))
     zero = unpack_awq(qzeros, out_features).t().contiguous()
     scale = scales.to(torch.float32)[:, :out_features].t().contiguous()
-    return Int4Weight(q, scale, zero, group, k)
+    return Int4Weight.from_values(q, scale, zero, group, k)
 
 
 def awq_config(group: int) -> dict:

@@ -5,8 +5,8 @@
     int4   asymmetric, groups of `group` inputs:         w ≈ (q - z[n, g]) * s[n, g], q, z in [0, 15]
            (an input size that `group` does not divide gets a shorter last group: q is stored padded)
 
-Scales are float32 here; kernels cast them to what they need. int4 keeps one 4-bit value per byte in
-this form (kernels pack them); `pack_int4_pairs` halves that for storage.
+Scales are float32 here; kernels cast them to what they need. int4 values are stored two per byte
+(low nibble first); `values()` unpacks them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclass
-class Int8Weight:
-    q: torch.Tensor  # [N, K] int8
+class ChannelScaledWeight:
+    """int8 or fp8 (e4m3) values with one scale per output channel: w ≈ q * scale[n]."""
+
+    q: torch.Tensor  # [N, K] int8 or float8_e4m3fn
     scale: torch.Tensor  # [N] float32
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
@@ -32,49 +34,46 @@ class Int8Weight:
 
 
 @dataclass
-class Fp8Weight:
-    q: torch.Tensor  # [N, K] float8_e4m3fn
-    scale: torch.Tensor  # [N] float32
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
-
-
-@dataclass
 class Int4Weight:
-    q: torch.Tensor  # [N, Kp] uint8, values 0..15; Kp = K rounded up to a whole number of groups
+    packed: torch.Tensor  # [N, Kp / 2] uint8, two values 0..15 per byte; Kp = K rounded up to whole groups
     scale: torch.Tensor  # [N, Kp // group] float32
     zero: torch.Tensor  # [N, Kp // group] uint8, integer zero points 0..15
     group: int
     k: int  # the true input size
 
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scale, zero, group: int, k: int) -> "Int4Weight":
+        return cls(pack_int4_pairs(q), scale, zero, group, k)
+
+    def values(self) -> torch.Tensor:
+        """[N, Kp] uint8 values 0..15."""
+        p = self.packed
+        return torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        n, kp = self.q.shape
-        q = self.q.to(torch.float32).view(n, kp // self.group, self.group)
+        q = self.values()
+        n, kp = q.shape
+        q = q.to(torch.float32).view(n, kp // self.group, self.group)
         w = (q - self.zero.to(torch.float32)[..., None]) * self.scale[..., None]
         return w.view(n, kp)[:, : self.k].to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() // 2 + self.scale.numel() * 2 + self.zero.numel() // 2
+        return self.packed.numel() + self.scale.numel() * 2 + self.zero.numel() // 2
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Weight:
+def quantize_int8(w: torch.Tensor) -> ChannelScaledWeight:
     w = w.to(torch.float32)
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q, scale)
+    return ChannelScaledWeight(q, scale)
 
 
-def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+def quantize_fp8(w: torch.Tensor) -> ChannelScaledWeight:
     w = w.to(torch.float32)
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8Weight(q, scale)
+    return ChannelScaledWeight(q, scale)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
@@ -89,7 +88,7 @@ def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
     scale = ((hi - lo) / 15).clamp(min=1e-8)
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    return Int4Weight(q.view(n, kp).to(torch.uint8), scale, zero.to(torch.uint8), group, k)
+    return Int4Weight.from_values(q.view(n, kp).to(torch.uint8), scale, zero.to(torch.uint8), group, k)
 
 
 def quantize(w: torch.Tensor, method: str, group: int = 128):
