@@ -97,20 +97,92 @@ def test_linear_picks_gemv_for_small_batches_and_packed_for_large(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_native_one_byte_weight_kernels_decode_every_code(fmt):
-    """dequant_q8 and gemv_q8 widen every int8 / e4m3 code (fp8: subnormals and signed zero too)
-    exactly as PyTorch's conversion does."""
+    """The blocked kernel and its dequantize read every int8 / e4m3 code (fp8: subnormals and signed
+    zero too) exactly as PyTorch converts it."""
+    from sieve.quant.kernels import block_bytes
+
     ops = cpu_ops()
-    if not hasattr(ops, "gemv_q8"):
-        pytest.skip("this CPU has no AVX512-BF16: the one-byte-weight kernels are not built")
+    if not hasattr(ops, "qmatmul_q8"):
+        pytest.skip("this CPU has no AVX512-BF16: the quantized kernels are not built")
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     q = codes.view(torch.int8) if fmt == "int8" else codes.view(torch.float8_e4m3fn)
-    exact = q.float()
-    finite = ~exact.isnan()  # e4m3 has two NaN codes (0x7f, 0xff); quantization never writes them
-    q = q[finite].reshape(2, -1) if fmt == "fp8" else q.reshape(4, -1)
-    exact = exact[finite].reshape(q.shape)
-    scale = torch.tensor([0.5, 2.0, 1.0, 0.25][: q.shape[0]])
-    want = exact * scale[:, None]
-    torch.testing.assert_close(ops.dequant_q8(q, scale).float(), want.bfloat16().float(), rtol=0, atol=0)
-    # one-hot rows pick out single columns: y[m, n] = w[n, m] * scale[n], exactly (then rounded to bf16)
-    x = torch.eye(4, q.shape[1]).bfloat16()
-    torch.testing.assert_close(ops.gemv_q8(x, q, scale, None).float(), want[:, :4].t().bfloat16().float(), rtol=0, atol=0)
+    finite = ~q.float().isnan()  # e4m3 has two NaN codes (0x7f, 0xff); quantization never writes them
+    q = q[finite].reshape(-1, 2)  # [127 or 128 rows, 2 inputs]
+    scale = torch.rand(q.shape[0]) + 0.5
+    want = q.float() * scale[:, None]
+    fp8 = fmt == "fp8"
+    code = 1 if fp8 else 0
+    dense = ops.qdequant(block_bytes(q), code, scale, None, 0, q.shape[0], 2)
+    torch.testing.assert_close(dense.float(), want.bfloat16().float(), rtol=0, atol=0)
+    # one-hot rows of x pick out single inputs: y[m, n] = w[n, m] * scale[n], exactly (then rounded to bf16)
+    got = ops.qmatmul_q8(torch.eye(2).bfloat16(), block_bytes(q), fp8, scale, None, q.shape[0])
+    torch.testing.assert_close(got.float(), want.t().bfloat16().float(), rtol=0, atol=0)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between two bf16 tensors in units in the last place."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return int((ia - ib).abs().max())
+
+
+def test_fused_layer_ops_round_like_the_pytorch_path():
+    import torch.nn.functional as F
+
+    from sieve.layers.rotary import RotaryEmbedding
+
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 896, generator=g) * 3).bfloat16()
+    r = (torch.randn(5, 896, generator=g) * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(896, generator=g)).bfloat16()
+    out, total = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(total, x + r)
+    assert _bf16_ulps(out, F.rms_norm(x + r, (896,), w, 1e-6)) <= 1  # only the float32 sum of squares is ordered differently
+    out_only, same = ops.add_rms_norm(x, None, w, 1e-6)
+    assert same.data_ptr() == x.data_ptr() and _bf16_ulps(out_only, F.rms_norm(x, (896,), w, 1e-6)) <= 1
+
+    gate_up = (torch.randn(3, 2 * 160, generator=g) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert _bf16_ulps(ops.silu_mul(gate_up), F.silu(gate) * up) <= 1  # float32 exp differs by an ulp at most
+
+    rope = RotaryEmbedding(64, 4096, 1e6, None)
+    positions = torch.tensor([0, 7, 4095])
+    qkv = (torch.randn(3, (6 + 2 * 2) * 64, generator=g)).bfloat16()
+    qk = qkv[:, : 8 * 64].view(3, 8, 64)  # q and k heads of a fused projection, rows strided by q|k|v
+    cos, sin = rope.cos[positions].bfloat16(), rope.sin[positions].bfloat16()
+    want = qk * torch.cat((cos, cos), -1)[:, None] + qk.roll(32, dims=-1) * torch.cat((-sin, sin), -1)[:, None]
+    v_before = qkv[:, 8 * 64 :].clone()
+    ops.rotary_(qk, positions, rope.cos, rope.sin)
+    assert torch.equal(qk, want)  # bit for bit
+    assert torch.equal(qkv[:, 8 * 64 :], v_before)  # v untouched
+
+
+def test_bf16_engine_agrees_with_and_without_native_kernels(checkpoints):
+    """Every native kernel off (SIEVE_NO_NATIVE) against on, in bf16 where they are used: the same
+    logprobs to within bf16 rounding, and the same greedy tokens while the top two are not near-tied."""
+    import os
+
+    from sieve import LLM
+    from sieve.kernels import cpu_ops as ops_fn
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(native: bool):
+        os.environ.pop("SIEVE_NO_NATIVE", None) if native else os.environ.__setitem__("SIEVE_NO_NATIVE", "1")
+        ops_fn.cache_clear()
+        try:
+            return LLM(str(checkpoints["qwen2"]), dtype="bfloat16", num_gpu_blocks_override=64).generate(prompts, params)
+        finally:
+            os.environ.pop("SIEVE_NO_NATIVE", None)
+            ops_fn.cache_clear()
+
+    with_native, without = run(True), run(False)
+    assert ops_fn() is not None
+    for a, b in zip(with_native, without):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        token = b.outputs[0].token_ids[0]
+        assert a.outputs[0].token_ids[0] == token
+        assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)

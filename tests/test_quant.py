@@ -53,16 +53,34 @@ def test_int4_groupwise_round_trip(k, group):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
-@pytest.mark.parametrize("rows", [1, 3, 32])  # the packed small-batch kernels and the dequantize + GEMM path
-def test_kernels_match_their_dequantized_weight(fmt, rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 65])  # decode sizes, several row tiles, and decode + GEMM past the tile limit
+@pytest.mark.parametrize("shape", [(256, 256), (200, 130)])  # whole blocks, and padded rows / a short last group
+def test_kernels_match_their_dequantized_weight(fmt, rows, shape):
     torch.manual_seed(0)
-    w = torch.randn(256, 256) * 0.05
-    qw = {"int8": quantize_int8, "int4": lambda t: quantize_int4(t, 128), "fp8": quantize_fp8}[fmt](w)
-    x = torch.randn(rows, 256).to(torch.bfloat16)
-    bias = torch.randn(256).to(torch.bfloat16)
-    got = make_kernel(qw, torch.bfloat16)(x, bias).float()
+    n, k = shape
+    w = torch.randn(n, k) * 0.05
+    qw = {"int8": quantize_int8, "int4": lambda t: quantize_int4(t, 64), "fp8": quantize_fp8}[fmt](w)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    kernel = make_kernel(qw, torch.bfloat16)
+    got = kernel(x, bias).float()
     want = F.linear(x.float(), qw.dequantize(), bias.float())
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert got.shape == (rows, n)
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output rounding
+    assert kernel.nbytes == qw.nbytes
+    torch.testing.assert_close(kernel.dense().float(), qw.dequantize(), atol=qw.dequantize().abs().max().item() / 128, rtol=0)
+
+
+def test_native_kernel_is_chosen_for_bf16_on_cpu():
+    from sieve.kernels import cpu_ops
+    from sieve.quant.kernels import BlockedKernel
+
+    if not hasattr(cpu_ops(), "qmatmul_q8"):
+        pytest.skip("this CPU has no AVX512-BF16: the quantized kernels are not built")
+    w = torch.randn(64, 128)
+    for q in (quantize_int8(w), quantize_fp8(w), quantize_int4(w, 64)):
+        assert isinstance(make_kernel(q, torch.bfloat16), BlockedKernel)
+        assert not isinstance(make_kernel(q, torch.float32), BlockedKernel)  # float32 activations: PyTorch's path
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4"])

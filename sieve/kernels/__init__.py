@@ -16,7 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("sieve")
-_SRC = Path(__file__).with_name("cpu_kernels.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "qmatmul.cpp", "module.cpp")  # and kernels.h, which they include
 
 
 def _cpu_signature() -> str:
@@ -36,12 +37,13 @@ def cpu_ops():
 
         from sieve.demo import cache_root
 
-        key = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:10] + "-" + _cpu_signature()
+        text = b"".join((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
+        key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature()
         build = cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         return load(
-            name=f"sieve_cpu_ops_{key.replace('-', '_')}", sources=[str(_SRC)], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"], verbose=False,
+            name=f"sieve_cpu_ops_{key.replace('-', '_')}", sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, unsupported platform
         log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)

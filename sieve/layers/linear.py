@@ -5,9 +5,10 @@ picks that format's kernel (sieve/quant); model code never changes.
 so that one GEMM serves them all; `shard_sizes` says where each lands.
 
 Kernels, chosen once after loading (`prepare`), by shape and device, from measurements on this machine:
-  - CPU, bf16, up to `gemv_max_rows` rows (decode): the native two-stream GEMV (sieve/kernels), 26.5 GB/s
-    over a whole 0.5B model's weights against 21.8 GB/s for oneDNN. Needs the plain weight, so when a
-    packed copy is kept too, weights take twice the memory; the loader allows it only where memory is ample.
+  - CPU, bf16, up to `gemv_max_rows` rows (decode): the native two-stream GEMV (sieve/kernels), 21 ms per
+    pass over a whole 0.5B model's weights (46 GB/s) against ~26 ms for oneDNN. Needs the plain weight, so
+    when a packed copy is kept too, weights take twice the memory; the loader allows it only where memory
+    is ample.
   - CPU, bf16/fp16, larger batches: oneDNN's prepacked weight layout (`mkldnn._linear_pointwise`),
     1.4-1.6x the throughput of `F.linear` on the same weights from batch 1 to 256, bit-identical output.
   - everything else (float32, CUDA): `F.linear`.
@@ -45,8 +46,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU bf16/fp16)
         self.gemv = None  # native small-batch kernel (CPU bf16)
         self.gemv_max_rows = 0
-        self.qweight = None  # quantized weight (sieve.quant.formats), replacing `weight`
-        self.qkernel = None
+        self.qkernel = None  # quantized weight and its kernel (sieve.quant), replacing `weight`
         self.awq_parts: dict[int, dict[str, torch.Tensor]] = {}  # AWQ checkpoint tensors per output shard
 
     @property
@@ -56,7 +56,7 @@ class Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes of weight one forward reads (the quantized format's, scales included)."""
-        return self.qweight.nbytes if self.qweight is not None else self.weight.numel() * self.weight.element_size()
+        return self.qkernel.nbytes if self.qkernel is not None else self.weight.numel() * self.weight.element_size()
 
     def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """Copy checkpoint tensor `name` ('weight' or 'bias'; 'qweight', 'qzeros', 'scales' from an AWQ
@@ -81,13 +81,13 @@ class Linear(nn.Module):
             from sieve.quant.kernels import make_kernel
 
             if self.awq_parts:  # an AWQ checkpoint arrives already quantized
-                self.qweight = _join_awq_shards(self.awq_parts, self.shard_sizes, group_size)
+                qweight = _join_awq_shards(self.awq_parts, self.shard_sizes, group_size)
                 self.awq_parts = {}
             elif quantization == "awq":
                 raise ValueError("quantization 'awq' needs an AWQ checkpoint: make one with `sieve quantize --method awq`")
             else:
-                self.qweight = quantize(self.weight.detach(), quantization, group_size)
-            self.qkernel = make_kernel(self.qweight, self.dtype)
+                qweight = quantize(self.weight.detach(), quantization, group_size)
+            self.qkernel = make_kernel(qweight, self.dtype)
             self.weight = None
             return
         w = self.weight

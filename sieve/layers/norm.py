@@ -1,11 +1,18 @@
-"""RMSNorm. `F.rms_norm` computes in float32 internally: bit-identical to the Hugging Face formula
-(cast to float32, normalise, cast back, scale) in float32 and bfloat16, with fewer kernel launches."""
+"""RMSNorm, with the residual add of a pre-norm decoder fused in (as vLLM does):
+`norm(x)` -> normed x; `norm(x, residual)` -> (normed (x + residual), x + residual).
+
+bf16 rows on CPU go through one native kernel (sieve/kernels/layer_ops.cpp); everything else through
+`F.rms_norm`, which computes in float32 internally and matches the Hugging Face formula (cast to
+float32, normalise, cast back, scale) in float32 and bfloat16. The native kernel rounds where that
+formula rounds; only the order of its float32 sum of squares differs."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sieve.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,5 +21,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = _native(x)
+        if ops is not None and (residual is None or _native(residual) is not None):
+            out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        total = x + residual
+        return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
+
+
+def _native(x: torch.Tensor):
+    """The native kernels if they take `x`: bf16 [T, H] on CPU with contiguous rows."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return cpu_ops()

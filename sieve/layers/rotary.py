@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from sieve.kernels import cpu_ops
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -30,8 +33,19 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+@dataclass
+class RopeStep:
+    """What one step's tokens need to rotate their queries and keys."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_table: torch.Tensor  # [P, D/2] float32, the whole table
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None  # [T, 1, D] cos | cos in the model dtype (PyTorch path)
+    signed_sin: torch.Tensor | None = None  # [T, 1, D] -sin | sin
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin tables; `forward` gathers them once per step for all layers."""
+    """Holds the cos/sin tables; `forward` prepares them once per step for all layers."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -40,14 +54,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos | cos, -sin | sin), each [T, 1, D] in `dtype` (as the reference casts them)."""
-        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        step = RopeStep(positions, self.cos, self.sin)
+        if not _native(dtype, positions.device):  # gather per token, in `dtype` (as the reference casts them)
+            cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+            step.cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+            step.signed_sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return step
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] -> rotated copy (rotate-half convention): [x1 cos - x2 sin, x2 cos + x1 sin].
-    `roll` swaps the halves and the sign lives in the table, so this is 4 ops per call instead of 8,
-    with the same floating-point result (a - b == a + (-b))."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+    """x [T, heads, D] -> rotated (rotate-half convention): [x1 cos - x2 sin, x2 cos + x1 sin].
+    bf16 on CPU: in place, by one native kernel that rounds as the reference does. Otherwise a copy:
+    `roll` swaps the halves and the sign lives in the table, 4 ops instead of 8, with the same
+    floating-point result (a - b == a + (-b))."""
+    if rope.cos is None:
+        cpu_ops().rotary_(x, rope.positions, rope.cos_table, rope.sin_table)
+        return x
+    return x * rope.cos + x.roll(x.shape[-1] // 2, dims=-1) * rope.signed_sin
+
+
+def _native(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops() is not None

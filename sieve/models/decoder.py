@@ -1,19 +1,21 @@
 """One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3.
 
-Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> norm. Batch layout
-and pages are the attention layer's business; this file sees a flat token batch [T, hidden].
+Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> norm, except that each
+residual add happens inside the norm that follows it (`norm(x, residual)`, as in vLLM), so the two
+fuse into one kernel. Batch layout and pages are the attention layer's business; this file sees a
+flat token batch [T, hidden].
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sieve.layers.activation import silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
 from sieve.layers.norm import RMSNorm
-from sieve.layers.rotary import RotaryEmbedding, apply_rotary
+from sieve.layers.rotary import RopeStep, RotaryEmbedding, apply_rotary
 from sieve.models.arch import ModelArch
 
 
@@ -33,24 +35,27 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCacheLayer, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with residual None); residual: the sum of
+        everything before it. Returns (this layer's MLP output, the residual stream before it)."""
         a, T = self.a, x.shape[0]
-        h = self.input_layernorm(x)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
         if self.q_norm is None:  # rotate q and k together: one pass over [T, H + KVH, D]
-            qk = apply_rotary(qkv[:, : q_size + kv_size].view(T, -1, a.head_dim), *rope)
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(T, -1, a.head_dim), rope)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         else:
             q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        x = x + self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
-        h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
 class DecoderModel(nn.Module):
@@ -80,11 +85,11 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, rope, cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""

@@ -1,22 +1,23 @@
-"""Matmul kernels for quantized weights, one class per format, all called as `kernel(x, bias)`.
+"""Matmul kernels for quantized weights, all called as `kernel(x, bias)`; `nbytes` is what one pass
+reads, `dense()` the weight as a plain matrix in the activation dtype.
 
-Which kernel runs depends on the batch (rows of x) and the device, from measurements on the
-development machine (a 9728x896 matrix, 2 threads, median ms; docs/benchmarks.md, "Quantized weights"):
+CPU, bf16 activations, sieve's native kernels built (`BlockedKernel`): the weight is repacked once,
+at load time, into the blocked layout of sieve/kernels/qmatmul.cpp, where 32 decoded weights are one
+operand of a bf16 dot product against a broadcast pair of inputs. Batches up to `max_rows` rows are
+multiplied straight from that layout; larger ones (prefill chunks) decode it to bf16 and run one oneDNN
+GEMM, whose cost is then spread over many rows. Measured on the development machine (2 Zen 5 cores,
+every linear of a Qwen2.5-0.5B-shaped model once, ms, min of 9 interleaved passes):
 
-    rows               1      4      8     32     64
-    bf16 (oneDNN)    0.51   0.52   0.53   0.66   0.85
-    int8pack_mm      0.36   0.60   1.12   4.27   8.73     dequantize + GEMM: 3.3 (1-2 rows), ~18.5 from 4 rows
-    int4pack_mm      0.30   0.51   1.00   4.57   7.78     dequantize + GEMM: 24-40
-    fp8 dequantize + GEMM: 29-42 (PyTorch converts float8 element by element on CPU)
+    rows               1      8     32     64    128
+    bf16 (oneDNN)     26     29     52     87    164     (bf16 at 1-4 rows uses its own GEMV: 21 ms)
+    int8              15     20     49     87    176
+    fp8               16     21     60    113    230
+    int4 (group 128)  11     18     47     86    174
 
-  - CPU int8 / fp8 with sieve's native kernels (sieve/kernels): a one-byte-weight GEMV up to 4 rows,
-    and above that a native dequantize to bf16 (memory speed) + GEMM. Without them: int8 uses
-    PyTorch's packed kernel up to SMALL_ROWS rows, fp8 dequantizes in PyTorch (slow, see above).
-  - CPU int4: PyTorch's packed kernel at every batch size (it grows linearly with the rows, being
-    compute-bound, but stays ahead of dequantizing in PyTorch).
-  - CUDA: dequantize + GEMM, or FP8 `_scaled_mm` where the device has FP8 tensor cores.
-A fused dequantizing GEMM (AMX tiles fed from int8/int4/fp8 weights) is what would make large
-batches as fast as bf16; it is not written yet.
+The same layout serves every batch size, so a weight is held once. Elsewhere (CUDA, float32
+activations, no native kernels): int8 uses PyTorch's packed kernel for small batches, int4 PyTorch's
+CPU int4 kernel where its tile shapes fit, fp8 the FP8 matmul (`_scaled_mm`) on GPUs that have it;
+anything else dequantizes into the activation dtype for one GEMM.
 """
 
 from __future__ import annotations
@@ -27,14 +28,65 @@ import torch.nn.functional as F
 from sieve.kernels import cpu_ops
 from sieve.quant.formats import ChannelScaledWeight, Int4Weight
 
-SMALL_ROWS = {"int8": 128}  # PyTorch's packed int8 kernel up to this many rows (see the table above)
+SMALL_ROWS = {"int8": 128}  # PyTorch's packed int8 kernel up to this many rows (CPU without native kernels)
+BLOCKED_MAX_ROWS = {"int8": 64, "fp8": 32, "int4": 64}  # from the table above: past these, decode + oneDNN
+
+
+def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, -t.shape[0] % multiple))
+
+
+def block_bytes(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] one-byte codes -> uint8 [N/16, K/2, 32]: for each 16 rows, the pairs (w[n, 2p], w[n, 2p+1])."""
+    b = F.pad(_pad_rows(q.view(torch.uint8)), (0, q.shape[1] % 2))
+    nb, k2 = b.shape[0] // 16, b.shape[1]
+    return b.view(nb, 16, k2 // 2, 2).permute(0, 2, 1, 3).reshape(nb, k2 // 2, 32).contiguous()
+
+
+def block_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (uint8 [N/16, Kp/4, 32]: byte 2c + i of unit u = w[n, 4u + i] | w[n, 4u + 2 + i] << 4,
+    scale and (zero + 128) * scale as float32 [N/16, G, 16])."""
+    v = _pad_rows(w.values())
+    nb, kp = v.shape[0] // 16, v.shape[1]
+    u = v.view(nb, 16, kp // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [nb, unit, which pair, row, input]
+    blocked = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(nb, kp // 4, 32).contiguous()
+    s, z = _pad_rows(w.scale), _pad_rows(w.zero.to(torch.float32))
+    g = s.shape[1]
+    return (blocked, s.view(nb, 16, g).transpose(1, 2).contiguous(),
+            ((z + 128) * s).view(nb, 16, g).transpose(1, 2).contiguous())
+
+
+class BlockedKernel:
+    """sieve's native kernel for int8 / fp8 / int4 weights (CPU, bf16 activations)."""
+
+    def __init__(self, w: ChannelScaledWeight | Int4Weight, ops):
+        self.ops, self.nbytes = ops, w.nbytes
+        if isinstance(w, Int4Weight):
+            self.kind, self.n, self.k, self.group = "int4", w.scale.shape[0], w.k, w.group
+            self.blocked, self.scale, self.zshift = block_int4(w)
+        else:
+            self.kind = "fp8" if w.q.dtype == torch.float8_e4m3fn else "int8"
+            (self.n, self.k), self.group, self.zshift = w.q.shape, 0, None
+            self.blocked, self.scale = block_bytes(w.q), w.scale.to(torch.float32).contiguous()
+        self.max_rows = BLOCKED_MAX_ROWS[self.kind]
+
+    def dense(self) -> torch.Tensor:
+        code = {"int8": 0, "fp8": 1, "int4": 2}[self.kind]
+        return self.ops.qdequant(self.blocked, code, self.scale, self.zshift, self.group, self.n, self.k)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense(), bias)
+        if self.kind == "int4":
+            return self.ops.qmatmul_int4(x, self.blocked, self.scale, self.zshift, self.group, bias, self.n)
+        return self.ops.qmatmul_q8(x, self.blocked, self.kind == "fp8", self.scale, bias, self.n)
 
 
 class DequantKernel:
     """Dequantize into the activation dtype, then one GEMM. Works for every format and device."""
 
     def __init__(self, w, dtype: torch.dtype):
-        self.w, self.dtype = w, dtype
+        self.w, self.dtype, self.nbytes = w, dtype, w.nbytes
 
     def dense(self) -> torch.Tensor:
         return self.w.dequantize(self.dtype)
@@ -43,52 +95,30 @@ class DequantKernel:
         return F.linear(x, self.dense(), bias)
 
 
-def _native_q8(w: ChannelScaledWeight, dtype: torch.dtype):
-    """sieve's AVX512 kernels for one-byte weights (CPU, bf16 activations), or None."""
-    if w.q.device.type != "cpu" or dtype != torch.bfloat16:
-        return None
-    ops = cpu_ops()
-    return ops if ops is not None and hasattr(ops, "gemv_q8") else None
-
-
-class ChannelScaledKernel(DequantKernel):
-    """int8 / fp8 weights with per-channel scales. CPU with the native kernels: the one-byte GEMV up
-    to 4 rows, native dequantize + GEMM above. Otherwise int8 uses PyTorch's packed kernel up to
-    SMALL_ROWS rows; anything else dequantizes in PyTorch."""
+class Int8Kernel(DequantKernel):
+    """PyTorch's packed int8 kernel (CPU) for small batches."""
 
     def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype):
         super().__init__(w, dtype)
         self.scale = w.scale.to(dtype)
-        self.scale_f32 = w.scale.to(torch.float32).contiguous()
-        self.native = _native_q8(w, dtype)
-        self.int8pack = w.q.dtype == torch.int8 and w.q.device.type == "cpu"
-
-    def dense(self) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.dequant_q8(self.w.q, self.scale_f32)
-        return self.w.q.to(self.dtype) * self.scale[:, None]
+        self.int8pack = w.q.device.type == "cpu"
 
     def __call__(self, x, bias):
-        rows = x.shape[0]
-        if self.native is not None and rows <= self.native.gemv_max_rows and x.dtype == torch.bfloat16:
-            return self.native.gemv_q8(x, self.w.q, self.scale_f32, bias)
-        if self.native is None and self.int8pack and rows <= SMALL_ROWS["int8"]:
+        if self.int8pack and x.shape[0] <= SMALL_ROWS["int8"] and x.dtype == self.dtype:
             y = torch._weight_int8pack_mm(x.contiguous(), self.w.q, self.scale)
             return y if bias is None else y + bias
-        return F.linear(x, self.dense(), bias)
-
+        return super().__call__(x, bias)
 
 
 class Int4Kernel(DequantKernel):
-    """CPU: PyTorch's int4 kernel for every batch (it beats dequantizing in PyTorch at every size
-    measured). It wants its own layout, so on CPU the weight is held twice (0.5 + 0.5 bytes per value)
-    while a step reads 0.5."""
+    """PyTorch's CPU int4 kernel where its tile shapes fit. It wants its own layout, so the weight is held
+    twice (0.5 + 0.5 bytes per value) while a pass reads 0.5."""
 
     def __init__(self, w: Int4Weight, dtype: torch.dtype):
         super().__init__(w, dtype)
         self.packed = None
         n, kp = w.packed.shape[0], w.packed.shape[1] * 2
-        fits = w.k == kp and w.k % 32 == 0 and n % 16 == 0  # the packed kernel's tiles
+        fits = w.k == kp and w.k % 32 == 0 and n % 16 == 0
         if fits and w.packed.device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             # PyTorch's CPU int4 layout: w = (q - 8) * scale + zero_float, per [group, out] pair
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.values().to(torch.int32), 1)
@@ -99,10 +129,12 @@ class Int4Kernel(DequantKernel):
         if self.packed is not None and x.dtype == self.dtype:
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.w.group, self.scales_and_zeros)
             return y if bias is None else y + bias
-        return F.linear(x, self.dense(), bias)
+        return super().__call__(x, bias)
 
 
-class Fp8Kernel(ChannelScaledKernel):
+class Fp8Kernel(DequantKernel):
+    """W8A8 FP8 matmul (`_scaled_mm`, a per-row activation scale) on GPUs with FP8 tensor cores."""
+
     def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype):
         super().__init__(w, dtype)
         dev = w.q.device
@@ -112,18 +144,32 @@ class Fp8Kernel(ChannelScaledKernel):
             self.scale_b = w.scale.to(torch.float32)[None, :]
 
     def __call__(self, x, bias):
-        if self.fp8_mm:  # W8A8 with a per-row activation scale
+        if self.fp8_mm:
             a_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1e-12)
             xq = (x / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
             return torch._scaled_mm(xq, self.qt, scale_a=a_scale, scale_b=self.scale_b, bias=bias, out_dtype=x.dtype)
         return super().__call__(x, bias)
 
 
+def _native_ops(w, dtype: torch.dtype):
+    """sieve's native quantized kernels when they apply: CPU, bf16 activations, shapes they take."""
+    device = (w.packed if isinstance(w, Int4Weight) else w.q).device
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if isinstance(w, Int4Weight) and w.group % 4:
+        return None
+    ops = cpu_ops()
+    return ops if ops is not None and hasattr(ops, "qmatmul_q8") else None
+
+
 def make_kernel(w, dtype: torch.dtype):
+    ops = _native_ops(w, dtype)
+    if ops is not None:
+        return BlockedKernel(w, ops)
     if isinstance(w, Int4Weight):
         return Int4Kernel(w, dtype)
     if isinstance(w, ChannelScaledWeight) and w.q.dtype == torch.int8:
-        return ChannelScaledKernel(w, dtype)
+        return Int8Kernel(w, dtype)
     if isinstance(w, ChannelScaledWeight) and w.q.dtype == torch.float8_e4m3fn:
         return Fp8Kernel(w, dtype)
     raise TypeError(f"no kernel for {type(w).__name__}")

@@ -1,0 +1,107 @@
+// Decode-sized bf16 matrix products on CPU: y [M, N] = x [M, K] . W [N, K]^T (+ bias) for M <= kGemvMaxRows,
+// float32 accumulation, bf16 output. (Quantized weights have their own kernel: qmatmul.cpp.)
+//
+// A decode step reads every weight once, so this is a read stream and everything else has to stay out
+// of its way. Each thread takes a contiguous share of the N weight rows and walks two halves of it at
+// once (two read streams: on some CPUs one stream per core cannot reach the memory bandwidth); 32
+// weights at a time go into AVX512-BF16 dot products (vdpbf16ps), one float32 accumulator per (weight
+// row, x row); the main loop has no branches and no masks (a masked step takes the tail of K).
+// Measured on a Zen 5 core pair with the matrices of a 0.5B model: 21 ms per pass at one row, 46 GB/s,
+// where a loop of the same arithmetic with a mask and a branch per step ran at 25 GB/s.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace sieve {
+
+namespace {
+
+template <bool kTail>
+inline __m512bh load32(const uint16_t* p, __mmask32 mask) {
+  if constexpr (kTail) return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// Dot products of R weight rows with the M rows of x, for 32 inputs starting at k.
+template <int64_t M, int R, bool kTail>
+inline void step(__m512 (&acc)[R][M], const uint16_t* x, int64_t K, const uint16_t* const (&rows)[R], int64_t k,
+                 __mmask32 mask) {
+  __m512bh w[R];
+  for (int j = 0; j < R; ++j) w[j] = load32<kTail>(rows[j] + k, mask);
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512bh xv = load32<kTail>(x + m * K + k, mask);
+    for (int j = 0; j < R; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], w[j], xv);
+  }
+}
+
+template <int64_t M, int R>
+inline void dots(const uint16_t* x, const uint16_t* w, int64_t K, const int64_t (&n)[R], float* out) {
+  __m512 acc[R][M];
+  const uint16_t* rows[R];
+  for (int j = 0; j < R; ++j) {
+    rows[j] = w + n[j] * K;
+    for (int64_t m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step<M, R, false>(acc, x, K, rows, k, 0);
+  if (k < K) step<M, R, true>(acc, x, K, rows, k, (__mmask32(1) << (K - k)) - 1);
+  for (int j = 0; j < R; ++j)
+    for (int64_t m = 0; m < M; ++m) out[j * M + m] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+template <int64_t M>
+void gemv(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    const int64_t half = (end - begin) / 2;
+    float o[2 * M];
+    auto store = [&](int64_t n, const float* v) {
+      const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = c10::BFloat16(v[m] + b);
+    };
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t n[2] = {begin + i, begin + half + i};
+      dots<M, 2>(x, w, K, n, o);
+      store(n[0], o);
+      store(n[1], o + M);
+    }
+    if ((end - begin) % 2) {
+      const int64_t n[1] = {end - 1};
+      dots<M, 1>(x, w, K, n, o);
+      store(end - 1, o);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 takes bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K], w [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "gemv_bf16 takes 1 to ", kGemvMaxRows, " rows, got ", x.size(0));
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  torch::Tensor bc;
+  const c10::BFloat16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gemv_bf16: one bias per output");
+    bc = bias->to(at::kBFloat16).contiguous();
+    bp = bc.data_ptr<c10::BFloat16>();
+  }
+  auto yp = y.data_ptr<c10::BFloat16>();
+  switch (M) {
+    case 1: gemv<1>(xp, wp, bp, yp, K, N); break;
+    case 2: gemv<2>(xp, wp, bp, yp, K, N); break;
+    case 3: gemv<3>(xp, wp, bp, yp, K, N); break;
+    default: gemv<4>(xp, wp, bp, yp, K, N); break;
+  }
+  return y;
+}
+
+}  // namespace sieve

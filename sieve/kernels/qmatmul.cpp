@@ -1,0 +1,361 @@
+// Matrix products with quantized weights on CPU: y [M, N] = x [M, K] . W^T (+ bias), bf16 activations,
+// W in int8 or fp8 (e4m3) with a scale per output row, or int4 in groups along K with a scale and an
+// integer zero point per (row, group); float32 accumulation, bf16 output.
+//
+// Weights are kept in a blocked layout made at load time (sieve/quant/kernels.py), so that 32 weights
+// decoded from memory are directly one operand of an AVX512-BF16 dot product:
+//   int8, fp8  [N/16, K/2, 16, 2] bytes: for 16 output rows, the pairs (w[n, 2p], w[n, 2p + 1]);
+//   int4       [N/16, K/4, 32] bytes: byte 2c + i of unit u holds w[n, 4u + i] in its low nibble and
+//              w[n, 4u + 2 + i] in its high nibble (n = 16 b + c), i.e. two consecutive pair-vectors.
+// A pair-vector times a broadcast pair (x[m, 2p], x[m, 2p + 1]) adds into 16 output columns at once
+// (vdpbf16ps), so the kernel keeps an MR x NB tile of outputs (MR rows of x, NB blocks of 16 columns)
+// in registers, with no horizontal sums; each decoded weight vector serves MR rows of x. One pass over
+// a thread's columns per MR rows of x: at batch 1 it is a read stream (NB streams), at batch 32 the
+// same weights come back from the core's cache for each group of MR rows.
+//
+// Decoding 32 weights to bf16, exactly:
+//   int8  sign-extend to int32, convert to float, pack two halves to bf16 (|q| <= 128 fits bf16).
+//   fp8   exponent and mantissa move into bf16's fields with the bias raised from 7 to 127, the sign
+//         to bit 15; the 8 codes with a zero exponent (zero and subnormals m * 2^-9) from a table.
+//   int4  0x4300 | q is the bf16 number 128 + q, so a group adds s * (sum (128 + q) x - (128 + z) sum x):
+//         the scale applies to a per-group accumulator, the zero point (+128) to the group's sum of x.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace sieve {
+
+namespace {
+
+inline __m512 dot(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+inline __m512i set_words(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+inline __m512i load32(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// 32 weights (one pair-vector) from 32 bytes
+struct Int8Decode {
+  static __m512i run(const uint8_t* p) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+struct Fp8Decode {
+  static __m512i run(const uint8_t* p) {
+    const __m512i kSubnormals = _mm512_set_epi16(  // bf16 of m * 2^-9 at index m (0..7)
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
+    const __m512i b = load32(p);
+    const __m512i em = _mm512_and_si512(b, set_words(0x7f));
+    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(em, 4), set_words(120 << 7));
+    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_testn_epi16_mask(b, set_words(0x78)), em, kSubnormals);
+    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(b, 8), set_words(0x8000), 0xF8);  // bits | sign
+  }
+};
+
+inline __m512i bcast_pair(const uint16_t* x) {  // (x[0], x[1]) into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+struct Out {  // where and how a tile is written: y = acc * row_scale + bias
+  c10::BFloat16* y;
+  int64_t N;
+  const float* row_scale;  // [N] or null
+  const float* bias;       // [N] float32, or null
+  const c10::BFloat16* bias_bf16;  // [N] bf16, or null
+
+  template <int MR, int NB>
+  void store(__m512 (&acc)[MR][NB], int64_t m0, const int64_t (&blk)[NB]) const {
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n0 = blk[b] * 16;
+      const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+      const __m512 s = row_scale ? _mm512_maskz_loadu_ps(mask, row_scale + n0) : _mm512_set1_ps(1.f);
+      const __m512 c = bias        ? _mm512_maskz_loadu_ps(mask, bias + n0)
+                       : bias_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias_bf16 + n0)), 16))
+                                   : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m)
+        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][b], s, c)));
+    }
+  }
+};
+
+// int8 / fp8: an MR x NB tile over the whole of K
+template <class Decode, int MR, int NB>
+void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t Kh = K2 / 2;
+  const uint8_t* wb[NB];
+  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
+  for (int64_t p = 0; p < Kh; ++p) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
+      for (int b = 0; b < NB; ++b) acc[m][b] = dot(acc[m][b], wv[b], xv);
+    }
+  }
+  out.store<MR, NB>(acc, m0, blk);
+}
+
+struct Int4Args {
+  const float* scale;   // [NBlocks, G, 16]
+  const float* zshift;  // [NBlocks, G, 16]: (zero + 128) * scale
+  const float* xsum;    // [M, G]
+  int64_t G, group;
+};
+
+// int4: an MR x NB tile, group by group
+template <int MR, int NB>
+void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+               const Int4Args& a) {
+  const __m512i base = set_words(0x4300), low4 = set_words(0xF);
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t Kq = K2 / 4, units = a.group / 4;
+  const uint8_t* wb[NB];
+  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 gacc[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
+    for (int64_t u = g * units; u < (g + 1) * units; ++u) {
+      __m512i lo[NB], hi[NB];
+      for (int b = 0; b < NB; ++b) {
+        const __m512i q = load32(wb[b] + u * 32);
+        lo[b] = _mm512_ternarylogic_epi32(q, low4, base, 0xEA);   // (q & 0xf) | 0x4300: inputs 4u, 4u + 1
+        hi[b] = _mm512_or_si512(_mm512_srli_epi16(q, 4), base);   // (q >> 4) | 0x4300: inputs 4u + 2, 4u + 3
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x0 = bcast_pair(x + (m0 + m) * K2 + 4 * u), x1 = bcast_pair(x + (m0 + m) * K2 + 4 * u + 2);
+        for (int b = 0; b < NB; ++b) gacc[m][b] = dot(dot(gacc[m][b], lo[b], x0), hi[b], x1);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = _mm512_loadu_ps(a.scale + (blk[b] * a.G + g) * 16);
+      const __m512 zs = _mm512_loadu_ps(a.zshift + (blk[b] * a.G + g) * 16);
+      for (int m = 0; m < MR; ++m)
+        acc[m][b] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
+    }
+  }
+  out.store<MR, NB>(acc, m0, blk);
+}
+
+// Rows of x per tile: each decoded weight vector serves this many rows (measured on a Zen 5 core with
+// the model shapes of Qwen2.5-0.5B: 8 rows x 3 blocks for one-byte codes, 8 x 2 for int4, beat 6 x 4,
+// 6 x 2 and 12 x 2 at 32 rows, and tie them at 1 row).
+constexpr int kRows = 8;
+
+// Runs `tile<MR, NB>(m0, blocks)` over all rows of x and all column blocks. Threads split the column
+// blocks; a thread cuts its share into NB parts and walks them side by side, so that each of its NB
+// read streams moves through consecutive memory (adjacent blocks in lockstep defeat the prefetcher:
+// 25 GB/s against 47 for int8 at one row). Each tile is done for all rows of x, kMR rows at a time.
+template <int kMR, int NB, class Tile>
+void sweep(int64_t M, int64_t blocks, const Tile& tile) {
+  auto rows = [&](auto nb, const auto& blk) {
+    constexpr int B = decltype(nb)::value;
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      switch (std::min<int64_t>(kMR, M - m0)) {
+        case 8: tile.template operator()<8, B>(m0, blk); break;
+        case 7: tile.template operator()<7, B>(m0, blk); break;
+        case 6: tile.template operator()<6, B>(m0, blk); break;
+        case 5: tile.template operator()<5, B>(m0, blk); break;
+        case 4: tile.template operator()<4, B>(m0, blk); break;
+        case 3: tile.template operator()<3, B>(m0, blk); break;
+        case 2: tile.template operator()<2, B>(m0, blk); break;
+        default: tile.template operator()<1, B>(m0, blk); break;
+      }
+    }
+  };
+  at::parallel_for(0, blocks, NB, [&](int64_t b0, int64_t b1) {
+    const int64_t part = (b1 - b0) / NB;
+    for (int64_t i = 0; i < part; ++i) {
+      int64_t blk[NB];
+      for (int j = 0; j < NB; ++j) blk[j] = b0 + j * part + i;
+      rows(std::integral_constant<int, NB>{}, blk);
+    }
+    for (int64_t b = b0 + NB * part; b < b1; ++b) {
+      const int64_t one[1] = {b};
+      rows(std::integral_constant<int, 1>{}, one);
+    }
+  });
+}
+
+// x as bf16 [M, K2], K2 = the weight's padded K; padding inputs are zero
+torch::Tensor padded_x(const torch::Tensor& x, int64_t K2) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2, "x must be [M, K] with K <= ", K2);
+  auto xb = x.to(at::kBFloat16).contiguous();
+  if (x.size(1) == K2) return xb;
+  auto xp = torch::zeros({x.size(0), K2}, xb.options());
+  xp.narrow(1, 0, x.size(1)).copy_(xb);
+  return xp;
+}
+
+// The bias as the kernels read it (float32 or bf16, one per output), keeping a converted copy alive
+void set_bias(Out& out, const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
+  out.bias = nullptr;
+  out.bias_bf16 = nullptr;
+  if (!t.has_value() || !t->defined()) return;
+  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
+  keep = t->contiguous();
+  if (keep.scalar_type() == at::kBFloat16) {
+    out.bias_bf16 = keep.data_ptr<c10::BFloat16>();
+  } else {
+    keep = keep.to(at::kFloat);
+    out.bias = keep.data_ptr<float>();
+  }
+}
+
+}  // namespace
+
+// w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked), row_scale [n] float32, bias [n] or none;
+// x [M, K <= K2]; returns bf16 [M, n]. (bias: float32 or bf16, here and below)
+torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor row_scale,
+                         c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32, "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
+  TORCH_CHECK(n <= blocks * 16 && row_scale.numel() == n && row_scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 scales");
+  auto xp = padded_x(x, K2);
+  auto wc = w.contiguous();
+  auto sc = row_scale.contiguous();
+  torch::Tensor bkeep;
+  const int64_t M = xp.size(0);
+  auto y = torch::empty({M, n}, x.options().dtype(at::kBFloat16));
+  Out out{y.data_ptr<c10::BFloat16>(), n, sc.data_ptr<float>(), nullptr, nullptr};
+  set_bias(out, bias, n, bkeep);
+  const uint16_t* xw = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  auto body = [&]<int kMR, int NB>(auto decode) {
+    using D = decltype(decode);
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_q8<D, MR, B>(xw, K2, wp, m0, blk, out); };
+    sweep<kMR, NB>(M, blocks, tile);
+  };
+  if (fp8) body.template operator()<kRows, 3>(Fp8Decode{});
+  else body.template operator()<kRows, 3>(Int8Decode{});
+  return y;
+}
+
+// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and zshift [NBlocks, G, 16] float32 (zshift =
+// (zero + 128) * scale), group a multiple of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor zshift, int64_t group,
+                           c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32, "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
+  const int64_t G = K2 / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && zshift.scalar_type() == at::kFloat && scale.numel() == blocks * G * 16 &&
+              zshift.numel() == blocks * G * 16 && n <= blocks * 16, "qmatmul_int4: scale and zshift are float32 [N/16, G, 16]");
+  auto xp = padded_x(x, K2);
+  auto xsum = torch::empty({xp.size(0), G}, x.options().dtype(at::kFloat));
+  {
+    const c10::BFloat16* xb = xp.data_ptr<c10::BFloat16>();
+    float* sp = xsum.data_ptr<float>();
+    for (int64_t i = 0; i < xp.size(0) * G; ++i) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < group; ++j) acc += static_cast<float>(xb[i * group + j]);
+      sp[i] = acc;
+    }
+  }
+  auto wc = w.contiguous();
+  auto sc = scale.contiguous();
+  auto zc = zshift.contiguous();
+  torch::Tensor bkeep;
+  const int64_t M = xp.size(0);
+  auto y = torch::empty({M, n}, x.options().dtype(at::kBFloat16));
+  Out out{y.data_ptr<c10::BFloat16>(), n, nullptr, nullptr, nullptr};
+  set_bias(out, bias, n, bkeep);
+  const Int4Args args{sc.data_ptr<float>(), zc.data_ptr<float>(), xsum.data_ptr<float>(), G, group};
+  const uint16_t* xw = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  auto body = [&]<int kMR, int NB>() {
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B>(xw, K2, wp, m0, blk, out, args); };
+    sweep<kMR, NB>(M, blocks, tile);
+  };
+  body.template operator()<kRows, 2>();
+  return y;
+}
+
+// The blocked weight back as row-major bf16 [n, k], for batches large enough that a GEMM on the full
+// matrix (oneDNN) beats decoding in the loop. kind: 0 int8, 1 fp8 (scale [n]); 2 int4 (scale and
+// zshift [NBlocks, G, 16], group).
+torch::Tensor qdequant(torch::Tensor w, int64_t kind, torch::Tensor scale, c10::optional<torch::Tensor> zshift, int64_t group,
+                       int64_t n, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && kind >= 0 && kind <= 2, "qdequant: blocked uint8");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * (kind == 2 ? 4 : 2);
+  TORCH_CHECK(n <= blocks * 16 && k <= K2, "qdequant: n and k exceed the blocked weight");
+  auto wc = w.contiguous();
+  auto sc = scale.to(at::kFloat).contiguous();
+  torch::Tensor zc;
+  if (kind == 2) {
+    TORCH_CHECK(zshift.has_value() && group > 0 && K2 % group == 0 && sc.numel() == blocks * (K2 / group) * 16, "qdequant: int4 scales");
+    zc = zshift->to(at::kFloat).contiguous();
+  } else {
+    TORCH_CHECK(sc.numel() == n, "qdequant: one scale per row");
+  }
+  auto out = torch::empty({n, k}, w.options().dtype(at::kBFloat16));
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t G = kind == 2 ? K2 / group : 1;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint16_t tmp[2][32];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(16, n - b * 16);
+      // lane l of a pair-vector belongs to row l / 2: its scale, per half of the 32 lanes
+      const __m512i pair_index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+      const __m512i half_rows[2] = {pair_index, _mm512_add_epi32(pair_index, _mm512_set1_epi32(8))};
+      __m512 row_scale = _mm512_setzero_ps();
+      if (kind != 2) row_scale = _mm512_maskz_loadu_ps(rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1), sp + b * 16);
+      // pair-vectors of this block, two at a time for int4; each is 16 rows x 2 inputs
+      const int64_t units = kind == 2 ? K2 / 4 : K2 / 2;
+      for (int64_t u = 0; u < units; ++u) {
+        const uint8_t* src = wp + (b * units + u) * 32;
+        int parts = 1;
+        if (kind == 2) {
+          const __m512i q = load32(src);
+          const int64_t g = 4 * u / group;
+          const __m512 s = _mm512_loadu_ps(sp + (b * G + g) * 16), zs = _mm512_loadu_ps(zc.data_ptr<float>() + (b * G + g) * 16);
+          const __m512i vecs[2] = {_mm512_ternarylogic_epi32(q, set_words(0xF), set_words(0x4300), 0xEA),
+                                   _mm512_or_si512(_mm512_srli_epi16(q, 4), set_words(0x4300))};
+          for (int h = 0; h < 2; ++h) {  // 128 + q as float, per half of the 32 lanes -> (128 + q) * s - zs
+            for (int half = 0; half < 2; ++half) {
+              const __m512i words16 = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(vecs[h], 1) : _mm512_castsi512_si256(vecs[h]));
+              const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(words16, 16));
+              const __m512 sv = _mm512_permutexvar_ps(half_rows[half], s), zv = _mm512_permutexvar_ps(half_rows[half], zs);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp[h] + half * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_fmsub_ps(v, sv, zv)));
+            }
+          }
+          parts = 2;
+        } else {
+          const __m512i code = kind == 1 ? Fp8Decode::run(src) : Int8Decode::run(src);
+          for (int half = 0; half < 2; ++half) {
+            const __m512i words16 = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(code, 1) : _mm512_castsi512_si256(code));
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(words16, 16));
+            const __m512 sv = _mm512_permutexvar_ps(half_rows[half], row_scale);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp[0] + half * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+          }
+        }
+        for (int h = 0; h < parts; ++h) {
+          const int64_t col = (kind == 2 ? 4 * u : 2 * u) + 2 * h;  // first input of this pair-vector
+          for (int64_t c = 0; c < rows; ++c)
+            for (int i = 0; i < 2; ++i)
+              if (col + i < k) op[(b * 16 + c) * k + col + i] = tmp[h][2 * c + i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace sieve

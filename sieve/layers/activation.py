@@ -1,0 +1,19 @@
+"""The gated MLP's activation: silu(gate) * up on the fused gate|up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sieve.kernels import cpu_ops
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> [T, I]. bf16 on CPU: one native kernel that rounds where PyTorch's two
+    ops round (silu to bf16, then the product); otherwise PyTorch."""
+    if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.stride(-1) == 1:
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
