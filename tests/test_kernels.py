@@ -186,3 +186,35 @@ def test_bf16_engine_agrees_with_and_without_native_kernels(checkpoints):
         token = b.outputs[0].token_ids[0]
         assert a.outputs[0].token_ids[0] == token
         assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_reads_quantized_cache_codes(kind, dtype):
+    """The native kernel reads fp8 / int8 codes in place (with the layer's or the token's scales) and
+    agrees with the PyTorch path, which dequantizes through `read_kv`."""
+    from sieve.layers.attention import QuantizedKVCacheLayer
+
+    rng = random.Random(3)
+    block_size, kv_heads, heads, head_dim = 16, 2, 14, 64
+    lens = [1, 16, 17, 100, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    code_dtype = torch.float8_e4m3fn if kind == "fp8" else torch.int8
+    k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=code_dtype)
+    v = torch.zeros_like(k)
+    if kind == "fp8":
+        cache = QuantizedKVCacheLayer(k, v, "fp8", torch.tensor(1.0), torch.tensor(1.0), calibrate=True)
+    else:
+        scales = torch.ones(2, num_blocks, block_size, kv_heads, dtype=torch.float16)
+        cache = QuantizedKVCacheLayer(k, v, "int8", scales[0], scales[1])
+    g = torch.Generator().manual_seed(1)
+    slots = torch.arange(num_blocks * block_size)
+    cache.write_kv(slots, torch.randn(len(slots), kv_heads, head_dim, generator=g) * 3,
+                   torch.randn(len(slots), kv_heads, head_dim, generator=g))
+    meta = decode_meta(lens, block_size, num_blocks, rng)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    got = cpu_ops().paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5,
+                                           cache.k_scale, cache.v_scale)
+    ref = decode_attention_reference(q, cache, meta, head_dim**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

@@ -1,79 +1,133 @@
 """`sieve bench quant`: every weight format against the unquantized model in one run, and KV capacity.
 
-For each format (bf16 first, the reference): batch-1 decode tokens/s (median step after a 32-token
-prompt), throughput with `concurrent` requests generating at once, the bytes of linear weights a
-step reads, and (for the record) the batch-1 profile per weight shape. Then, with one fixed KV
-memory budget, how many sequences of `kv_context` tokens fit for each KV-cache dtype.
+All formats are loaded side by side (bf16 first, the reference) and measured interleaved, so that a
+shared machine's slow moments fall on all of them alike:
+  - batch-1 decode: one request per format, decode steps taken round-robin (a few steps of each format
+    in turn), median step time per format;
+  - throughput with `concurrent` requests submitted at once (distinct random prompts), each format in
+    turn, `rounds` times, best round per format: end to end, and split into the prefill phase (until
+    every request has its first token) and the decode phase (all of them generating together);
+  - the bytes of linear weights one step reads, and the batch-1 profile per weight shape.
+Then, with one fixed KV memory budget, how many sequences of `kv_context` tokens fit per KV dtype.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
 
-from sieve.bench.offline import profile_batch1, run_batch1_decode
+from sieve.bench.offline import profile_batch1
 from sieve.sampling_params import SamplingParams
 
 
-def _llm(model: str, dtype: str, **options):
+def _llm(model: str, **options):
     from sieve.llm import LLM
 
-    return LLM(model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, **options)
+    return LLM(model, dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=False, **options)
 
 
-def run_concurrent(llm, n: int, prompt_len: int, output_len: int) -> dict:
-    """`n` requests submitted together (distinct random prompts), each producing `output_len` tokens."""
-    g = torch.Generator().manual_seed(0)
-    vocab = llm.llm_engine.arch.vocab_size
-    prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()} for _ in range(n)]
+def run_concurrent(llm, n: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+    """`n` requests submitted together (distinct random prompts), each producing `output_len` tokens.
+    Also split in two phases: prefill (until every request has its first token) and decode (the rest,
+    `n` sequences generating together)."""
+    g = torch.Generator().manual_seed(seed)
+    engine = llm.llm_engine
+    vocab = engine.arch.vocab_size
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"requests": n, "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
+    for i in range(n):
+        engine.add_request(f"c{seed}-{i}", {"prompt_token_ids": torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()},
+                           params)
+    t0 = time.perf_counter()
+    started: set[str] = set()
+    tokens = 0
+    t_prefilled = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            started.add(out.request_id)
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        if t_prefilled is None and len(started) == n:
+            t_prefilled = time.perf_counter()
+    t1 = time.perf_counter()
+    return {"requests": n, "output_tokens": tokens, "seconds": t1 - t0, "output_tokens_per_s": tokens / (t1 - t0),
+            "prefill_tokens_per_s": n * prompt_len / (t_prefilled - t0),
+            "decode_tokens_per_s": (tokens - n) / (t1 - t_prefilled)}
+
+
+def interleaved_batch1(llms: dict, tokens: int, burst: int = 4, prompt_len: int = 32) -> dict[str, float]:
+    """Median decode-step seconds per format, one request each, `burst` steps of each format in turn."""
+    engines = {name: llm.llm_engine for name, llm in llms.items()}
+    for e in engines.values():
+        e.add_request("batch1", {"prompt_token_ids": list(range(100, 100 + prompt_len))},
+                      SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True))
+        e.step()  # the prefill
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    while any(e.has_unfinished() for e in engines.values()):
+        for name, e in engines.items():
+            for _ in range(burst):
+                if not e.has_unfinished():
+                    break
+                t = time.perf_counter()
+                e.step()
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_quant_benchmark(args) -> dict:
-    formats = args.formats.split(",")
-    if formats[0] != "bf16":
-        formats = ["bf16", *[f for f in formats if f != "bf16"]]
-    rows: dict[str, dict] = {}
+    from sieve.layers.linear import Linear
+
+    formats = [f for f in args.formats.split(",") if f != "bf16"]
+    common = dict(kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(64, args.concurrent))
+    llms = {"bf16": _llm(args.model, **common)}
     for fmt in formats:
         if fmt == "awq":
             if not args.awq_model:
                 print("awq: skipped (give --awq-model, a checkpoint from `sieve quantize --method awq`)")
                 continue
-            llm = _llm(args.awq_model, "bfloat16", max_num_seqs=max(64, args.concurrent))
+            llms[fmt] = _llm(args.awq_model, quantize_lm_head=args.quantize_lm_head, **common)
         else:
-            llm = _llm(args.model, "bfloat16", quantization=None if fmt == "bf16" else fmt,
-                       quantization_group_size=args.group_size, max_num_seqs=max(64, args.concurrent))
-        b1 = run_batch1_decode(llm, args.batch1_tokens)
-        conc = run_concurrent(llm, args.concurrent, args.prompt_len, args.output_len)
-        prof = profile_batch1(llm)
-        from sieve.layers.linear import Linear
+            llms[fmt] = _llm(args.model, quantization=fmt, quantization_group_size=args.group_size,
+                             quantize_lm_head=args.quantize_lm_head, **common)
 
-        wbytes = sum(m.weight_bytes for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear))
-        rows[fmt] = {"batch1_tokens_per_s": b1["tokens_per_s"], "batch1_step_ms": b1["median_step_ms"],
-                     "concurrent_tokens_per_s": conc["output_tokens_per_s"], "linear_weight_bytes": wbytes,
-                     "profile": prof}
+    head = "quantized too" if args.quantize_lm_head else "kept in bf16"
+    print(f"formats {', '.join(llms)}; LM head {head}; {torch.get_num_threads()} threads; measured interleaved")
+    step = interleaved_batch1(llms, args.batch1_tokens)
+    conc: dict[str, list[dict]] = {name: [] for name in llms}
+    for r in range(args.rounds):
+        for name, llm in llms.items():
+            conc[name].append(run_concurrent(llm, args.concurrent, args.prompt_len, args.output_len, seed=r))
+
+    rows: dict[str, dict] = {}
+    for name, llm in llms.items():
+        linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+        best = {k: max(c[k] for c in conc[name]) for k in ("output_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s")}
+        rows[name] = r = {"batch1_step_ms": step[name] * 1e3, "batch1_tokens_per_s": 1 / step[name],
+                          "concurrent_tokens_per_s": best["output_tokens_per_s"],
+                          "concurrent_prefill_tokens_per_s": best["prefill_tokens_per_s"],
+                          "concurrent_decode_tokens_per_s": best["decode_tokens_per_s"], "concurrent_rounds": conc[name],
+                          "linear_weight_bytes": sum(m.weight_bytes for m in linears), "profile": profile_batch1(llm)}
         ref = rows["bf16"]
-        r = rows[fmt]
         r["batch1_ratio"] = r["batch1_tokens_per_s"] / ref["batch1_tokens_per_s"]
-        r["concurrent_ratio"] = r["concurrent_tokens_per_s"] / ref["concurrent_tokens_per_s"]
-        print(f"{fmt:>5}: batch-1 {r['batch1_tokens_per_s']:.1f} tok/s ({r['batch1_ratio']:.2f}x bf16), "
-              f"{args.concurrent} at once {r['concurrent_tokens_per_s']:.1f} tok/s ({r['concurrent_ratio']:.2f}x), "
-              f"linear weights {wbytes / 1e9:.3f} GB; batch-1 linears {prof['linear_ms']:.1f} of {prof['step_ms']:.1f} ms")
+        for k in ("concurrent", "concurrent_prefill", "concurrent_decode"):
+            r[k + "_ratio"] = r[k + "_tokens_per_s"] / ref[k + "_tokens_per_s"]
+        prof = r["profile"]
+        print(f"{name:>5}: batch-1 {r['batch1_tokens_per_s']:.1f} tok/s ({r['batch1_ratio']:.2f}x bf16); "
+              f"{args.concurrent} at once {r['concurrent_tokens_per_s']:.1f} output tok/s ({r['concurrent_ratio']:.2f}x): "
+              f"prefill {r['concurrent_prefill_tokens_per_s']:.0f} tok/s ({r['concurrent_prefill_ratio']:.2f}x), "
+              f"decode {r['concurrent_decode_tokens_per_s']:.1f} tok/s ({r['concurrent_decode_ratio']:.2f}x); "
+              f"linear weights {r['linear_weight_bytes'] / 1e9:.3f} GB; batch-1 profile: linears {prof['linear_ms']:.1f} "
+              f"of {prof['step_ms']:.1f} ms")
         for shape, v in prof["per_shape"].items():
             print(f"         {shape:>12}: {v['ms_per_step']:.2f} ms/step, {v['gbps']:.1f} GB/s")
-        del llm
-        gc.collect()
+    del llms
+    gc.collect()
 
     kv = {}
     for kind in ("auto", "fp8", "int8"):
-        llm = _llm(args.model, "bfloat16", kv_cache_dtype=kind, kv_cache_memory_gb=args.kv_memory_gb, max_num_seqs=4096,
+        llm = _llm(args.model, kv_cache_dtype=kind, kv_cache_memory_gb=args.kv_memory_gb, max_num_seqs=4096,
                    max_model_len=max(args.kv_context + 16, 32))
         e = llm.llm_engine
         per_seq = -(-(args.kv_context + 1) // e.config.block_size)
@@ -83,6 +137,7 @@ def run_quant_benchmark(args) -> dict:
               f"sequences of {args.kv_context} tokens ({kv[kind]['ratio']:.2f}x)")
         del llm, e
         gc.collect()
-    return {"model": args.model, "threads": torch.get_num_threads(), "formats": rows, "kv_capacity": kv,
-            "settings": {k: getattr(args, k) for k in ("batch1_tokens", "concurrent", "prompt_len", "output_len",
+    return {"model": args.model, "threads": torch.get_num_threads(), "quantize_lm_head": args.quantize_lm_head,
+            "formats": rows, "kv_capacity": kv,
+            "settings": {k: getattr(args, k) for k in ("batch1_tokens", "concurrent", "prompt_len", "output_len", "rounds",
                                                       "kv_context", "kv_memory_gb", "group_size")}}

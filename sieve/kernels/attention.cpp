@@ -1,22 +1,28 @@
-// Paged decode attention (CPU): one query token per sequence, K/V read in place from the
-// block pool through each sequence's block table (no gather, no padding to the longest context).
+// Paged decode attention (CPU): one query token per sequence, K/V read in place from the block pool
+// through each sequence's block table (no gather, no padding to the longest context).
 //
-//   q            [num_seqs, num_heads, head_dim]                  (float32 | bfloat16 | float16)
-//   k_pool/v_pool[num_blocks, block_size, num_kv_heads, head_dim] (same dtype as q)
-//   block_tables [num_seqs, max_blocks] int64
-//   context_lens [num_seqs] int64
-//   returns      [num_seqs, num_heads, head_dim]
+//   q             [num_seqs, num_heads, head_dim]                   float32 | bfloat16 | float16
+//   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]  q's dtype, or fp8 (e4m3) / int8 codes
+//   block_tables  [num_seqs, max_blocks] int64
+//   context_lens  [num_seqs] int64
+//   k_scale/v_scale  fp8: float32 scalars (x = code * scale); int8: float16 [num_blocks, block_size,
+//                    num_kv_heads] (one scale per token and head); otherwise absent
+//   returns       [num_seqs, num_heads, head_dim] in q's dtype
 //
-// Work is split over (sequence, kv head); each item scores its G = num_heads / num_kv_heads query
-// heads against the sequence's keys in float32, takes a softmax, and accumulates V in float32.
+// Work is split over (sequence, kv head): each item holds its G = num_heads / num_kv_heads query heads
+// (grouped-query attention: they share every K/V row read) and walks the sequence's blocks once. Per
+// block: the block's keys become float32 (once, in a small scratch) and give G x block_size scores, 16
+// tokens' dot products summed by one transpose-and-add tree; an online
+// softmax (running max and sum per head, flash-decoding style) rescales the accumulators; the block's
+// values, converted once into a small float32 scratch, are added in with their probabilities.
+// Vectorised for head sizes 16, 32, 64, 128 and 256 (AVX-512); other sizes, and CPUs without
+// AVX-512, take a scalar loop with the same arithmetic.
 #include "kernels.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
-
 #include <immintrin.h>
-#include <math.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -24,90 +30,294 @@ namespace sieve {
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+struct Pool {  // one of K or V
+  const void* data;
+  at::ScalarType dtype;
+  float scale = 1.f;                   // fp8
+  const c10::Half* token_scales = nullptr;  // int8: [num_blocks * block_size * num_kv_heads]
+};
 
+struct Layout {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t token_stride() const { return num_kv_heads * head_dim; }
+  int64_t block_stride() const { return block_size * token_stride(); }
+};
+
+inline float fp8_to_f32(uint8_t b) {
+  const uint32_t sign = (b & 0x80u) << 24, exp = (b >> 3) & 0xF, mant = b & 0x7;
+  float v;
+  if (exp == 0) {
+    v = static_cast<float>(mant) * (1.f / 512.f);
+  } else {
+    const uint32_t bits = ((exp + 120) << 23) | (mant << 20);
+    std::memcpy(&v, &bits, 4);
+  }
+  uint32_t out;
+  std::memcpy(&out, &v, 4);
+  out |= sign;
+  std::memcpy(&v, &out, 4);
+  return v;
+}
+
+// element `i` of row `row` (a flat (block, offset, kv head) index times head_dim) as float
+inline float element(const Pool& p, int64_t row, int64_t head_dim, int64_t i) {
+  const int64_t at = row * head_dim + i;
+  switch (p.dtype) {
+    case at::kFloat: return static_cast<const float*>(p.data)[at];
+    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(p.data)[at]);
+    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(p.data)[at]);
+    case at::kFloat8_e4m3fn: return fp8_to_f32(static_cast<const uint8_t*>(p.data)[at]) * p.scale;
+    default: return static_cast<float>(static_cast<const int8_t*>(p.data)[at]) * static_cast<float>(p.token_scales[row]);
+  }
+}
+
+// ---- scalar path ------------------------------------------------------------------------------------------
 template <typename T>
-void decode_kernel(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-                   T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t block_size, int64_t max_blocks, float scale) {
-  const int64_t G = num_heads / num_kv_heads;
-  const int64_t D = head_dim;
-  const int64_t token_stride = num_kv_heads * D;       // between tokens of one block
-  const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, kf(D);
+void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens, T* out,
+                   int64_t num_seqs, const Layout& lay, float scale) {
+  const int64_t G = lay.num_heads / lay.num_kv_heads, D = lay.head_dim, KVH = lay.num_kv_heads;
+  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, kh = item % num_kv_heads;
-      const int64_t L = lens[s];
-      const int64_t* table = tables + s * max_blocks;
+      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
+      const int64_t* table = tables + s * lay.max_blocks;
+      auto row = [&](int64_t t) { return (table[t / lay.block_size] * lay.block_size + t % lay.block_size) * KVH + kh; };
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f32(q[(s * num_heads + kh * G + g) * D + d]) * scale;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(s * lay.num_heads + kh * G + g) * D + d]) * scale;
       scores.assign(G * L, 0.f);
-      // scores[g, t] = q_g . k_t
-      for (int64_t t = 0; t < L; ++t) {
-        const T* kp = k_pool + table[t / block_size] * block_stride + (t % block_size) * token_stride + kh * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f32(kp[d]);
+      for (int64_t t = 0; t < L; ++t)
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
           float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kf[d];
+          for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * element(k, row(t), D, d);
           scores[g * L + t] = dot;
         }
-      }
-      // softmax over t, per head
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;
-        // expf in its own simd loop so it maps to glibc's vector expf (libmvec)
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sg[t] = expf(sg[t] - mx);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += sg[t];
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sg[t]);
+        for (int64_t t = 0; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - mx));
+        for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
       }
-      // out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const T* vp = v_pool + table[t / block_size] * block_stride + (t % block_size) * token_stride + kh * D;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f32(vp[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          const float vd = element(v, row(t), D, d);
+          for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * L + t] * vd;
         }
-      }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(s * num_heads + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+        for (int64_t d = 0; d < D; ++d) out[(s * lay.num_heads + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
   });
 }
 
+#if defined(__AVX512F__)
+// ---- vectorised path ----------------------------------------------------------------------------------------
+// exp(x) for x <= 0 (scores minus their running max): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2
+// (two-part ln 2), e^r by Cephes' degree-6 polynomial; about 1 ulp.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// 16 consecutive elements of a K/V row as float32
+template <at::ScalarType kType>
+inline __m512 load16(const void* base, int64_t at, float scale) {
+  if constexpr (kType == at::kFloat) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+  } else if constexpr (kType == at::kBFloat16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (kType == at::kHalf) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  } else if constexpr (kType == at::kFloat8_e4m3fn) {  // e4m3 -> float32 bits; zero exponent: mant * 2^-9
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+    const __m512i exp = _mm512_and_si512(_mm512_srli_epi32(u, 3), _mm512_set1_epi32(0xF));
+    const __m512i mant = _mm512_and_si512(u, _mm512_set1_epi32(0x7));
+    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(exp, _mm512_set1_epi32(120)), 23),
+                                           _mm512_slli_epi32(mant, 20));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mant), _mm512_set1_ps(1.f / 512.f));
+    const __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(exp, _mm512_setzero_si512()), _mm512_castsi512_ps(normal), sub);
+    return _mm512_mul_ps(_mm512_or_ps(mag, _mm512_castsi512_ps(sign)), _mm512_set1_ps(scale));
+  } else {  // int8 codes, scale per (token, head)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + at));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
+  }
+}
+
+// v[t] -> lane t of the result holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45 operations
+// for 16 sums, where one _mm512_reduce_add_ps each would take ~8 x 16)
+inline __m512 hsum16(const __m512 (&v)[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of the pair (x, y)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of 4 consecutive inputs
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // 128-bit block L of b[i] holds lane L's partial sums of inputs 4i..4i+3: add the four blocks
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
+}
+
+template <at::ScalarType kType>
+inline float row_scale(const Pool& p, int64_t row) {
+  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale;
+  if constexpr (kType == at::kChar) return static_cast<float>(p.token_scales[row]);
+  return 1.f;
+}
+
+template <typename T, at::ScalarType kKV, int V>  // V = head_dim / 16
+void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens, T* out,
+                int64_t num_seqs, const Layout& lay, float scale) {
+  constexpr int D = 16 * V;
+  const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
+  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores(G * bs), kf(bs * D), vf(bs * D), m(G), l(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
+      const int64_t* table = tables + s * lay.max_blocks;
+      for (int64_t g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(s * lay.num_heads + kh * G + g) * D + d]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: the build uses -ffast-math
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t j = 0; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs);
+        const int64_t row0 = table[j] * bs * KVH + kh;  // row of token 0 of this block; token t is row0 + t * KVH
+        // keys of the block as float32, once for all heads; then scores[g, t] = q_g . k_t, 16 tokens at a time
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = row0 + t * KVH;
+          const float rs = row_scale<kKV>(k, row);
+          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&kf[t * D + 16 * i], load16<kKV>(k.data, row * D + 16 * i, rs));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 qv[V];
+          for (int i = 0; i < V; ++i) qv[i] = _mm512_loadu_ps(&qf[g * D + 16 * i]);
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = std::min<int64_t>(16, n - t0);
+            __m512 dots[16];
+            for (int t = 0; t < 16; ++t) {
+              if (t >= cnt) {
+                dots[t] = _mm512_setzero_ps();
+                continue;
+              }
+              const float* kr = &kf[(t0 + t) * D];
+              __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+              for (int i = 1; i < V; ++i) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kr + 16 * i), d);
+              dots[t] = d;
+            }
+            _mm512_mask_storeu_ps(&scores[g * bs + t0], cnt >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1), hsum16(dots));
+          }
+        }
+        // values of the block as float32, once for all heads
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = row0 + t * KVH;
+          const float rs = row_scale<kKV>(v, row);
+          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = &scores[g * bs];
+          float mx = m[g];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          const float alpha = std::exp(m[g] - mx);  // rescales what came before (0 on the first block)
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 mask = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+            const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), _mm512_set1_ps(mx)));
+            _mm512_mask_storeu_ps(sg + t, mask, p);
+            sum += _mm512_mask_reduce_add_ps(mask, p);
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = mx;
+          __m512 a[V];
+          for (int i = 0; i < V; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * i]), _mm512_set1_ps(alpha));
+          for (int64_t t = 0; t < n; ++t) {
+            const __m512 p = _mm512_set1_ps(sg[t]);
+            for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[t * D + 16 * i]), a[i]);
+          }
+          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&acc[g * D + 16 * i], a[i]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) out[(s * lay.num_heads + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T, at::ScalarType kKV>
+bool decode_vec_any(int64_t head_dim, const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens,
+                    T* out, int64_t num_seqs, const Layout& lay, float scale) {
+  switch (head_dim) {
+    case 16: decode_vec<T, kKV, 1>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 32: decode_vec<T, kKV, 2>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 64: decode_vec<T, kKV, 4>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 128: decode_vec<T, kKV, 8>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 256: decode_vec<T, kKV, 16>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    default: return false;
+  }
+}
+#endif
+
+Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& scale, const char* name) {
+  Pool p{pool.data_ptr(), pool.scalar_type()};
+  if (p.dtype == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(scale.has_value() && scale->numel() == 1, name, ": an fp8 pool needs its scale");
+    p.scale = scale->item<float>();
+  } else if (p.dtype == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->is_contiguous() &&
+                scale->numel() * pool.size(3) == pool.numel(), name, ": an int8 pool needs float16 scales per token and head");
+    p.token_scales = scale->data_ptr<c10::Half>();
+  }
+  return p;
+}
+
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
+                                     c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "dtype mismatch");
+  const auto kv = k_pool.scalar_type();
+  TORCH_CHECK(kv == v_pool.scalar_type() && (kv == q.scalar_type() || kv == at::kFloat8_e4m3fn || kv == at::kChar),
+              "K/V pools must hold q's dtype, fp8 or int8");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64, "int64 tables");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == head_dim && num_heads % num_kv_heads == 0, "shape mismatch");
+  const int64_t num_seqs = q.size(0), head_dim = q.size(2);
+  const Layout lay{q.size(1), k_pool.size(2), head_dim, k_pool.size(1), tables.size(1)};
+  TORCH_CHECK(k_pool.size(3) == head_dim && lay.num_heads % lay.num_kv_heads == 0, "shape mismatch");
+  const Pool k = make_pool(k_pool, k_scale, "k"), v = make_pool(v_pool, v_scale, "v");
+  const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_seqs,
-                            num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    bool done = false;
+#if defined(__AVX512F__)
+    switch (kv) {
+      case at::kFloat: done = decode_vec_any<scalar_t, at::kFloat>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
+      case at::kBFloat16: done = decode_vec_any<scalar_t, at::kBFloat16>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
+      case at::kHalf: done = decode_vec_any<scalar_t, at::kHalf>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
+      case at::kFloat8_e4m3fn: done = decode_vec_any<scalar_t, at::kFloat8_e4m3fn>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
+      default: done = decode_vec_any<scalar_t, at::kChar>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
+    }
+#endif
+    if (!done) decode_scalar<scalar_t>(qp, k, v, tp, lp, op, num_seqs, lay, s);
   });
   return out;
 }

@@ -4,9 +4,10 @@
 
 namespace sieve {
 
-// attention.cpp: one query token per sequence against its paged K/V
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+// attention.cpp: one query token per sequence against its paged K/V (model dtype, fp8 or int8 codes)
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
+                                     c10::optional<torch::Tensor> v_scale);
 
 // layer_ops.cpp: a decoder layer's small operations, fused (bf16)
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,

@@ -7,8 +7,8 @@ Every new K/V is written to its cache slot; then
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
     with a causal mask aligned to the chunk's end.
 A quantized KV cache (FP8 with a per-layer scale, INT8 with a scale per token and head) changes only
-`write_kv` and `read_kv` (`QuantizedKVCacheLayer`); decodes then take the PyTorch path, which reads
-through `read_kv`.
+`write_kv` and `read_kv` (`QuantizedKVCacheLayer`) and hands its scales to the native decode kernel,
+which reads the codes in place; the PyTorch decode path reads through `read_kv`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class KVCacheLayer:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.block_size = k.shape[1]
+        self.k_scale = self.v_scale = None  # quantized caches: what the native decode kernel needs to read codes
 
     def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slots, k.to(self.k.dtype))
@@ -141,10 +142,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""
-        ops = cpu_ops() if q.device.type == "cpu" and cache.k.dtype == q.dtype else None
-        if ops is not None:  # native: reads K/V in place from the pool, no padding
+        ops = cpu_ops() if q.device.type == "cpu" else None
+        if ops is not None:  # native: reads K/V (or their fp8 / int8 codes) in place from the pool, no padding
             return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
-                                              meta.decode_context_lens, self.scale)
+                                              meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale)
         return decode_attention_reference(q, cache, meta, self.scale)
 
 

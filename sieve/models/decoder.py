@@ -104,6 +104,8 @@ class DecoderModel(nn.Module):
             if isinstance(m, Linear):
                 head = name == "lm_head"
                 q = quantization if quantization and (not head or quantize_lm_head) else None
+                if head and q == "awq":  # an AWQ checkpoint has no activation-aware scales for the head
+                    q = "int4"
                 if head and q and self.arch.tie_word_embeddings:
                     m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
                 m.prepare(allow_two_layouts, q, group_size)

@@ -30,6 +30,7 @@ from sieve.quant.formats import ChannelScaledWeight, Int4Weight
 
 SMALL_ROWS = {"int8": 128}  # PyTorch's packed int8 kernel up to this many rows (CPU without native kernels)
 BLOCKED_MAX_ROWS = {"int8": 64, "fp8": 32, "int4": 64}  # from the table above: past these, decode + oneDNN
+PACK_ROWS = 512  # from here the decoded weight is also repacked for oneDNN
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
@@ -75,6 +76,9 @@ class BlockedKernel:
         return self.ops.qdequant(self.blocked, code, self.scale, self.zshift, self.group, self.n, self.k)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] >= PACK_ROWS:  # prefill: oneDNN's own layout beats a plain bf16 weight by more than the repack
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.dense(), x.shape[0])
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense(), bias)
         if self.kind == "int4":
