@@ -190,7 +190,10 @@ def test_ratio_table_divides_sieve_by_the_peer():
     assert rows[0]["output_throughput"] == pytest.approx(0.8) and rows[0]["tpot_p50"] == pytest.approx(1.25)
     assert rows[1]["output_throughput"] == pytest.approx(3.0) and rows[1]["ttft_p99"] == pytest.approx(0.5)
     assert math.isnan(rows[1]["goodput"])  # the peer met the SLO for nothing: no finite ratio
-    assert "sieve 32, llama.cpp 8" in format_table(rows, "concurrency", ours, theirs, "llama.cpp")
+    table = format_table(rows, "concurrency", ours, theirs, "llama.cpp")
+    assert "sieve 32, llama.cpp 8" in table and "| 4.00× |" not in table and "— (other 0)" in table and "nan" not in table
+    theirs["max_concurrency_within_slo"] = None
+    assert "llama.cpp none of the loads" in format_table(rows, "concurrency", ours, theirs, "llama.cpp")
 
 
 def test_cli_bench_serve_writes_json_and_plot(live, llama_dir, tmp_path, capsys):

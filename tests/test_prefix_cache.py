@@ -151,7 +151,7 @@ def test_outputs_identical_with_cache_on_and_off(llama_engine_factory, workload,
     # accounting: free + cached-unreferenced = all blocks, and nothing is referenced any more
     assert len(bm.free_blocks) + len(bm.evictable) == bm.num_blocks and sum(bm.ref_counts) == 0
     assert all(bm.block_hash[b] is not None for b in bm.evictable)
-    if blocks == 40:
+    if blocks == 20:
         assert engine.scheduler.num_preemptions > 0  # memory pressure really happened
         assert bm.num_evictions > 0  # and cached blocks were evicted to make room
 

@@ -188,11 +188,15 @@ def ratio_table(ours: dict, theirs: dict, key: str) -> list[dict]:
 def format_table(rows: list[dict], key: str, ours: dict, theirs: dict, name: str, us: str = "sieve") -> str:
     lines = [f"{us} ÷ {name} (throughput, goodput: higher is better for {us}; TTFT, TPOT: lower is better)",
              f"| {key} | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput |", "|---|---|---|---|---|---|---|"]
+    def ratio(v: float) -> str:  # nan: the other engine's figure was 0 (e.g. no request within the SLO)
+        return "— (other 0)" if v != v else f"{v:.2f}×"
+
     for r in rows:
-        lines.append(f"| {r[key]} | {r['output_throughput']:.2f}× | {r['ttft_p50']:.2f}× | {r['ttft_p99']:.2f}× | "
-                     f"{r['tpot_p50']:.2f}× | {r['tpot_p99']:.2f}× | {r['goodput']:.2f}× |")
+        lines.append(f"| {r[key]} | " + " | ".join(ratio(r[c]) for c in ("output_throughput", "ttft_p50", "ttft_p99", "tpot_p50",
+                                                                        "tpot_p99", "goodput")) + " |")
     m = f"max_{key}_within_slo"
-    lines.append(f"max {key} within the SLO: {us} {ours[m]}, {name} {theirs[m]}")
+    within = lambda v: "none of the loads" if v is None else v  # noqa: E731
+    lines.append(f"max {key} within the SLO: {us} {within(ours[m])}, {name} {within(theirs[m])}")
     return "\n".join(lines)
 
 
