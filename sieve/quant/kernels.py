@@ -9,12 +9,16 @@ GEMM, whose cost is then spread over many rows. Measured on the development mach
 every linear of a Qwen2.5-0.5B-shaped model once, ms, min of 9 interleaved passes):
 
     rows               1      8     32     64    128
-    bf16 (oneDNN)     26     29     52     87    164     (bf16 at 1-4 rows uses its own GEMV: 21 ms)
-    int8              15     20     49     87    176
-    fp8               16     21     60    113    230
-    int4 (group 128)  11     18     47     86    174
+    bf16 (oneDNN)     25     29     52     85    153     (bf16 at 1-4 rows uses its own GEMV: 22 ms)
+    int8              11     15     46     83    156
+    fp8               11     16     57    106    207
+    int4 (group 128)   7     14     45     82    154
 
-The same layout serves every batch size, so a weight is held once. Elsewhere (CUDA, float32
+The same layout serves every batch size, so a weight is held once. At prefill sizes the decode plus a
+GEMM on a plain bf16 matrix runs ~8% behind bf16's prepacked oneDNN weights (repacking the decoded
+matrix for oneDNN costs what it gains; decoding straight into oneDNN's private layout would close it).
+fp8 decodes in 8 vector operations per 32 weights against int8's 5 (the CPU has no FP8 arithmetic), which
+shows once a batch makes the kernel compute-bound. Elsewhere (CUDA, float32
 activations, no native kernels): int8 uses PyTorch's packed kernel for small batches, int4 PyTorch's
 CPU int4 kernel where its tile shapes fit, fp8 the FP8 matmul (`_scaled_mm`) on GPUs that have it;
 anything else dequantizes into the activation dtype for one GEMM.
@@ -30,7 +34,6 @@ from sieve.quant.formats import ChannelScaledWeight, Int4Weight
 
 SMALL_ROWS = {"int8": 128}  # PyTorch's packed int8 kernel up to this many rows (CPU without native kernels)
 BLOCKED_MAX_ROWS = {"int8": 64, "fp8": 32, "int4": 64}  # from the table above: past these, decode + oneDNN
-PACK_ROWS = 512  # from here the decoded weight is also repacked for oneDNN
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
@@ -76,9 +79,6 @@ class BlockedKernel:
         return self.ops.qdequant(self.blocked, code, self.scale, self.zshift, self.group, self.n, self.k)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] >= PACK_ROWS:  # prefill: oneDNN's own layout beats a plain bf16 weight by more than the repack
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.dense(), x.shape[0])
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense(), bias)
         if self.kind == "int4":
