@@ -78,9 +78,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.server.app import create_app
     from sieve.server.serve import serve
 
-    engine = LLMEngine(config_from_args(args))
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting)
-    print(f"sieve serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+    config = config_from_args(args)
+    app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
+                     max_waiting=args.max_waiting)
+    name = args.served_model_name or app.state.async_engine.engine.model_name
+    print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     serve(app, args.host, args.port, grace=args.shutdown_grace)
     return 0
 
@@ -124,24 +126,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from sieve.bench.offline import run_offline_benchmark
-
-    result = run_offline_benchmark(args)
+def _write_json_result(run, args: argparse.Namespace) -> int:
+    result = run(args)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from sieve.bench.offline import run_offline_benchmark
+
+    return _write_json_result(run_offline_benchmark, args)
 
 
 def cmd_bench_quant(args: argparse.Namespace) -> int:
     from sieve.bench.quant import run_quant_benchmark
 
-    result = run_quant_benchmark(args)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return _write_json_result(run_quant_benchmark, args)
 
 
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:

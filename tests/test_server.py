@@ -395,3 +395,28 @@ def test_streams_of_several_prompts_interleave(client):
     full = client.completions.create(model=MODEL, prompt=[[31, 32], [41, 42]], max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     for i in (0, 1):
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) == full.choices[i].text
+
+
+def test_engine_built_by_a_factory_lives_in_the_engine_thread(llama_dir):
+    """`sieve serve` hands the app a factory so the engine is built and stepped by one thread (OpenMP
+    teams: sieve/server/async_engine.py); the server then works as usual, and a build error reaches the
+    caller instead of leaving a thread that never answers."""
+    from sieve import EngineConfig, LLMEngine
+    from sieve.server.async_engine import AsyncEngine
+
+    built_in = []
+
+    def build():
+        built_in.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+
+    url, stop = start_server(build)
+    try:
+        assert built_in == ["sieve-engine"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        r = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
+    finally:
+        stop()
+    with pytest.raises(ValueError, match="unsupported"):
+        AsyncEngine(lambda: (_ for _ in ()).throw(ValueError("unsupported architecture")))

@@ -34,10 +34,19 @@ from sieve.bench.serving_stats import SLO
 from sieve.demo import cache_root
 
 SERVED_NAME = "bench"
-# llama-server flags per GGUF type. On this development machine (Xeon with AMX, torch and llama.cpp both
-# see AMX_INT8), llama.cpp's AMX-repacked Q8_0 weights crash at warm-up (SIGSEGV, exit 139); without
-# repacking Q8_0 runs on its AVX512 kernels. F16 is not repacked, so it is unaffected.
-LLAMA_FLAGS = {"q8_0": ["--no-repack"]}
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+# llama-server flags per GGUF type. On a Xeon with AMX (torch and llama.cpp both see AMX_INT8),
+# llama.cpp's AMX-repacked Q8_0 weights crashed at warm-up (SIGSEGV, exit 139); without repacking Q8_0
+# runs on its AVX512 kernels. Elsewhere llama.cpp repacks as it likes. F16 is not repacked either way.
+LLAMA_FLAGS = {"q8_0": ["--no-repack"]} if _cpu_has_amx() else {}
 
 
 def add_peers_args(p: argparse.ArgumentParser) -> None:

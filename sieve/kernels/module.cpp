@@ -1,18 +1,20 @@
-// The Python module of sieve's native CPU kernels.
+// The Python module of sieve's native CPU kernels. Every kernel releases the GIL while it runs (they
+// touch no Python object), so a server's event loop can stream while the engine thread computes.
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &sieve::paged_decode_attention, "paged decode attention (CPU)", py::arg("q"), py::arg("k_pool"),
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &sieve::paged_decode_attention, "paged decode attention (CPU)", nogil, py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
-  m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16): returns (normed, sum)");
-  m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads");
-  m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix");
+  m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16): returns (normed, sum)", nogil);
+  m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads", nogil);
+  m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix", nogil);
 #if defined(__AVX512BF16__)
-  m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights (CPU, AVX512-BF16)");
+  m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights (CPU, AVX512-BF16)", nogil);
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
-  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row scales, blocked layout (CPU, AVX512-BF16)");
-  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with zero points, blocked layout (CPU, AVX512-BF16)");
-  m.def("qdequant", &sieve::qdequant, "blocked int8 / fp8 / int4 weights -> row-major bf16 (CPU, AVX512-BF16)");
+  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row scales, blocked layout (CPU, AVX512-BF16)", nogil);
+  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with zero points, blocked layout (CPU, AVX512-BF16)", nogil);
+  m.def("qdequant", &sieve::qdequant, "blocked int8 / fp8 / int4 weights -> row-major bf16 (CPU, AVX512-BF16)", nogil);
 #endif
 }

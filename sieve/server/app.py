@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -40,11 +40,15 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status, headers=headers)
 
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None) -> FastAPI:
+    """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
+    does: see sieve/server/async_engine.py for why)."""
+    aengine = AsyncEngine(engine)
+    engine = aengine.engine
     model_name = served_model_name or engine.model_name
     metrics = Metrics(engine, model_name)
-    aengine = AsyncEngine(engine, on_finished=metrics.record_finished)
+    aengine.on_finished = metrics.record_finished
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
