@@ -34,6 +34,7 @@ bench-peers: $(STAMP)
 		--input-len 64:256 --output-len 64:128 --output-json bench-out/peers.json --plot bench-out/peers.png
 
 # prefix cache on vs off: 8 system prompts of 2,000 tokens shared by 200 requests, then multi-turn chat
+# without and with a system prompt all conversations share
 bench-prefix: $(STAMP)
 	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --create-model qwen2.5-0.5b --engines sieve,sieve-no-prefix-cache \
 		--dataset shared-prefix --num-prefixes 8 --prefix-len 2000 --num-prompts 200 --input-len 50:100 --output-len 32:64 \
@@ -41,6 +42,9 @@ bench-prefix: $(STAMP)
 	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --engines sieve,sieve-no-prefix-cache \
 		--dataset multi-turn --num-prompts 16 --turns 6 --input-len 100:200 --output-len 32:64 \
 		--concurrency 8 --output-json bench-out/prefix-multiturn.json
+	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --engines sieve,sieve-no-prefix-cache \
+		--dataset multi-turn --system-len 1000 --num-prompts 16 --turns 8 --input-len 50:150 --output-len 32:64 \
+		--concurrency 8 --output-json bench-out/prefix-chat-app.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

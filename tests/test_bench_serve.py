@@ -109,7 +109,10 @@ def test_workloads_are_seeded_and_sized(demo_dir, tmp_path):
     assert len({s.system for s in sp}) == 3 and all(s.completion_prompt(s.turns[0]).startswith(s.system) for s in sp)
 
     mt = WorkloadSpec(dataset="multi-turn", num_prompts=2, turns=3).build(tok)
-    assert all(s.chat and len(s.turns) == 3 for s in mt)
+    assert all(s.chat and len(s.turns) == 3 and s.system is None for s in mt)
+    mt = WorkloadSpec(dataset="multi-turn", num_prompts=3, turns=2, system_len=40).build(tok)
+    assert len({s.system for s in mt}) == 1 and 20 <= len(tok.encode(mt[0].system, add_special_tokens=False)) <= 40
+    assert all(m["role"] == "system" for m in [s.first_messages()[0] for s in mt])
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi", "max_tokens": 3}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')

@@ -37,8 +37,13 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
     q = quantize_fp8(w)
     assert q.q.dtype == torch.float8_e4m3fn
     err = (q.dequantize() - w).abs()
-    # e4m3: relative error <= 2^-4 for normal numbers; tiny values are absolute (subnormal step)
-    assert (err <= w.abs() * 2**-4 + q.scale[:, None] * 2**-9 + 1e-7).all()
+    # e4m3: relative error <= 2^-4 for normal numbers; values under the smallest normal (2^-6) round to
+    # 0 or 2^-6, no subnormal codes
+    assert (err <= w.abs() * 2**-4 + q.scale[:, None] * 2**-7 + 1e-7).all()
+    codes = q.q.view(torch.uint8)
+    assert not ((codes & 0x78 == 0) & (codes & 0x07 != 0)).any()
+    tiny = torch.tensor([[448.0, 0.004, -0.004, 0.012, -0.009, 0.0]])  # in steps of the scale (1.0 here)
+    assert quantize_fp8(tiny).dequantize().tolist() == [[448.0, 0.0, 0.0, 2**-6, -(2**-6), 0.0]]
 
 
 @pytest.mark.parametrize("k,group", [(256, 128), (200, 64), (172, 128)])  # whole groups, and a short last group
@@ -53,7 +58,7 @@ def test_int4_groupwise_round_trip(k, group):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 32, 65])  # decode sizes, several row tiles, and decode + GEMM past the tile limit
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 65])  # decode sizes, several row tiles, a prefill-sized batch with a partial tile
 @pytest.mark.parametrize("shape", [(256, 256), (200, 130)])  # whole blocks, and padded rows / a short last group
 def test_kernels_match_their_dequantized_weight(fmt, rows, shape):
     torch.manual_seed(0)

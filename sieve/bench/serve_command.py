@@ -31,6 +31,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct system prompts")
     w.add_argument("--prefix-len", type=int, default=2000, help="shared-prefix: tokens per system prompt")
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--system-len", type=int, default=0, help="multi-turn: tokens of one system prompt every conversation opens with")
     w.add_argument("--workload-seed", type=int, default=0)
     w.add_argument("--tokenizer", default=None, help="tokenizer to size prompts with (default: --model when it is a local folder)")
     l = p.add_argument_group("load and objectives")
@@ -61,7 +62,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 def workload_from_args(args) -> WorkloadSpec:
     return WorkloadSpec(dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-                        turns=args.turns, seed=args.workload_seed)
+                        turns=args.turns, system_len=args.system_len, seed=args.workload_seed)
 
 
 def load_tokenizer(name: str | None):

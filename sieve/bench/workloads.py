@@ -84,11 +84,13 @@ def shared_prefix(maker: TextMaker, n: int, num_prefixes: int, prefix_len: int, 
 
 
 def multi_turn(maker: TextMaker, n: int, turns: int, input_len: tuple[int, int], output_len: tuple[int, int],
-               seed: int) -> list[Session]:
-    """`n` conversations of `turns` turns each over the chat endpoint."""
+               seed: int, system_len: int = 0) -> list[Session]:
+    """`n` conversations of `turns` turns each over the chat endpoint; with `system_len`, all of them
+    open with the same system prompt of that many tokens (one chat application's)."""
     rng = random.Random(seed)
-    return [Session([Turn(maker.text(_span(rng, input_len)), _span(rng, output_len)) for _ in range(turns)], chat=True)
-            for _ in range(n)]
+    system = maker.text(system_len) if system_len > 0 else None
+    return [Session([Turn(maker.text(_span(rng, input_len)), _span(rng, output_len)) for _ in range(turns)], chat=True,
+                    system=system) for _ in range(n)]
 
 
 def from_jsonl(path: str | Path, n: int | None, default_max_tokens: int) -> list[Session]:
@@ -124,6 +126,7 @@ class WorkloadSpec:
     num_prefixes: int = 8
     prefix_len: int = 2000
     turns: int = 4
+    system_len: int = 0  # multi-turn: one system prompt shared by all conversations
     seed: int = 0
 
     def build_points(self, tokenizer, num_points: int) -> list[list[Session]]:
@@ -142,5 +145,6 @@ class WorkloadSpec:
             return shared_prefix(maker, self.num_prompts, self.num_prefixes, self.prefix_len, self.input_len,
                                  self.output_len, self.seed)
         if self.dataset == "multi-turn":
-            return multi_turn(maker, self.num_prompts, self.turns, self.input_len, self.output_len, self.seed)
+            return multi_turn(maker, self.num_prompts, self.turns, self.input_len, self.output_len, self.seed,
+                              self.system_len)
         raise ValueError(f"unknown dataset {self.dataset!r}: use synthetic, shared-prefix, multi-turn or jsonl:PATH")

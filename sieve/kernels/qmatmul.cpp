@@ -15,8 +15,7 @@
 //
 // Decoding 32 weights to bf16, exactly:
 //   int8  sign-extend to int32, convert to float, pack two halves to bf16 (|q| <= 128 fits bf16).
-//   fp8   exponent and mantissa move into bf16's fields with the bias raised from 7 to 127, the sign
-//         to bit 15; the 8 codes with a zero exponent (zero and subnormals m * 2^-9) from a table.
+//   fp8   shift and mask: the bf16 number 2^-120 times the e4m3 one (see Fp8Decode).
 //   int4  0x4300 | q is the bf16 number 128 + q, so a group adds s * (sum (128 + q) x - (128 + z) sum x):
 //         the scale applies to a per-group accumulator, the zero point (+128) to the group's sum of x.
 #include "kernels.h"
@@ -25,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -47,18 +47,19 @@ struct Int8Decode {
   }
 };
 
+// e4m3 -> bf16 in three operations: sign-extend the byte to 16 bits and shift left by 4, which puts
+// exponent and mantissa in bf16's low exponent bits and mantissa with the sign copied into bits 11-15;
+// the mask keeps bit 15 as the sign. The bf16 number is the e4m3 one times 2^-120 (the bias stays 7
+// where bf16's is 127), exact for zero and normal codes; quantize_fp8 writes no subnormal codes. The
+// callers scale by 2^120: the inputs by 2^kFp8InputShift before the dot products (which flush
+// subnormal products to zero), the row scale by the rest.
 struct Fp8Decode {
   static __m512i run(const uint8_t* p) {
-    const __m512i kSubnormals = _mm512_set_epi16(  // bf16 of m * 2^-9 at index m (0..7)
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
-    const __m512i b = load32(p);
-    const __m512i em = _mm512_and_si512(b, set_words(0x7f));
-    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(em, 4), set_words(120 << 7));
-    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_testn_epi16_mask(b, set_words(0x78)), em, kSubnormals);
-    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(b, 8), set_words(0x8000), 0xF8);  // bits | sign
+    const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_and_si512(_mm512_slli_epi16(s, 4), set_words(0x87F0));
   }
 };
+constexpr int kFp8Shift = 120, kFp8InputShift = 64;  // |x| < 2^63 keeps x * 2^64 finite in bf16
 
 inline __m512i bcast_pair(const uint16_t* x) {  // (x[0], x[1]) into every 32-bit lane
   int32_t v;
@@ -72,13 +73,14 @@ struct Out {  // where and how a tile is written: y = acc * row_scale + bias
   const float* row_scale;  // [N] or null
   const float* bias;       // [N] float32, or null
   const c10::BFloat16* bias_bf16;  // [N] bf16, or null
+  float post = 1.f;                 // a factor on top of row_scale
 
   template <int MR, int NB>
   void store(__m512 (&acc)[MR][NB], int64_t m0, const int64_t (&blk)[NB]) const {
     for (int b = 0; b < NB; ++b) {
       const int64_t n0 = blk[b] * 16;
       const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
-      const __m512 s = row_scale ? _mm512_maskz_loadu_ps(mask, row_scale + n0) : _mm512_set1_ps(1.f);
+      const __m512 s = row_scale ? _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row_scale + n0), _mm512_set1_ps(post)) : _mm512_set1_ps(post);
       const __m512 c = bias        ? _mm512_maskz_loadu_ps(mask, bias + n0)
                        : bias_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias_bf16 + n0)), 16))
                                    : _mm512_setzero_ps();
@@ -202,6 +204,21 @@ torch::Tensor padded_x(const torch::Tensor& x, int64_t K2) {
   return xp;
 }
 
+// bf16 x * 2^e, exactly (x is a few thousand values: one pass, no allocation beyond the result)
+torch::Tensor scaled_by_power_of_two(const torch::Tensor& x, int e) {
+  auto y = torch::empty_like(x);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const __m512 f = _mm512_set1_ps(std::ldexp(1.f, e));
+  const int64_t total = x.numel();
+  for (int64_t i = 0; i < total; i += 16) {
+    const __mmask16 mask = total - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (total - i)) - 1);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + i)), 16));
+    _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, f)));
+  }
+  return y;
+}
+
 // The bias as the kernels read it (float32 or bf16, one per output), keeping a converted copy alive
 void set_bias(Out& out, const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
   out.bias = nullptr;
@@ -227,12 +244,14 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tens
   const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
   TORCH_CHECK(n <= blocks * 16 && row_scale.numel() == n && row_scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 scales");
   auto xp = padded_x(x, K2);
+  if (fp8) xp = scaled_by_power_of_two(xp, kFp8InputShift);
   auto wc = w.contiguous();
   auto sc = row_scale.contiguous();
   torch::Tensor bkeep;
   const int64_t M = xp.size(0);
   auto y = torch::empty({M, n}, x.options().dtype(at::kBFloat16));
   Out out{y.data_ptr<c10::BFloat16>(), n, sc.data_ptr<float>(), nullptr, nullptr};
+  if (fp8) out.post = std::ldexp(1.f, kFp8Shift - kFp8InputShift);
   set_bias(out, bias, n, bkeep);
   const uint16_t* xw = reinterpret_cast<const uint16_t*>(xp.data_ptr());
   const uint8_t* wp = wc.data_ptr<uint8_t>();
@@ -286,8 +305,8 @@ torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   return y;
 }
 
-// The blocked weight back as row-major bf16 [n, k], for batches large enough that a GEMM on the full
-// matrix (oneDNN) beats decoding in the loop. kind: 0 int8, 1 fp8 (scale [n]); 2 int4 (scale and
+// The blocked weight back as row-major bf16 [n, k] (`BlockedKernel.dense()`: the plain matrix for
+// whoever needs one; the matmuls above never do). kind: 0 int8, 1 fp8 (scale [n]); 2 int4 (scale and
 // zshift [NBlocks, G, 16], group).
 torch::Tensor qdequant(torch::Tensor w, int64_t kind, torch::Tensor scale, c10::optional<torch::Tensor> zshift, int64_t group,
                        int64_t n, int64_t k) {
@@ -317,6 +336,7 @@ torch::Tensor qdequant(torch::Tensor w, int64_t kind, torch::Tensor scale, c10::
       const __m512i half_rows[2] = {pair_index, _mm512_add_epi32(pair_index, _mm512_set1_epi32(8))};
       __m512 row_scale = _mm512_setzero_ps();
       if (kind != 2) row_scale = _mm512_maskz_loadu_ps(rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1), sp + b * 16);
+      const __m512 code_scale = _mm512_set1_ps(kind == 1 ? std::ldexp(1.f, kFp8Shift) : 1.f);  // fp8: bf16 = e4m3 * 2^-120
       // pair-vectors of this block, two at a time for int4; each is 16 rows x 2 inputs
       const int64_t units = kind == 2 ? K2 / 4 : K2 / 2;
       for (int64_t u = 0; u < units; ++u) {
@@ -343,7 +363,7 @@ torch::Tensor qdequant(torch::Tensor w, int64_t kind, torch::Tensor scale, c10::
             const __m512i words16 = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(code, 1) : _mm512_castsi512_si256(code));
             const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(words16, 16));
             const __m512 sv = _mm512_permutexvar_ps(half_rows[half], row_scale);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp[0] + half * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp[0] + half * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, code_scale), sv)));
           }
         }
         for (int h = 0; h < parts; ++h) {

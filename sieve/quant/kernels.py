@@ -3,25 +3,27 @@ reads, `dense()` the weight as a plain matrix in the activation dtype.
 
 CPU, bf16 activations, sieve's native kernels built (`BlockedKernel`): the weight is repacked once,
 at load time, into the blocked layout of sieve/kernels/qmatmul.cpp, where 32 decoded weights are one
-operand of a bf16 dot product against a broadcast pair of inputs. Batches up to `max_rows` rows are
-multiplied straight from that layout; larger ones (prefill chunks) decode it to bf16 and run one oneDNN
-GEMM, whose cost is then spread over many rows. Measured on the development machine (2 Zen 5 cores,
-every linear of a Qwen2.5-0.5B-shaped model once, ms, min of 9 interleaved passes):
+operand of a bf16 dot product against a broadcast pair of inputs. Every batch size is multiplied
+straight from that layout, so a weight is held once. Measured on the development machine (2 Zen 5
+cores, every linear of a Qwen2.5-0.5B-shaped model once, ms, min of 5 interleaved passes; bf16 at 1-4
+rows is sieve's GEMV, above that oneDNN on prepacked weights):
 
-    rows               1      8     32     64    128
-    bf16 (oneDNN)     25     29     52     85    153     (bf16 at 1-4 rows uses its own GEMV: 22 ms)
-    int8              11     15     46     83    156
-    fp8               11     16     57    106    207
-    int4 (group 128)   7     14     45     82    154
+    rows               1      8     32     64    128   2048
+    bf16            13.7   20.9   39.5   62.2  112.2   1966
+    int8             7.4   11.4   33.5   59.5  113.0   2078
+    fp8              7.2   10.6   30.9   56.6  107.7   2091
+    int4 (group 128) 5.0   10.8   32.2   58.6  111.7   2077
 
-The same layout serves every batch size, so a weight is held once. At prefill sizes the decode plus a
-GEMM on a plain bf16 matrix runs ~8% behind bf16's prepacked oneDNN weights (repacking the decoded
-matrix for oneDNN costs what it gains; decoding straight into oneDNN's private layout would close it).
-fp8 decodes in 8 vector operations per 32 weights against int8's 5 (the CPU has no FP8 arithmetic), which
-shows once a batch makes the kernel compute-bound. Elsewhere (CUDA, float32
-activations, no native kernels): int8 uses PyTorch's packed kernel for small batches, int4 PyTorch's
-CPU int4 kernel where its tile shapes fit, fp8 the FP8 matmul (`_scaled_mm`) on GPUs that have it;
-anything else dequantizes into the activation dtype for one GEMM.
+Decoding to a plain bf16 matrix for one oneDNN GEMM, the way prefill ran before, was slower at every
+size measured (128 rows: 192 ms; 512: 500 against 455; 2048: 2,122 against 2,096). At prefill sizes
+the kernel is compute-bound and runs ~6% behind oneDNN's bf16 GEMM: weight-only quantization saves
+no arithmetic there. fp8 decodes with a shift and a mask (its codes carry no subnormals), int8 with
+two conversions, so fp8 is the cheaper of the two one-byte formats on this CPU, which has no FP8
+arithmetic.
+
+Elsewhere (CUDA, float32 activations, no native kernels): int8 uses PyTorch's packed kernel for small
+batches, int4 PyTorch's CPU int4 kernel where its tile shapes fit, fp8 the FP8 matmul (`_scaled_mm`)
+on GPUs that have it; anything else dequantizes into the activation dtype for one GEMM.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from sieve.kernels import cpu_ops
 from sieve.quant.formats import ChannelScaledWeight, Int4Weight
 
 SMALL_ROWS = {"int8": 128}  # PyTorch's packed int8 kernel up to this many rows (CPU without native kernels)
-BLOCKED_MAX_ROWS = {"int8": 64, "fp8": 32, "int4": 64}  # from the table above: past these, decode + oneDNN
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
@@ -72,15 +73,12 @@ class BlockedKernel:
             self.kind = "fp8" if w.q.dtype == torch.float8_e4m3fn else "int8"
             (self.n, self.k), self.group, self.zshift = w.q.shape, 0, None
             self.blocked, self.scale = block_bytes(w.q), w.scale.to(torch.float32).contiguous()
-        self.max_rows = BLOCKED_MAX_ROWS[self.kind]
 
     def dense(self) -> torch.Tensor:
         code = {"int8": 0, "fp8": 1, "int4": 2}[self.kind]
         return self.ops.qdequant(self.blocked, code, self.scale, self.zshift, self.group, self.n, self.k)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense(), bias)
         if self.kind == "int4":
             return self.ops.qmatmul_int4(x, self.blocked, self.scale, self.zshift, self.group, bias, self.n)
         return self.ops.qmatmul_q8(x, self.blocked, self.kind == "fp8", self.scale, bias, self.n)
