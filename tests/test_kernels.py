@@ -97,8 +97,8 @@ def test_linear_picks_gemv_for_small_batches_and_packed_for_large(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_native_one_byte_weight_kernels_decode_every_code(fmt):
-    """The blocked kernel and its dequantize read every int8 / e4m3 code (fp8: signed zero too; not the
-    subnormals, which quantize_fp8 never writes) exactly as PyTorch converts it, at any input scale."""
+    """The blocked kernel reads every int8 / e4m3 code (fp8: signed zero too; not the subnormals, which
+    quantize_fp8 never writes) exactly as PyTorch converts it, at any input scale."""
     from sieve.quant.kernels import block_bytes
 
     ops = cpu_ops()
@@ -113,9 +113,6 @@ def test_native_one_byte_weight_kernels_decode_every_code(fmt):
     scale = torch.rand(q.shape[0]) + 0.5
     want = q.float() * scale[:, None]
     fp8 = fmt == "fp8"
-    code = 1 if fp8 else 0
-    dense = ops.qdequant(block_bytes(q), code, scale, None, 0, q.shape[0], 2)
-    torch.testing.assert_close(dense.float(), want.bfloat16().float(), rtol=0, atol=0)
     # one-hot rows of x pick out single inputs: y[m, n] = w[n, m] * scale[n], exactly (then rounded to bf16)
     for x_scale in (1.0, 2.0**-60, 2.0**60):  # the fp8 kernel shifts inputs by 2^64: neither flushed nor overflowing
         got = ops.qmatmul_q8(torch.eye(2).bfloat16() * x_scale, block_bytes(q), fp8, scale, None, q.shape[0])

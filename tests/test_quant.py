@@ -73,7 +73,6 @@ def test_kernels_match_their_dequantized_weight(fmt, rows, shape):
     assert got.shape == (rows, n)
     assert (got - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output rounding
     assert kernel.nbytes == qw.nbytes
-    torch.testing.assert_close(kernel.dense().float(), qw.dequantize(), atol=qw.dequantize().abs().max().item() / 128, rtol=0)
 
 
 def test_native_kernel_is_chosen_for_bf16_on_cpu():

@@ -25,8 +25,6 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tens
                          c10::optional<torch::Tensor> bias, int64_t n);
 torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor zshift, int64_t group,
                            c10::optional<torch::Tensor> bias, int64_t n);
-torch::Tensor qdequant(torch::Tensor w, int64_t kind, torch::Tensor scale, c10::optional<torch::Tensor> zshift, int64_t group,
-                       int64_t n, int64_t k);
 #endif
 
 }  // namespace sieve

@@ -15,6 +15,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
   m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row scales, blocked layout (CPU, AVX512-BF16)", nogil);
   m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with zero points, blocked layout (CPU, AVX512-BF16)", nogil);
-  m.def("qdequant", &sieve::qdequant, "blocked int8 / fp8 / int4 weights -> row-major bf16 (CPU, AVX512-BF16)", nogil);
 #endif
 }

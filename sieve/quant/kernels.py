@@ -1,5 +1,5 @@
 """Matmul kernels for quantized weights, all called as `kernel(x, bias)`; `nbytes` is what one pass
-reads, `dense()` the weight as a plain matrix in the activation dtype.
+reads.
 
 CPU, bf16 activations, sieve's native kernels built (`BlockedKernel`): the weight is repacked once,
 at load time, into the blocked layout of sieve/kernels/qmatmul.cpp, where 32 decoded weights are one
@@ -67,16 +67,12 @@ class BlockedKernel:
     def __init__(self, w: ChannelScaledWeight | Int4Weight, ops):
         self.ops, self.nbytes = ops, w.nbytes
         if isinstance(w, Int4Weight):
-            self.kind, self.n, self.k, self.group = "int4", w.scale.shape[0], w.k, w.group
+            self.kind, self.n, self.group = "int4", w.scale.shape[0], w.group
             self.blocked, self.scale, self.zshift = block_int4(w)
         else:
             self.kind = "fp8" if w.q.dtype == torch.float8_e4m3fn else "int8"
-            (self.n, self.k), self.group, self.zshift = w.q.shape, 0, None
+            self.n = w.q.shape[0]
             self.blocked, self.scale = block_bytes(w.q), w.scale.to(torch.float32).contiguous()
-
-    def dense(self) -> torch.Tensor:
-        code = {"int8": 0, "fp8": 1, "int4": 2}[self.kind]
-        return self.ops.qdequant(self.blocked, code, self.scale, self.zshift, self.group, self.n, self.k)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "int4":
