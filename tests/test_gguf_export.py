@@ -88,7 +88,7 @@ def test_q8_0_export_is_within_its_error_bound(checkpoints, tmp_path):
 
 
 def test_export_refuses_what_it_cannot_write(checkpoints, tmp_path):
-    with pytest.raises(ValueError, match="f16 or q8_0"):
+    with pytest.raises(ValueError, match="writes f32, f16, bf16, q8_0, q4_0, q4_1, not q4_k"):
         export_gguf(checkpoints["qwen2"], tmp_path / "x.gguf", "q4_k")
     bad = tmp_path / "bad"
     bad.mkdir()

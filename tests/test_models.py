@@ -97,7 +97,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, checkpoints):
 
 
 def test_missing_model_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a folder"):
+    with pytest.raises(FileNotFoundError, match="neither a folder holding a checkpoint nor a GGUF file"):
         LLM(str(tmp_path / "nope"))
 
 

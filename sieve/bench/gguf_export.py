@@ -1,9 +1,13 @@
-"""Write a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) as a GGUF file for llama.cpp.
+"""Write a checkpoint as a GGUF file for llama.cpp, with the `gguf` package.
 
-Only for the side-by-side benchmark: the same weights, converted here with the `gguf` package
-(optional extra `peers`), so both engines serve one checkpoint. Formats: f16 and q8_0 (1-D tensors
-stay f32, as llama.cpp's own converter does). The tokenizer must be a byte-level BPE
-(`tokenizer.json` with a vocabulary and merges), written as llama.cpp's "gpt2" tokenizer model.
+For the side-by-side benchmark and the tests: the same weights, converted here, so both engines serve
+one checkpoint.
+  - `export_gguf`: a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) in f32, f16, bf16, q8_0,
+    q4_0 or q4_1 (1-D tensors stay f32, as llama.cpp's own converter does). A byte-level BPE
+    tokenizer (`tokenizer.json` with a vocabulary and merges) is written as llama.cpp's "gpt2" model;
+    a SentencePiece one (`tokenizer.model`) as its "llama" model.
+  - `reencode_gguf`: a GGUF file in another of those types (every 2-D tensor dequantized and encoded
+    again; metadata copied), e.g. the f16 and q8_0 exports of a Q4_1 file.
 """
 
 from __future__ import annotations
@@ -16,16 +20,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from sieve.models.gguf import LAYER_NAMES, TOP_NAMES
+
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-LAYER_NAMES = {  # HF suffix -> GGUF name
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-}
-TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 def _gguf_name(hf: str) -> str | None:
@@ -76,26 +74,30 @@ def _add_tokenizer(writer, path: Path, vocab_size: int, cfg: dict) -> None:
 
     spec = json.loads((path / "tokenizer.json").read_text())
     model = spec["model"]
-    if model.get("type") != "BPE" or "merges" not in model:
-        raise ValueError(f"{path}: only byte-level BPE tokenizers convert (found {model.get('type')})")
-    vocab = dict(model["vocab"])
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    vocab.update(special)
-    by_id = {i: t for t, i in vocab.items()}
-    tokens, types = [], []
-    for i in range(vocab_size):  # rows past the tokenizer's vocabulary become unused pad tokens
-        if i in by_id:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if by_id[i] in special else gguf.TokenType.NORMAL)
-        else:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if cfg.get("model_type") in ("qwen2", "qwen3") else "gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if model.get("type") == "BPE" and "merges" in model and not (path / "tokenizer.model").exists():
+        vocab = dict(model["vocab"])
+        vocab.update(special)
+        by_id = {i: t for t, i in vocab.items()}
+        tokens, types = [], []
+        for i in range(vocab_size):  # rows past the tokenizer's vocabulary become unused pad tokens
+            if i in by_id:
+                tokens.append(by_id[i])
+                types.append(gguf.TokenType.CONTROL if by_id[i] in special else gguf.TokenType.NORMAL)
+            else:
+                tokens.append(f"[PAD{i}]")
+                types.append(gguf.TokenType.UNUSED)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2" if cfg.get("model_type") in ("qwen2", "qwen3") else "gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+    elif (path / "tokenizer.model").exists():
+        _add_sentencepiece(writer, path / "tokenizer.model", vocab_size)
+    else:
+        raise ValueError(f"{path}: only byte-level BPE (tokenizer.json) and SentencePiece (tokenizer.model) tokenizers "
+                         f"convert (found {model.get('type')})")
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     if eos is not None:
@@ -111,17 +113,64 @@ def _add_tokenizer(writer, path: Path, vocab_size: int, cfg: dict) -> None:
         writer.add_chat_template(template)
 
 
+def _add_sentencepiece(writer, model_file: Path, vocab_size: int) -> None:
+    """llama.cpp's "llama" tokenizer model: the SentencePiece pieces, scores and types, as its converter writes them."""
+    import gguf
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor(model_file=str(model_file))
+    tokens, scores, types = [], [], []
+    for i in range(vocab_size):
+        if i >= sp.vocab_size():
+            tokens.append(f"[PAD{i}]".encode())
+            scores.append(-1000.0)
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(sp.id_to_piece(i).encode("utf-8"))
+        scores.append(sp.get_score(i))
+        types.append(gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                     else gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i)
+                     else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(sp.unk_id())
+
+
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0",
+               "q4_1": "MOSTLY_Q4_1"}
+
+
+def _encode(writer, name: str, data: np.ndarray, qtype: str) -> None:
+    """Add a float32 tensor as `qtype` (1-D tensors stay f32, as llama.cpp's converter keeps them)."""
+    import gguf
+
+    if data.ndim == 1 or qtype == "f32":
+        writer.add_tensor(name, data.astype(np.float32))
+    elif qtype == "f16":
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        t = getattr(gguf.GGMLQuantizationType, qtype.upper())  # bytes in, the writer derives the element shape
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), t), raw_dtype=t)
+
+
+def _check_qtype(qtype: str) -> None:
+    if qtype not in QTYPES:
+        raise ValueError(f"GGUF export writes {', '.join(QTYPES)}, not {qtype}")
+
+
 def export_gguf(path: str | Path, out: str | Path, qtype: str = "f16", log=print) -> Path:
-    """Convert the checkpoint at `path` to `out` in f16 or q8_0; returns `out`."""
+    """Convert the checkpoint at `path` to `out` in `qtype`; returns `out`."""
     import gguf
 
     path, out = Path(path), Path(out)
+    _check_qtype(qtype)
     cfg = json.loads((path / "config.json").read_text())
     arch_name = (cfg.get("architectures") or ["?"])[0]
     if arch_name not in ARCH:
         raise ValueError(f"GGUF export supports {sorted(ARCH)}, not {arch_name}")
-    if qtype not in ("f16", "q8_0"):
-        raise ValueError(f"GGUF export writes f16 or q8_0, not {qtype}")
     arch = ARCH[arch_name]
     h, n_head = cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_head)
@@ -146,7 +195,7 @@ def export_gguf(path: str | Path, out: str | Path, qtype: str = "f16", log=print
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[qtype]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, path, cfg["vocab_size"], cfg)
     if rope_type == "llama3":
@@ -161,17 +210,40 @@ def export_gguf(path: str | Path, out: str | Path, qtype: str = "f16", log=print
         data = t.to(torch.float32).numpy()
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             data = _unpermute_rope(data, n_head if "attn_q" in name else n_kv)
-        if data.ndim == 1:
-            writer.add_tensor(name, data.astype(np.float32))
-        elif qtype == "q8_0":
-            q8 = gguf.GGMLQuantizationType.Q8_0  # bytes in, the writer derives the element shape
-            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(name, data.astype(np.float16))
+        _encode(writer, name, data, qtype)
+    _finish(writer, tmp, out)
+    log(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {qtype})")
+    return out
+
+
+def reencode_gguf(src: str | Path, out: str | Path, qtype: str, log=print) -> Path:
+    """The GGUF file `src` with every 2-D tensor dequantized and encoded as `qtype`, metadata copied."""
+    import gguf
+
+    _check_qtype(qtype)
+    src, out = Path(src), Path(out)
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[qtype]))
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        _encode(writer, t.name, data, qtype)
+    _finish(writer, tmp, out)
+    log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {qtype}, from {src.name})")
+    return out
+
+
+def _finish(writer, tmp: Path, out: Path) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
     tmp.replace(out)
-    log(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {qtype})")
-    return out

@@ -17,7 +17,8 @@ from pathlib import Path
 
 log = logging.getLogger("sieve")
 _DIR = Path(__file__).parent
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "qmatmul.cpp", "module.cpp")  # and kernels.h, which they include
+_LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "qmatmul.cpp", "linear.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
 
 
 def _cpu_signature() -> str:
@@ -39,12 +40,18 @@ def cpu_ops():
 
         text = b"".join((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
         key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature()
+        name = f"sieve_cpu_ops_{key.replace('-', '_')}"
+        if name in _LOADED:  # loaded before in this process (a module registers its classes once)
+            return _LOADED[name]
         build = cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
-        return load(
-            name=f"sieve_cpu_ops_{key.replace('-', '_')}", sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
+        if not (build / f"{name}.so").exists():
+            log.info("building sieve's native CPU kernels in %s (first use on this machine: about a minute)", build)
+        _LOADED[name] = load(
+            name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
+        return _LOADED[name]
     except Exception as e:  # no compiler, no ninja, unsupported platform
         log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None

@@ -39,6 +39,7 @@ struct Pool {  // one of K or V
 
 struct Layout {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_stride, out_stride;  // elements between sequences' rows of q and of the output
   int64_t token_stride() const { return num_kv_heads * head_dim; }
   int64_t block_stride() const { return block_size * token_stride(); }
 };
@@ -83,7 +84,7 @@ void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tabl
       const int64_t* table = tables + s * lay.max_blocks;
       auto row = [&](int64_t t) { return (table[t / lay.block_size] * lay.block_size + t % lay.block_size) * KVH + kh; };
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(s * lay.num_heads + kh * G + g) * D + d]) * scale;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
       scores.assign(G * L, 0.f);
       for (int64_t t = 0; t < L; ++t)
         for (int64_t g = 0; g < G; ++g) {
@@ -105,7 +106,7 @@ void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tabl
           for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * L + t] * vd;
         }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(s * lay.num_heads + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+        for (int64_t d = 0; d < D; ++d) out[s * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
   });
 }
@@ -188,7 +189,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
       const int64_t* table = tables + s * lay.max_blocks;
       for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(s * lay.num_heads + kh * G + g) * D + d]) * scale;
+        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: the build uses -ffast-math
       std::fill(l.begin(), l.end(), 0.f);
@@ -251,7 +252,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) out[(s * lay.num_heads + kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+        for (int d = 0; d < D; ++d) out[s * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
       }
     }
   });
@@ -286,6 +287,18 @@ Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& sc
 
 }  // namespace
 
+void paged_decode_attention_bf16_into(const bf16* q, int64_t q_stride, const bf16* k_pool, const bf16* v_pool, int64_t block_size,
+                                      int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
+                                      const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, bf16* out) {
+  const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
+  const Pool k{k_pool, at::kBFloat16}, v{v_pool, at::kBFloat16};
+  bool done = false;
+#if defined(__AVX512F__)
+  done = decode_vec_any<bf16, at::kBFloat16>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale);
+#endif
+  if (!done) decode_scalar<bf16>(q, k, v, tables, lens, out, num_seqs, lay, scale);
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale) {
@@ -298,7 +311,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
   const int64_t num_seqs = q.size(0), head_dim = q.size(2);
-  const Layout lay{q.size(1), k_pool.size(2), head_dim, k_pool.size(1), tables.size(1)};
+  const Layout lay{q.size(1), k_pool.size(2), head_dim, k_pool.size(1), tables.size(1), q.size(1) * head_dim, q.size(1) * head_dim};
   TORCH_CHECK(k_pool.size(3) == head_dim && lay.num_heads % lay.num_kv_heads == 0, "shape mismatch");
   const Pool k = make_pool(k_pool, k_scale, "k"), v = make_pool(v_pool, v_scale, "v");
   const float s = static_cast<float>(scale);

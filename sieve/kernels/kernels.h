@@ -4,12 +4,26 @@
 
 namespace sieve {
 
+using bf16 = c10::BFloat16;
+
+// Each kernel has a raw core (`..._into`: pointers in, results written to `out`/`y`, no allocation
+// beyond small scratch) that the native layer loop calls, and a tensor wrapper for Python.
+
 // attention.cpp: one query token per sequence against its paged K/V (model dtype, fp8 or int8 codes)
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale);
 
+void paged_decode_attention_bf16_into(const bf16* q, int64_t q_stride, const bf16* k_pool, const bf16* v_pool, int64_t block_size,
+                                      int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
+                                      const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, bf16* out);
+
 // layer_ops.cpp: a decoder layer's small operations, fused (bf16)
+// add_rms_norm_into: with `residual`, residual += x and out = norm(residual); without, out = norm(x)
+void add_rms_norm_into(const bf16* x, int64_t x_stride, bf16* residual, const bf16* w, int64_t T, int64_t H, float eps, bf16* out);
+void rotary_into(bf16* qk, int64_t T, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
+                 const float* sin, int64_t P);
+void silu_mul_into(const bf16* gate_up, int64_t T, int64_t I, int64_t stride, bf16* out);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -19,12 +33,58 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // gemv.cpp: bf16 weights, decode-sized batches
 constexpr int64_t kGemvMaxRows = 4;
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias, bf16* y);
 
-// qmatmul.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch
-torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor row_scale,
+// qmatmul.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.
+// q8: `scale` float32 [n] per row (group 0), or float16 [N/16, G, 16] per group of `group` inputs.
+torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
                          c10::optional<torch::Tensor> bias, int64_t n);
-torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor zshift, int64_t group,
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min, int64_t group,
                            c10::optional<torch::Tensor> bias, int64_t n);
+void qmatmul_q8_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
+                     const float* row_scale, const c10::Half* gscale, int64_t group, const bf16* bias, int64_t n, bf16* y);
+void qmatmul_int4_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale,
+                       const c10::Half* min, int64_t group, const bf16* bias, int64_t n, bf16* y);
 #endif
+
+// linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch
+struct NativeLinear {
+  enum Kind : int64_t { kBF16 = 0, kQ8 = 1, kInt4 = 2 };
+  int64_t kind, n, group;
+  bool fp8;
+  int64_t k;  // inputs the layer takes (the blocked layouts may pad them: K2)
+  torch::Tensor w, packed, scale, aux;  // aux: int4 mins
+  c10::optional<torch::Tensor> bias;
+  torch::Tensor bias_bf16;  // the bias as the kernels read it
+  NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
+               c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k, c10::optional<torch::Tensor> bias);
+  torch::Tensor forward(const torch::Tensor& x) const;
+  void forward_into(const bf16* x, int64_t M, bf16* y) const;  // x [M, k], y [M, n], both contiguous
+};
+
+// decoder.cpp: the layer loop of one step (bf16, model-dtype KV cache)
+class NativeDecoder {
+ public:
+  NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor cos,
+                torch::Tensor sin, torch::Tensor final_norm);
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, std::shared_ptr<NativeLinear> qkv, std::shared_ptr<NativeLinear> o,
+                 std::shared_ptr<NativeLinear> gate_up, std::shared_ptr<NativeLinear> down);
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
+                        c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
+                        std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
+                        std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
+                        std::vector<torch::Tensor> v_pools) const;
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, post_norm, q_norm, k_norm;
+    std::shared_ptr<NativeLinear> qkv, o, gate_up, down;
+  };
+  int64_t H, KVH, D;
+  double eps, scale;
+  torch::Tensor cos, sin, final_norm;
+  std::vector<Layer> layers;
+};
 
 }  // namespace sieve

@@ -19,7 +19,7 @@ namespace sieve {
 
 namespace {
 
-using bf16 = c10::BFloat16;
+constexpr int64_t kMaxNormWidth = 16384;
 inline float f32(bf16 v) { return static_cast<float>(v); }
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
@@ -29,62 +29,40 @@ void check_bf16_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
-                                        double eps) {
-  check_bf16_rows(x, "x");
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == H, "weight must be bf16 [H]");
-  const bool add = residual.has_value() && residual->defined();
-  if (add) {
-    check_bf16_rows(*residual, "residual");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual must match x");
-  }
-  auto out = torch::empty({T, H}, x.options());
-  auto sum = add ? torch::empty({T, H}, x.options()) : x;
-  auto wc = weight.contiguous();
-  const bf16* wp = wc.data_ptr<bf16>();
+void add_rms_norm_into(const bf16* x, int64_t x_stride, bf16* residual, const bf16* w, int64_t T, int64_t H, float eps, bf16* out) {
+  TORCH_CHECK(H <= kMaxNormWidth, "add_rms_norm takes rows of at most ", kMaxNormWidth);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(H);
+    float s[kMaxNormWidth];
     for (int64_t t = t0; t < t1; ++t) {
-      const bf16* xr = x.data_ptr<bf16>() + t * x.stride(0);
-      bf16* sr = sum.data_ptr<bf16>() + t * sum.stride(0);
-      if (add) {
-        const bf16* rr = residual->data_ptr<bf16>() + t * residual->stride(0);
-        for (int64_t i = 0; i < H; ++i) sr[i] = bf16(f32(xr[i]) + f32(rr[i]));
+      const bf16* xr = x + t * x_stride;
+      bf16* sr = residual ? residual + t * H : nullptr;
+      if (sr) {
+        for (int64_t i = 0; i < H; ++i) sr[i] = bf16(f32(xr[i]) + f32(sr[i]));
+        xr = sr;
       }
       float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
       for (int64_t i = 0; i < H; ++i) {
-        s[i] = f32(sr[i]);
+        s[i] = f32(xr[i]);
         sq += s[i] * s[i];
       }
-      const float inv = 1.f / std::sqrt(sq / static_cast<float>(H) + static_cast<float>(eps));
-      bf16* orow = out.data_ptr<bf16>() + t * H;
-      for (int64_t i = 0; i < H; ++i) orow[i] = bf16(f32(wp[i]) * round_bf16(s[i] * inv));
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(H) + eps);
+      bf16* orow = out + t * H;
+      for (int64_t i = 0; i < H; ++i) orow[i] = bf16(f32(w[i]) * round_bf16(s[i] * inv));
     }
   });
-  return {out, sum};
 }
 
-void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
-              "qk must be bf16 [T, heads, D] with contiguous heads");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "one int64 position per token");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.size(1) * 2 == qk.size(2), "cos / sin must be float32 [positions, D / 2]");
-  const int64_t T = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
-  auto pc = positions.contiguous();
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t P = cos.size(0);
+void rotary_into(bf16* qk, int64_t T, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
+                 const float* sin, int64_t P) {
+  const int64_t half = D / 2;
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "position out of the rotary table");
-      const float* c = cp + pp[t] * half;
-      const float* s = sp + pp[t] * half;
+      TORCH_CHECK(positions[t] >= 0 && positions[t] < P, "position out of the rotary table");
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
-        bf16* a = qk.data_ptr<bf16>() + t * qk.stride(0) + h * 2 * half;
+        bf16* a = qk + t * row_stride + h * D;
         bf16* b = a + half;
         for (int64_t i = 0; i < half; ++i) {
           const float ci = round_bf16(c[i]), si = round_bf16(s[i]), ai = f32(a[i]), bi = f32(b[i]);
@@ -96,15 +74,12 @@ void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_bf16_rows(gate_up, "gate_up");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
+void silu_mul_into(const bf16* gate_up, int64_t T, int64_t I, int64_t stride, bf16* out) {
   at::parallel_for(0, T * I, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin / I; t <= (end - 1) / I; ++t) {
-      const bf16* g = gate_up.data_ptr<bf16>() + t * gate_up.stride(0);
+      const bf16* g = gate_up + t * stride;
       const bf16* u = g + I;
-      bf16* o = out.data_ptr<bf16>() + t * I;
+      bf16* o = out + t * I;
       const int64_t i0 = t == begin / I ? begin % I : 0, i1 = t == (end - 1) / I ? (end - 1) % I + 1 : I;
       for (int64_t i = i0; i < i1; ++i) {
         const float gv = f32(g[i]);
@@ -112,6 +87,44 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       }
     }
   });
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                        double eps) {
+  check_bf16_rows(x, "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == H, "weight must be bf16 [H]");
+  const bool add = residual.has_value() && residual->defined();
+  auto out = torch::empty({T, H}, x.options());
+  if (!add) {
+    add_rms_norm_into(x.data_ptr<bf16>(), x.stride(0), nullptr, weight.contiguous().data_ptr<bf16>(), T, H, static_cast<float>(eps),
+                      out.data_ptr<bf16>());
+    return {out, x};
+  }
+  check_bf16_rows(*residual, "residual");
+  TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual must match x");
+  auto sum = residual->contiguous().clone();
+  add_rms_norm_into(x.data_ptr<bf16>(), x.stride(0), sum.data_ptr<bf16>(), weight.contiguous().data_ptr<bf16>(), T, H,
+                    static_cast<float>(eps), out.data_ptr<bf16>());
+  return {out, sum};
+}
+
+void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be bf16 [T, heads, D] with contiguous heads");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "one int64 position per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.size(1) * 2 == qk.size(2), "cos / sin must be float32 [positions, D / 2]");
+  auto pc = positions.contiguous();
+  rotary_into(qk.data_ptr<bf16>(), qk.size(0), qk.size(1), qk.stride(0), qk.size(2), pc.data_ptr<int64_t>(), cos.data_ptr<float>(),
+              sin.data_ptr<float>(), cos.size(0));
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_bf16_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  silu_mul_into(gate_up.data_ptr<bf16>(), T, I, gate_up.stride(0), out.data_ptr<bf16>());
   return out;
 }
 

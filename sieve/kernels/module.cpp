@@ -13,7 +13,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights (CPU, AVX512-BF16)", nogil);
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
-  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row scales, blocked layout (CPU, AVX512-BF16)", nogil);
-  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with zero points, blocked layout (CPU, AVX512-BF16)", nogil);
+  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout (CPU, AVX512-BF16)", nogil);
+  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (CPU, AVX512-BF16)", nogil);
 #endif
+  py::class_<sieve::NativeLinear, std::shared_ptr<sieve::NativeLinear>>(m, "NativeLinear")
+      .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    bool, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>(),
+           py::arg("kind"), py::arg("w"), py::arg("packed"), py::arg("scale"), py::arg("aux"), py::arg("fp8"), py::arg("group"),
+           py::arg("n"), py::arg("k"), py::arg("bias"))
+      .def("__call__", &sieve::NativeLinear::forward, nogil);
+  m.attr("LINEAR_BF16") = static_cast<int64_t>(sieve::NativeLinear::kBF16);
+  m.attr("LINEAR_Q8") = static_cast<int64_t>(sieve::NativeLinear::kQ8);
+  m.attr("LINEAR_INT4") = static_cast<int64_t>(sieve::NativeLinear::kInt4);
+  py::class_<sieve::NativeDecoder>(m, "NativeDecoder")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def("add_layer", &sieve::NativeDecoder::add_layer)
+      .def("forward", &sieve::NativeDecoder::forward, nogil);
 }

@@ -1,6 +1,7 @@
 // Matrix products with quantized weights on CPU: y [M, N] = x [M, K] . W^T (+ bias), bf16 activations,
-// W in int8 or fp8 (e4m3) with a scale per output row, or int4 in groups along K with a scale and an
-// integer zero point per (row, group); float32 accumulation, bf16 output.
+// W in int8 or fp8 (e4m3) with a scale per output row, int8 with a float16 scale per (row, group of
+// inputs) (GGUF Q8_0), or int4 in groups along K with a float16 scale and min per (row, group)
+// (w = q s + m: GGUF Q4_0 / Q4_1, and zero-point int4); float32 accumulation, bf16 output.
 //
 // Weights are kept in a blocked layout made at load time (sieve/quant/kernels.py), so that 32 weights
 // decoded from memory are directly one operand of an AVX512-BF16 dot product:
@@ -16,8 +17,19 @@
 // Decoding 32 weights to bf16, exactly:
 //   int8  sign-extend to int32, convert to float, pack two halves to bf16 (|q| <= 128 fits bf16).
 //   fp8   shift and mask: the bf16 number 2^-120 times the e4m3 one (see Fp8Decode).
-//   int4  0x4300 | q is the bf16 number 128 + q, so a group adds s * (sum (128 + q) x - (128 + z) sum x):
-//         the scale applies to a per-group accumulator, the zero point (+128) to the group's sum of x.
+//   int4  0x4300 | q is the bf16 number 128 + q, so a group adds s * sum (128 + q) x + (m - 128 s) * sum x:
+//         the scale applies to a per-group accumulator, the min (less 128 s) to the group's sum of x.
+// Per-group scales (int8 Q8_0, int4) apply to a group's accumulators once, when the group ends.
+//
+// At batch 1 and 2 the int4 tile keeps two accumulators per output block (one per nibble) and walks 3
+// blocks, so that consecutive dot products do not wait on each other: with one chain per block it was
+// latency-bound at 25 GB/s per core on L3-resident weights, 46-54 GB/s with two (measured on this
+// Zen 4, 4096 x 1536, group 32); from DRAM, 25 -> 29 GB/s. Every stream also prefetches kPrefetch
+// bytes ahead (+10% on SmolLM2's small matrices from DRAM). Tried and not kept: splitting an int8 byte
+// (q + 128) into two nibbles that each become a bf16 operand with one OR: twice as fast on L3-resident
+// weights at batch 1, but no faster from DRAM, where the conversions already keep up, and half the
+// speed from batch 4 (two dot products per weight).
+// Group scales and mins are float16 [N/16, G, 16]: the 16 rows of a block for one group side by side.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -28,10 +40,14 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace sieve {
 
 namespace {
+
+constexpr int64_t kPrefetch = 384;  // bytes ahead in each weight stream
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0); }
 
 inline __m512 dot(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 inline __m512i set_words(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
@@ -90,35 +106,61 @@ struct Out {  // where and how a tile is written: y = acc * row_scale + bias
   }
 };
 
-// int8 / fp8: an MR x NB tile over the whole of K
+inline __m512 load_halves(const c10::Half* p) {  // 16 float16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// int8 / fp8: an MR x NB tile over the whole of K. With group scales (`gscale`, float16 [N/16, G, 16],
+// int8), each group of inputs has its own accumulators, scaled when the group ends.
 template <class Decode, int MR, int NB>
-void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out) {
+void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+             const c10::Half* gscale, int64_t group) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
   const int64_t Kh = K2 / 2;
   const uint8_t* wb[NB];
   for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
-  for (int64_t p = 0; p < Kh; ++p) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
-      for (int b = 0; b < NB; ++b) acc[m][b] = dot(acc[m][b], wv[b], xv);
+  auto run = [&](__m512 (&a)[MR][NB], int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512i wv[NB];
+      if ((p & 1) == 0)  // one prefetch per 64-byte line
+        for (int b = 0; b < NB; ++b) prefetch(wb[b] + p * 32);
+      for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
+        for (int b = 0; b < NB; ++b) a[m][b] = dot(a[m][b], wv[b], xv);
+      }
+    }
+  };
+  if (gscale == nullptr) {
+    run(acc, 0, Kh);
+  } else {
+    const int64_t G = K2 / group, pairs = group / 2;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 gacc[MR][NB];
+      for (int m = 0; m < MR; ++m)
+        for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
+      run(gacc, g * pairs, (g + 1) * pairs);
+      for (int b = 0; b < NB; ++b) {
+        const __m512 sc = load_halves(gscale + (blk[b] * G + g) * 16);
+        for (int m = 0; m < MR; ++m) acc[m][b] = _mm512_fmadd_ps(gacc[m][b], sc, acc[m][b]);
+      }
     }
   }
   out.store<MR, NB>(acc, m0, blk);
 }
 
 struct Int4Args {
-  const float* scale;   // [NBlocks, G, 16]
-  const float* zshift;  // [NBlocks, G, 16]: (zero + 128) * scale
-  const float* xsum;    // [M, G]
+  const c10::Half* scale;  // [NBlocks, G, 16]
+  const c10::Half* min;    // [NBlocks, G, 16]
+  const float* xsum;       // [M, G]: each group's sum of x
   int64_t G, group;
 };
 
-// int4: an MR x NB tile, group by group
-template <int MR, int NB>
+// int4: an MR x NB tile, group by group; with kDual, a second accumulator per (row, block) for the
+// high nibbles
+template <int MR, int NB, bool kDual = false>
 void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                const Int4Args& a) {
   const __m512i base = set_words(0x4300), low4 = set_words(0xF);
@@ -129,11 +171,16 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
   const uint8_t* wb[NB];
   for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512 gacc[MR][NB];
+    __m512 gacc[MR][NB], gh[kDual ? MR : 1][kDual ? NB : 1];
     for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
+      for (int b = 0; b < NB; ++b) {
+        gacc[m][b] = _mm512_setzero_ps();
+        if constexpr (kDual) gh[m][b] = _mm512_setzero_ps();
+      }
     for (int64_t u = g * units; u < (g + 1) * units; ++u) {
       __m512i lo[NB], hi[NB];
+      if ((u & 1) == 0)
+        for (int b = 0; b < NB; ++b) prefetch(wb[b] + u * 32);
       for (int b = 0; b < NB; ++b) {
         const __m512i q = load32(wb[b] + u * 32);
         lo[b] = _mm512_ternarylogic_epi32(q, low4, base, 0xEA);   // (q & 0xf) | 0x4300: inputs 4u, 4u + 1
@@ -141,22 +188,32 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
       }
       for (int m = 0; m < MR; ++m) {
         const __m512i x0 = bcast_pair(x + (m0 + m) * K2 + 4 * u), x1 = bcast_pair(x + (m0 + m) * K2 + 4 * u + 2);
-        for (int b = 0; b < NB; ++b) gacc[m][b] = dot(dot(gacc[m][b], lo[b], x0), hi[b], x1);
+        for (int b = 0; b < NB; ++b) {
+          if constexpr (kDual) {
+            gacc[m][b] = dot(gacc[m][b], lo[b], x0);
+            gh[m][b] = dot(gh[m][b], hi[b], x1);
+          } else {
+            gacc[m][b] = dot(dot(gacc[m][b], lo[b], x0), hi[b], x1);
+          }
+        }
       }
     }
-    for (int b = 0; b < NB; ++b) {
-      const __m512 s = _mm512_loadu_ps(a.scale + (blk[b] * a.G + g) * 16);
-      const __m512 zs = _mm512_loadu_ps(a.zshift + (blk[b] * a.G + g) * 16);
+    if constexpr (kDual)
       for (int m = 0; m < MR; ++m)
-        acc[m][b] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
+        for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
+      const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16));  // m - 128 s
+      for (int m = 0; m < MR; ++m)
+        acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
     }
   }
   out.store<MR, NB>(acc, m0, blk);
 }
 
-// Rows of x per tile: each decoded weight vector serves this many rows (measured on a Zen 5 core with
-// the model shapes of Qwen2.5-0.5B: 8 rows x 3 blocks for one-byte codes, 8 x 2 for int4, beat 6 x 4,
-// 6 x 2 and 12 x 2 at 32 rows, and tie them at 1 row).
+// Rows of x per tile: each decoded weight vector serves this many rows (measured with the model shapes
+// of Qwen2.5-0.5B: 8 rows x 3 blocks for one-byte codes, 8 x 2 for int4, beat 6 x 4, 6 x 2 and 12 x 2
+// at 32 rows, and tie them at 1 row).
 constexpr int kRows = 8;
 
 // Runs `tile<MR, NB>(m0, blocks)` over all rows of x and all column blocks. Threads split the column
@@ -194,114 +251,129 @@ void sweep(int64_t M, int64_t blocks, const Tile& tile) {
   });
 }
 
-// x as bf16 [M, K2], K2 = the weight's padded K; padding inputs are zero
-torch::Tensor padded_x(const torch::Tensor& x, int64_t K2) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2, "x must be [M, K] with K <= ", K2);
-  auto xb = x.to(at::kBFloat16).contiguous();
-  if (x.size(1) == K2) return xb;
-  auto xp = torch::zeros({x.size(0), K2}, xb.options());
-  xp.narrow(1, 0, x.size(1)).copy_(xb);
-  return xp;
-}
-
-// bf16 x * 2^e, exactly (x is a few thousand values: one pass, no allocation beyond the result)
-torch::Tensor scaled_by_power_of_two(const torch::Tensor& x, int e) {
-  auto y = torch::empty_like(x);
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(y.data_ptr());
+// bf16 x * 2^e, exactly, into dst (x is a few thousand values)
+void scale_by_power_of_two(const uint16_t* src, int64_t total, int e, uint16_t* dst) {
   const __m512 f = _mm512_set1_ps(std::ldexp(1.f, e));
-  const int64_t total = x.numel();
   for (int64_t i = 0; i < total; i += 16) {
     const __mmask16 mask = total - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (total - i)) - 1);
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + i)), 16));
     _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, f)));
   }
-  return y;
 }
 
-// The bias as the kernels read it (float32 or bf16, one per output), keeping a converted copy alive
-void set_bias(Out& out, const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
-  out.bias = nullptr;
-  out.bias_bf16 = nullptr;
-  if (!t.has_value() || !t->defined()) return;
-  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
-  keep = t->contiguous();
-  if (keep.scalar_type() == at::kBFloat16) {
-    out.bias_bf16 = keep.data_ptr<c10::BFloat16>();
-  } else {
-    keep = keep.to(at::kFloat);
-    out.bias = keep.data_ptr<float>();
+// x [M, K] as the kernels read it: [M, K2] with zero padding inputs (and scaled by 2^e), in `scratch`
+// unless x already is that
+const uint16_t* kernel_input(const bf16* x, int64_t M, int64_t K, int64_t K2, int e, std::vector<uint16_t>& scratch) {
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x);
+  if (K == K2 && e == 0) return src;
+  scratch.assign(M * K2, 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(scratch.data() + m * K2, src + m * K, K * 2);
+  if (e != 0) scale_by_power_of_two(scratch.data(), M * K2, e, scratch.data());
+  return scratch.data();
+}
+
+// Each group's sum of x ([M, K2]): [M, G]
+void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::vector<float>& out) {
+  const int64_t G = K2 / group;
+  out.resize(M * G);
+  const bf16* xb = reinterpret_cast<const bf16*>(xp);
+  for (int64_t i = 0; i < M * G; ++i) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < group; ++j) acc += static_cast<float>(xb[i * group + j]);
+    out[i] = acc;
   }
+}
+
+// The bias as a kernel reads it: bf16, one per output, or null
+const bf16* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
+  keep = t->to(at::kBFloat16).contiguous();
+  return keep.data_ptr<bf16>();
 }
 
 }  // namespace
 
-// w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked), row_scale [n] float32, bias [n] or none;
-// x [M, K <= K2]; returns bf16 [M, n]. (bias: float32 or bf16, here and below)
-torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor row_scale,
-                         c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32, "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
-  const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
-  TORCH_CHECK(n <= blocks * 16 && row_scale.numel() == n && row_scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 scales");
-  auto xp = padded_x(x, K2);
-  if (fp8) xp = scaled_by_power_of_two(xp, kFp8InputShift);
-  auto wc = w.contiguous();
-  auto sc = row_scale.contiguous();
-  torch::Tensor bkeep;
-  const int64_t M = xp.size(0);
-  auto y = torch::empty({M, n}, x.options().dtype(at::kBFloat16));
-  Out out{y.data_ptr<c10::BFloat16>(), n, sc.data_ptr<float>(), nullptr, nullptr};
+void qmatmul_q8_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
+                     const float* row_scale, const c10::Half* gscale, int64_t group, const bf16* bias, int64_t n, bf16* y) {
+  std::vector<uint16_t> scratch;
+  const uint16_t* xw = kernel_input(x, M, K, K2, fp8 ? kFp8InputShift : 0, scratch);
+  Out out{y, n, gscale ? nullptr : row_scale, nullptr, bias};
   if (fp8) out.post = std::ldexp(1.f, kFp8Shift - kFp8InputShift);
-  set_bias(out, bias, n, bkeep);
-  const uint16_t* xw = reinterpret_cast<const uint16_t*>(xp.data_ptr());
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
   auto body = [&]<int kMR, int NB>(auto decode) {
     using D = decltype(decode);
-    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_q8<D, MR, B>(xw, K2, wp, m0, blk, out); };
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_q8<D, MR, B>(xw, K2, w, m0, blk, out, gscale, group); };
     sweep<kMR, NB>(M, blocks, tile);
   };
   if (fp8) body.template operator()<kRows, 3>(Fp8Decode{});
+  else if (gscale) body.template operator()<kRows / 2, 3>(Int8Decode{});  // per-group accumulators take registers too
   else body.template operator()<kRows, 3>(Int8Decode{});
+}
+
+void qmatmul_int4_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale,
+                       const c10::Half* min, int64_t group, const bf16* bias, int64_t n, bf16* y) {
+  std::vector<uint16_t> scratch;
+  std::vector<float> xsum;
+  const uint16_t* xw = kernel_input(x, M, K, K2, 0, scratch);
+  group_sums(xw, M, K2, group, xsum);
+  const Out out{y, n, nullptr, nullptr, bias};
+  const Int4Args args{scale, min, xsum.data(), K2 / group, group};
+  if (M <= 2) {  // decode: two accumulators per block, three blocks (see the top of this file)
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); };
+    sweep<2, 3>(M, blocks, tile);
+  } else {
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B>(xw, K2, w, m0, blk, out, args); };
+    sweep<kRows, 2>(M, blocks, tile);
+  }
+}
+
+// w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked); scale float32 [n] (group 0) or float16
+// [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2]; returns bf16 [M, n].
+torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
+                         c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
+              "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
+  TORCH_CHECK(n <= blocks * 16, "qmatmul_q8: n exceeds the blocked rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K] with K <= ", K2);
+  if (group == 0) {
+    TORCH_CHECK(scale.numel() == n && scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 row scales");
+  } else {
+    TORCH_CHECK(!fp8 && group % 2 == 0 && K2 % group == 0, "qmatmul_q8: group scales take int8 codes and an even group dividing K");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * (K2 / group) * 16,
+                "qmatmul_q8: group scales are float16 [N/16, G, 16]");
+  }
+  auto xc = x.contiguous();
+  auto sc = scale.contiguous();
+  torch::Tensor bkeep;
+  const bf16* bp = bias_pointer(bias, n, bkeep);
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  qmatmul_q8_into(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, fp8,
+                  group == 0 ? sc.data_ptr<float>() : nullptr, group == 0 ? nullptr : sc.data_ptr<c10::Half>(), group, bp, n,
+                  y.data_ptr<bf16>());
   return y;
 }
 
-// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and zshift [NBlocks, G, 16] float32 (zshift =
-// (zero + 128) * scale), group a multiple of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
-torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor zshift, int64_t group,
+// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16], group a multiple
+// of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min, int64_t group,
                            c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32, "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
+              "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
   const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
   TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
   const int64_t G = K2 / group;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && zshift.scalar_type() == at::kFloat && scale.numel() == blocks * G * 16 &&
-              zshift.numel() == blocks * G * 16 && n <= blocks * 16, "qmatmul_int4: scale and zshift are float32 [N/16, G, 16]");
-  auto xp = padded_x(x, K2);
-  auto xsum = torch::empty({xp.size(0), G}, x.options().dtype(at::kFloat));
-  {
-    const c10::BFloat16* xb = xp.data_ptr<c10::BFloat16>();
-    float* sp = xsum.data_ptr<float>();
-    for (int64_t i = 0; i < xp.size(0) * G; ++i) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < group; ++j) acc += static_cast<float>(xb[i * group + j]);
-      sp[i] = acc;
-    }
-  }
-  auto wc = w.contiguous();
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 &&
+              min.numel() == blocks * G * 16 && n <= blocks * 16, "qmatmul_int4: scale and min are float16 [N/16, G, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K] with K <= ", K2);
+  auto xc = x.contiguous();
   auto sc = scale.contiguous();
-  auto zc = zshift.contiguous();
+  auto mc = min.contiguous();
   torch::Tensor bkeep;
-  const int64_t M = xp.size(0);
-  auto y = torch::empty({M, n}, x.options().dtype(at::kBFloat16));
-  Out out{y.data_ptr<c10::BFloat16>(), n, nullptr, nullptr, nullptr};
-  set_bias(out, bias, n, bkeep);
-  const Int4Args args{sc.data_ptr<float>(), zc.data_ptr<float>(), xsum.data_ptr<float>(), G, group};
-  const uint16_t* xw = reinterpret_cast<const uint16_t*>(xp.data_ptr());
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
-  auto body = [&]<int kMR, int NB>() {
-    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B>(xw, K2, wp, m0, blk, out, args); };
-    sweep<kMR, NB>(M, blocks, tile);
-  };
-  body.template operator()<kRows, 2>();
+  const bf16* bp = bias_pointer(bias, n, bkeep);
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  qmatmul_int4_into(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, sc.data_ptr<c10::Half>(),
+                    mc.data_ptr<c10::Half>(), group, bp, n, y.data_ptr<bf16>());
   return y;
 }
 

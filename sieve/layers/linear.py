@@ -2,15 +2,18 @@
 picks that format's kernel (sieve/quant); model code never changes.
 
 `Linear` may hold several checkpoint matrices stacked along the output dimension (q/k/v, gate/up)
-so that one GEMM serves them all; `shard_sizes` says where each lands.
+so that one GEMM serves them all; `shard_sizes` says where each lands. A checkpoint may bring a shard
+already quantized (GGUF Q8_0 / Q4_0 / Q4_1, AWQ): it is kept in that format, never widened. Shards of
+one format stack into one kernel; a stack whose shards differ runs one kernel per shard.
 
 Kernels, chosen once after loading (`prepare`), by shape and device, from measurements on this machine:
-  - CPU, bf16, up to `gemv_max_rows` rows (decode): the native two-stream GEMV (sieve/kernels), 21 ms per
-    pass over a whole 0.5B model's weights (46 GB/s) against ~26 ms for oneDNN. Needs the plain weight, so
-    when a packed copy is kept too, weights take twice the memory; the loader allows it only where memory
-    is ample.
-  - CPU, bf16/fp16, larger batches: oneDNN's prepacked weight layout (`mkldnn._linear_pointwise`),
-    1.4-1.6x the throughput of `F.linear` on the same weights from batch 1 to 256, bit-identical output.
+  - CPU, bf16, with sieve's native kernels: a `NativeLinear` (sieve/kernels/linear.cpp), which the
+    native layer loop calls too. Up to `gemv_max_rows` rows (decode) the two-stream GEMV, 21 ms per
+    pass over a whole 0.5B model's weights (46 GB/s) against ~26 ms for oneDNN; larger batches
+    oneDNN's prepacked layout (`mkldnn._linear_pointwise`), 1.4-1.6x `F.linear` from batch 1 to 256,
+    bit-identical output. The packed copy doubles the weight's memory, so the loader allows it only
+    where memory is ample; without it larger batches run `F.linear` on the plain weight.
+  - quantized weights: their format's kernel (sieve/quant/kernels.py).
   - everything else (float32, CUDA): `F.linear`.
 """
 
@@ -43,10 +46,10 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU bf16/fp16)
-        self.gemv = None  # native small-batch kernel (CPU bf16)
-        self.gemv_max_rows = 0
+        self.packed: torch.Tensor | None = None  # oneDNN layout of `weight` (CPU bf16/fp16, no native kernels)
+        self.native = None  # sieve.kernels NativeLinear: the whole forward, bias included (CPU bf16)
         self.qkernel = None  # quantized weight and its kernel (sieve.quant), replacing `weight`
+        self.quantized_shards: dict[int, object] = {}  # shards a checkpoint brought quantized
         self.awq_parts: dict[int, dict[str, torch.Tensor]] = {}  # AWQ checkpoint tensors per output shard
 
     @property
@@ -58,66 +61,117 @@ class Linear(nn.Module):
         """Bytes of weight one forward reads (the quantized format's, scales included)."""
         return self.qkernel.nbytes if self.qkernel is not None else self.weight.numel() * self.weight.element_size()
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+    def load(self, name: str, tensor, shard: int = 0) -> None:
         """Copy checkpoint tensor `name` ('weight' or 'bias'; 'qweight', 'qzeros', 'scales' from an AWQ
-        checkpoint) into output shard `shard`."""
+        checkpoint) into output shard `shard`. A quantized weight (sieve.quant.formats) is kept as it is."""
         if name in ("qweight", "qzeros", "scales"):
             self.awq_parts.setdefault(shard, {})[name] = tensor
+            return
+        rows_wanted = self.shard_sizes[shard]
+        if name == "weight" and not isinstance(tensor, torch.Tensor):
+            shape = (tensor.q.shape if hasattr(tensor, "q") else (tensor.packed.shape[0], tensor.k))
+            if tuple(shape) != (rows_wanted, self.in_features):
+                raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(shape)}, model {(rows_wanted, self.in_features)}")
+            self.quantized_shards[shard] = tensor
             return
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {name} this layer does not expect")
         start = sum(self.shard_sizes[:shard])
-        rows = target.narrow(0, start, self.shard_sizes[shard])
+        rows = target.narrow(0, start, rows_wanted)
         if rows.shape != tensor.shape:
             raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(tensor.shape)}, model {tuple(rows.shape)}")
         rows.copy_(tensor)
 
+    @property
+    def is_prequantized(self) -> bool:
+        return bool(self.quantized_shards or self.awq_parts)
+
     def prepare(self, allow_two_layouts: bool, quantization: str | None = None, group_size: int = 128) -> None:
         """Pick the kernels for this device and dtype, once, after the weights are loaded; with
-        `quantization`, first replace the weight by that format (the full-precision copy is dropped)."""
-        if quantization is not None:
-            from sieve.quant.formats import quantize
-            from sieve.quant.kernels import make_kernel
+        `quantization`, first replace the weight by that format (the full-precision copy is dropped).
+        Shards that arrived quantized keep their format whatever `quantization` says."""
+        from sieve.quant.formats import concat_rows, quantize, same_layout
+        from sieve.quant.kernels import make_kernel
 
-            if self.awq_parts:  # an AWQ checkpoint arrives already quantized
-                qweight = _join_awq_shards(self.awq_parts, self.shard_sizes, group_size)
-                self.awq_parts = {}
-            elif quantization == "awq":
+        bias = self.bias.detach() if self.bias is not None else None
+        if self.awq_parts:  # an AWQ checkpoint arrives already quantized
+            self.quantized_shards.update(_awq_shards(self.awq_parts, self.shard_sizes, group_size))
+            self.awq_parts = {}
+        if self.quantized_shards:
+            parts = [self.quantized_shards.get(i) for i in range(len(self.shard_sizes))]
+            if all(p is not None for p in parts) and same_layout(parts):
+                self.qkernel = make_kernel(concat_rows(parts), self.dtype, bias)
+            else:  # shards of different formats (or plain ones among them): one kernel each
+                self.qkernel = ShardedKernel(self, parts, bias)
+        elif quantization is not None:
+            if quantization == "awq":
                 raise ValueError("quantization 'awq' needs an AWQ checkpoint: make one with `sieve quantize --method awq`")
-            else:
-                qweight = quantize(self.weight.detach(), quantization, group_size)
-            self.qkernel = make_kernel(qweight, self.dtype)
+            self.qkernel = make_kernel(quantize(self.weight.detach(), quantization, group_size), self.dtype, bias)
+        if self.qkernel is not None:
+            self.quantized_shards = {}
             self.weight = None
+            self.native = getattr(self.qkernel, "native", None)
             return
         w = self.weight
         ops = cpu_ops() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
-        if ops is not None and hasattr(ops, "gemv_bf16"):
-            self.gemv, self.gemv_max_rows = ops.gemv_bf16, ops.gemv_max_rows
-        if _can_pack(w) and (self.gemv is None or allow_two_layouts):
+        native = ops is not None and hasattr(ops, "gemv_bf16")
+        if _can_pack(w) and (not native or allow_two_layouts):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
             except RuntimeError:
                 self.packed = None
+        if native:
+            self.native = ops.NativeLinear(ops.LINEAR_BF16, w.detach(), self.packed, None, None, False, 0, *w.shape, bias)
+
+    def kernel_name(self) -> str:
+        if self.qkernel is not None:
+            return self.qkernel.name
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.native is not None:
+            return f"{dtype} (native GEMV; {'oneDNN packed' if self.packed is not None else 'ATen'} above {cpu_ops().gemv_max_rows} rows)"
+        return f"{dtype} ({'oneDNN packed' if self.packed is not None else 'F.linear'})"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.native is not None:
+            return self.native(x)
         if self.qkernel is not None:
-            return self.qkernel(x, self.bias)
-        if self.gemv is not None and x.shape[0] <= self.gemv_max_rows:
-            return self.gemv(x, self.weight, self.bias)
+            return self.qkernel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def _join_awq_shards(parts: dict[int, dict[str, torch.Tensor]], shard_sizes: list[int], group: int):
-    """AutoAWQ tensors of each stacked matrix (q, k, v or gate, up) -> one int4 weight."""
+class ShardedKernel:
+    """A stack whose shards came in different formats: each shard's kernel (plain shards: their rows of
+    the layer's weight), outputs concatenated."""
+
+    def __init__(self, layer: Linear, parts: list, bias: torch.Tensor | None):
+        from sieve.quant.kernels import make_kernel
+
+        self.kernels, start, self.nbytes = [], 0, 0
+        self.name = "per shard: " + " | ".join("plain" if p is None else p.describe() for p in parts)
+        for size, part in zip(layer.shard_sizes, parts):
+            b = bias[start : start + size] if bias is not None else None
+            if part is None:
+                w = layer.weight.detach()[start : start + size].contiguous()
+                self.kernels.append(lambda x, w=w, b=b: F.linear(x, w, b))
+                self.nbytes += w.numel() * w.element_size()
+            else:
+                k = make_kernel(part, layer.dtype, b)
+                self.kernels.append(k)
+                self.nbytes += k.nbytes
+            start += size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k(x) for k in self.kernels], dim=-1)
+
+
+def _awq_shards(parts: dict[int, dict[str, torch.Tensor]], shard_sizes: list[int], group: int) -> dict[int, object]:
+    """AutoAWQ tensors of each stacked matrix (q, k, v or gate, up) -> one int4 weight per shard."""
     from sieve.quant.awq import from_awq_tensors
-    from sieve.quant.formats import Int4Weight
 
     if sorted(parts) != list(range(len(shard_sizes))) or any(len(p) != 3 for p in parts.values()):
         raise ValueError("an AWQ checkpoint must give qweight, qzeros and scales for every matrix of a layer")
-    ws = [from_awq_tensors(parts[i]["qweight"], parts[i]["qzeros"], parts[i]["scales"], n, group)
-          for i, n in enumerate(shard_sizes)]
-    return Int4Weight(torch.cat([w.packed for w in ws]), torch.cat([w.scale for w in ws]), torch.cat([w.zero for w in ws]),
-                      group, ws[0].k)
+    return {i: from_awq_tensors(parts[i]["qweight"], parts[i]["qzeros"], parts[i]["scales"], n, group)
+            for i, n in enumerate(shard_sizes)}

@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() == 3 and residual is None:  # per-head norms (Qwen3 q/k): rows of head_dim, as the native loop does
+            return self(x.reshape(-1, x.shape[-1])).view(x.shape)
         ops = _native(x)
         if ops is not None and (residual is None or _native(residual) is not None):
             out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)

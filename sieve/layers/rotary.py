@@ -19,6 +19,11 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # GGUF's form of Llama 3.1 scaling (rope_freqs): a divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -30,7 +35,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, GGUF rope_freqs)")
 
 
 @dataclass

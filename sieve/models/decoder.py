@@ -4,6 +4,11 @@ Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> nor
 residual add happens inside the norm that follows it (`norm(x, residual)`, as in vLLM), so the two
 fuse into one kernel. Batch layout and pages are the attention layer's business; this file sees a
 flat token batch [T, hidden].
+
+On CPU in bf16 with sieve's native kernels, the layer loop runs in C++ (`NativeDecoder`,
+sieve/kernels/decoder.cpp): the same operations in the same order on the same kernels, without the
+~15 Python-dispatched operations per layer that dominate a small model's step. This file stays the
+reference, and the path for everything else (float32, CUDA, quantized KV caches).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sieve.kernels import cpu_ops
 from sieve.layers.activation import silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
@@ -78,18 +84,34 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
         self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v") -> FP8 KV scale from the checkpoint
+        self.quantized_embedding = None  # a checkpoint's quantized embedding table (GGUF), rows dequantized on lookup
+        self.native = None  # NativeDecoder (sieve/kernels/decoder.cpp), built by `prepare` where it applies
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embedding is not None:
+            return self.quantized_embedding.dequantize_rows(input_ids, self.embed_tokens.weight.dtype)
+        return self.embed_tokens(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
+        if self.native is not None and all(type(c) is KVCacheLayer for c in caches):
+            return self._forward_native(x, positions, caches, meta)
         rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, rope, cache, meta)
         return self.norm(x, residual)[0]
+
+    def _forward_native(self, x, positions, caches, meta: AttentionMetadata) -> torch.Tensor:
+        chunks = meta.prefills
+        return self.native.forward(
+            x, positions, meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
+            [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
+            [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
@@ -106,9 +128,29 @@ class DecoderModel(nn.Module):
                 q = quantization if quantization and (not head or quantize_lm_head) else None
                 if head and q == "awq":  # an AWQ checkpoint has no activation-aware scales for the head
                     q = "int4"
-                if head and q and self.arch.tie_word_embeddings:
+                if head and q and self.arch.tie_word_embeddings and m.weight is not None and not m.is_prequantized:
                     m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
                 m.prepare(allow_two_layouts, q, group_size)
+        self.native = self._build_native()
+
+    def _build_native(self):
+        """The C++ layer loop, where every piece of a layer has a native kernel (CPU, bf16)."""
+        a, ops = self.arch, cpu_ops()
+        first = self.layers[0].input_layernorm.weight if len(self.layers) else None
+        if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
+                or first.dtype != torch.bfloat16):
+            return None
+        linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
+        if any(m.native is None for group in linears for m in group):
+            return None
+        native = ops.NativeDecoder(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps, a.head_dim**-0.5,
+                                   self.rotary.cos, self.rotary.sin, self.norm.weight.detach())
+        for layer, (qkv, o, gate_up, down) in zip(self.layers, linears):
+            qn = layer.q_norm.weight.detach() if layer.q_norm is not None else None
+            kn = layer.k_norm.weight.detach() if layer.k_norm is not None else None
+            native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), qn, kn,
+                             qkv.native, o.native, gate_up.native, down.native)
+        return native
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
@@ -121,6 +163,13 @@ class DecoderModel(nn.Module):
             if self.arch.tie_word_embeddings:
                 return False  # tied: the embedding is the head
             self.lm_head.load("weight", tensor)
+            return True
+        if name == "embed_tokens.weight" and not isinstance(tensor, torch.Tensor):  # quantized (GGUF): kept so
+            self.quantized_embedding = tensor
+            self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.new_empty(0), requires_grad=False)
+            if self.arch.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight  # untied from the empty table; the head takes the codes
+                self.lm_head.load("weight", tensor)
             return True
         parts = name.split(".")
         if parts[0] == "layers" and parts[-1] in ("k_scale", "v_scale"):  # FP8 KV-cache scales (vLLM / ModelOpt names)

@@ -1,9 +1,16 @@
-"""Find a checkpoint (local folder or hub id), read its config, build the decoder, load safetensors."""
+"""Find a checkpoint (a Hugging Face folder or hub id, or a GGUF file), read its config, build the
+decoder, load its weights.
+
+`open_checkpoint` gives one interface over both kinds: `.config` (config.json-shaped), `.tensors()`
+((Hugging Face name, value) pairs), `.tokenizer()`, `.quantization`.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -12,6 +19,9 @@ from safetensors import safe_open
 from sieve.device import available_memory_bytes
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
+from sieve.models.gguf import GGUFCheckpoint, find_gguf
+
+log = logging.getLogger("sieve")
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -21,12 +31,12 @@ _DTYPES = {
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local folder as is; anything else is taken for a Hugging Face hub id and downloaded."""
+    """A local folder or GGUF file as is; anything else is taken for a Hugging Face hub id and downloaded."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and find_gguf(path) is not None):
         return path
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model path {model!r} is not a folder holding a Hugging Face checkpoint")
+    if path.exists() or model.startswith((".", "/", "~")) or model.endswith(".gguf"):
+        raise FileNotFoundError(f"model path {model!r} is neither a folder holding a checkpoint nor a GGUF file")
     from huggingface_hub import snapshot_download
 
     try:
@@ -39,16 +49,57 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 
 
 def read_config(path: Path) -> dict:
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).config
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise FileNotFoundError(f"{path} has no config.json")
+        raise FileNotFoundError(f"{path} has no config.json (nor a GGUF file)")
     return json.loads(cfg_file.read_text())
 
 
-def resolve_dtype(dtype: str, arch: ModelArch) -> torch.dtype:
+class HFCheckpoint:
+    """A Hugging Face folder: config.json, safetensors (single or sharded), tokenizer files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.config = read_config(path)
+        self.quantization, self.group_size = checkpoint_quantization(self.config)
+
+    def tensors(self):
+        for file in safetensors_files(self.path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
+
+    def describe(self) -> str:
+        return f"{self.path} (safetensors)"
+
+
+def open_checkpoint(model: str, revision: str | None = None, dequantize: bool = False) -> HFCheckpoint | GGUFCheckpoint:
+    path = resolve_model_path(model, revision)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file, dequantize)
+    if dequantize and checkpoint_quantization(read_config(path))[0] is None:
+        log.info("--dequantize: %s holds no quantized weights", path)
+    return HFCheckpoint(path)
+
+
+def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device | None = None) -> torch.dtype:
     if dtype == "auto":
         name = arch.torch_dtype or "float32"
-        return _DTYPES.get(name, torch.float32)
+        resolved = _DTYPES.get(name, torch.float32)
+        if resolved == torch.float16 and (device is None or device.type == "cpu"):
+            # as vLLM does on CPU: float16 has no fast arithmetic here, bfloat16 has the same size and more range
+            log.info("the checkpoint's dtype is float16; on CPU sieve runs it in bfloat16 (pass --dtype float16 to insist)")
+            return torch.bfloat16
+        return resolved
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
@@ -76,34 +127,50 @@ def checkpoint_quantization(config: dict) -> tuple[str | None, int | None]:
     raise ValueError(f"checkpoint quantization {qc!r} is not supported: sieve loads AWQ 4-bit 'gemm' checkpoints")
 
 
-def load_model(path: Path, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,
+def load_model(ckpt: HFCheckpoint | GGUFCheckpoint, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False) -> DecoderModel:
-    ckpt_quant, ckpt_group = checkpoint_quantization(read_config(path))
-    if ckpt_quant is not None:
-        if quantization not in (None, ckpt_quant):
-            raise ValueError(f"{path} is already quantized ({ckpt_quant}); it cannot be loaded as {quantization}")
-        quantization, group_size = ckpt_quant, ckpt_group
+    if ckpt.quantization is not None:
+        if quantization not in (None, ckpt.quantization):
+            hint = " (--dequantize widens it first)" if ckpt.quantization == "gguf" else ""
+            raise ValueError(f"{ckpt.path} is already quantized ({ckpt.quantization}); it cannot be loaded as {quantization}{hint}")
+        if ckpt.quantization == "awq":
+            quantization, group_size = "awq", ckpt.group_size
     with torch.device(device):
         model = DecoderModel(arch, dtype, max_positions)
     loaded: set[str] = set()
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                is_awq = name.endswith((".qweight", ".qzeros", ".scales"))
-                tensor = tensor.to(device=device) if is_awq else tensor.to(device=device, dtype=dtype)
-                if model.load_weight(name, tensor):
-                    loaded.add(name.replace(".qweight", ".weight") if is_awq else name)
+    for name, tensor in ckpt.tensors():
+        is_awq = name.endswith((".qweight", ".qzeros", ".scales"))
+        if not isinstance(tensor, torch.Tensor):  # a quantized weight: kept in its format
+            tensor = tensor.to(device)
+        elif is_awq:
+            tensor = tensor.to(device=device)
+        else:
+            tensor = tensor.to(device=device, dtype=dtype)
+        if model.load_weight(name, tensor):
+            loaded.add(name.replace(".qweight", ".weight") if is_awq else name)
     expected = _expected_names(arch)
     missing = sorted(expected - {n.removeprefix("model.") for n in loaded})
     if missing:
-        raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint at {ckpt.path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     # A second weight layout (plain for decode GEMV + packed for batches) only where memory is ample.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     two_layouts = quantization is None and 2 * weight_bytes < 0.4 * available_memory_bytes(device)
-    model.prepare(allow_two_layouts=two_layouts, quantization=quantization, group_size=group_size,
-                  quantize_lm_head=quantize_lm_head)
+    model.prepare(allow_two_layouts=two_layouts, quantization=None if quantization == "gguf" else quantization,
+                  group_size=group_size, quantize_lm_head=quantize_lm_head)
+    log.info("loaded %s: %s", ckpt.describe(), describe_kernels(model))
     return model.eval()
+
+
+def describe_kernels(model: DecoderModel) -> str:
+    """Which kernel runs which linear layers, e.g. '210 int4 g32 (native), 1 int8 g32 (native)'."""
+    from sieve.layers.linear import Linear
+
+    kinds: Counter = Counter()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            kinds[m.kernel_name()] += 1
+    loop = "; layer loop: native (C++)" if model.native is not None else "; layer loop: Python"
+    return ", ".join(f"{n} linears {k}" for k, n in kinds.most_common()) + loop
 
 
 def _expected_names(a: ModelArch) -> set[str]:

@@ -67,8 +67,8 @@ def from_awq_tensors(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     q = unpack_awq(qweight, out_features).t().contiguous()  # [out, in]
     q = torch.nn.functional.pad(q, (0, groups * group - k))
     zero = unpack_awq(qzeros, out_features).t().contiguous()
-    scale = scales.to(torch.float32)[:, :out_features].t().contiguous()
-    return Int4Weight.from_values(q, scale, zero, group, k)
+    scale = scales[:, :out_features].t().contiguous()
+    return Int4Weight.from_zero_points(q, scale, zero, group, k)
 
 
 def awq_config(group: int) -> dict:

@@ -1,12 +1,17 @@
 """Weight formats: how a [out, in] matrix is stored in fewer bytes, and how to get it back.
 
-    int8   symmetric, one scale per output channel:      w ≈ q * s[n],              q in [-127, 127]
-    fp8    e4m3, one scale per output channel:           w ≈ float(q) * s[n],       |q| <= 448, no subnormals
-    int4   asymmetric, groups of `group` inputs:         w ≈ (q - z[n, g]) * s[n, g], q, z in [0, 15]
+    int8   symmetric, a scale per output channel:        w = q * s[n],                q in [-127, 127]
+           or per group of inputs (GGUF Q8_0, 32):      w = q * s[n, g]
+    fp8    e4m3, a scale per output channel:             w = float(q) * s[n],         |q| <= 448, no subnormals
+    int4   groups of `group` inputs, a scale and a min:  w = q * s[n, g] + m[n, g],   q in [0, 15]
+           (GGUF Q4_1 as stored; Q4_0 is m = -8 s; zero-point int4 and AWQ are m = -z s, rounded to 16 bits)
            (an input size that `group` does not divide gets a shorter last group: q is stored padded)
 
-Scales are float32 here; kernels cast them to what they need. int4 values are stored two per byte
-(low nibble first); `values()` unpacks them.
+Per-channel scales are float32; group scales and mins are float16, as GGUF stores them, so a pass
+reads no more bytes than the file holds. `dequantize` computes in float32 exactly as
+`gguf.quants.dequantize` does (q * s, or q * s + m), so a GGUF tensor loaded here dequantizes to the
+file's values bit for bit. int4 values are stored two per byte (low nibble first); `values()` unpacks
+them.
 """
 
 from __future__ import annotations
@@ -20,30 +25,67 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 @dataclass
 class ChannelScaledWeight:
-    """int8 or fp8 (e4m3) values with one scale per output channel: w ≈ q * scale[n]."""
+    """int8 or fp8 (e4m3) codes with a scale per output channel ([N] float32) or per group of inputs
+    ([N, G] float16: int8 only, G groups of K / G inputs)."""
 
     q: torch.Tensor  # [N, K] int8 or float8_e4m3fn
-    scale: torch.Tensor  # [N] float32
+    scale: torch.Tensor  # [N] float32, or [N, G] float16
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale (K for a per-channel scale)."""
+        return self.q.shape[1] // (self.scale.shape[1] if self.scale.dim() == 2 else 1)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+        return self.dequantize_rows(None, dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+        """The rows `rows` (all when None) in `dtype`: an embedding lookup reads only these."""
+        q, s = (self.q, self.scale) if rows is None else (self.q[rows], self.scale[rows])
+        if s.dim() == 1:
+            return (q.to(torch.float32) * s[:, None]).to(dtype)
+        n = q.shape[0]
+        w = q.to(torch.float32).view(n, s.shape[1], -1) * s.to(torch.float32)[..., None]
+        return w.view(n, -1).to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 2  # scales are kept 16-bit by the kernels
+        return self.q.numel() + self.scale.numel() * 2  # per-channel scales are kept 16-bit by the kernels
+
+    @property
+    def kind(self) -> str:
+        return "fp8" if self.q.dtype == torch.float8_e4m3fn else "int8"
+
+    def describe(self) -> str:
+        return f"{self.kind} g{self.group}" if self.scale.dim() == 2 else f"{self.kind} per channel"
+
+    def to(self, device) -> "ChannelScaledWeight":
+        return ChannelScaledWeight(self.q.to(device), self.scale.to(device))
 
 
 @dataclass
 class Int4Weight:
     packed: torch.Tensor  # [N, Kp / 2] uint8, two values 0..15 per byte; Kp = K rounded up to whole groups
-    scale: torch.Tensor  # [N, Kp // group] float32
-    zero: torch.Tensor  # [N, Kp // group] uint8, integer zero points 0..15
+    scale: torch.Tensor  # [N, Kp // group] float16
+    min: torch.Tensor  # [N, Kp // group] float16: the value of code 0
     group: int
     k: int  # the true input size
 
     @classmethod
-    def from_values(cls, q: torch.Tensor, scale, zero, group: int, k: int) -> "Int4Weight":
-        return cls(pack_int4_pairs(q), scale, zero, group, k)
+    def from_values(cls, q: torch.Tensor, scale, min, group: int, k: int) -> "Int4Weight":
+        return cls(pack_int4_pairs(q), scale.to(torch.float16), min.to(torch.float16), group, k)
+
+    @classmethod
+    def from_zero_points(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int) -> "Int4Weight":
+        """w = (q - zero) * scale, held as q * scale + min with both rounded to float16 (AWQ's scales
+        already are; min = -zero * scale moves by at most 2^-12 of a group's range)."""
+        scale = scale.to(torch.float16)
+        return cls.from_values(q, scale, -zero.to(torch.float32) * scale.to(torch.float32), group, k)
+
+    @property
+    def zero(self) -> torch.Tensor:
+        """Integer zero points (for the AutoAWQ layout): the code whose value is closest to 0."""
+        return torch.round(-self.min.float() / self.scale.float()).clamp(0, 15).to(torch.uint8)
 
     def values(self) -> torch.Tensor:
         """[N, Kp] uint8 values 0..15."""
@@ -51,15 +93,27 @@ class Int4Weight:
         return torch.stack([p & 0xF, p >> 4], dim=-1).view(p.shape[0], -1)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        q = self.values()
+        return self.dequantize_rows(None, dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+        q = self.values() if rows is None else Int4Weight(self.packed[rows], self.scale, self.min, self.group, self.k).values()
+        s, m = (self.scale, self.min) if rows is None else (self.scale[rows], self.min[rows])
         n, kp = q.shape
         q = q.to(torch.float32).view(n, kp // self.group, self.group)
-        w = (q - self.zero.to(torch.float32)[..., None]) * self.scale[..., None]
+        w = q * s.to(torch.float32)[..., None] + m.to(torch.float32)[..., None]
         return w.view(n, kp)[:, : self.k].to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scale.numel() * 2 + self.zero.numel() // 2
+        return self.packed.numel() + self.scale.numel() * 2 + self.min.numel() * 2
+
+    kind = "int4"
+
+    def describe(self) -> str:
+        return f"int4 g{self.group}"
+
+    def to(self, device) -> "Int4Weight":
+        return Int4Weight(self.packed.to(device), self.scale.to(device), self.min.to(device), self.group, self.k)
 
 
 def quantize_int8(w: torch.Tensor) -> ChannelScaledWeight:
@@ -85,18 +139,20 @@ def quantize_fp8(w: torch.Tensor) -> ChannelScaledWeight:
 
 
 def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
-    """Plain rounding to 16 levels between each group's min and max (the min/max always representable)."""
+    """Plain rounding to 16 levels between each group's min and max (0 always representable, as AWQ
+    keeps it), with a float16 scale and an integer zero point (held as a float16 min)."""
     n, k = w.shape
     if group < 1:
         raise ValueError(f"int4 group size must be >= 1, got {group}")
     kp = -(-k // group) * group
     w = torch.nn.functional.pad(w.to(torch.float32), (0, kp - k))  # zero padding: the range keeps 0 anyway
     g = w.view(n, kp // group, group)
-    lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)  # keep 0 exact, as AWQ does
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).to(torch.float16).to(torch.float32)  # 1e-6: a normal float16
     zero = torch.round(-lo / scale).clamp(0, 15)
-    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    return Int4Weight.from_values(q.view(n, kp).to(torch.uint8), scale, zero.to(torch.uint8), group, k)
+    min_ = (-zero * scale).to(torch.float16).to(torch.float32)
+    q = torch.round((g - min_[..., None]) / scale[..., None]).clamp(0, 15)
+    return Int4Weight.from_values(q.view(n, kp).to(torch.uint8), scale, min_, group, k)
 
 
 def quantize(w: torch.Tensor, method: str, group: int = 128):
@@ -107,6 +163,24 @@ def quantize(w: torch.Tensor, method: str, group: int = 128):
     if method in ("int4", "awq"):
         return quantize_int4(w, group)
     raise ValueError(f"unknown weight format {method!r}")
+
+
+def concat_rows(parts: list) -> ChannelScaledWeight | Int4Weight:
+    """Stack weights of one format along the output dimension (q | k | v, gate | up)."""
+    a = parts[0]
+    if isinstance(a, ChannelScaledWeight):
+        return ChannelScaledWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.min for p in parts]), a.group, a.k)
+
+
+def same_layout(parts: list) -> bool:
+    """Whether `concat_rows` can stack these: one format, one group size, one input size."""
+    a = parts[0]
+    if isinstance(a, ChannelScaledWeight):
+        return all(isinstance(p, ChannelScaledWeight) and p.q.dtype == a.q.dtype and p.q.shape[1] == a.q.shape[1]
+                   and p.scale.dim() == a.scale.dim() and p.group == a.group for p in parts)
+    return all(isinstance(p, Int4Weight) and p.group == a.group and p.k == a.k for p in parts)
 
 
 def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:

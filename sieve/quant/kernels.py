@@ -48,105 +48,115 @@ def block_bytes(q: torch.Tensor) -> torch.Tensor:
     return b.view(nb, 16, k2 // 2, 2).permute(0, 2, 1, 3).reshape(nb, k2 // 2, 32).contiguous()
 
 
+def block_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-(row, group) values [N, G] -> float16 [N/16, G, 16]: a block's 16 rows side by side per group."""
+    t = _pad_rows(t.to(torch.float16))
+    return t.view(t.shape[0] // 16, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
 def block_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (uint8 [N/16, Kp/4, 32]: byte 2c + i of unit u = w[n, 4u + i] | w[n, 4u + 2 + i] << 4,
-    scale and (zero + 128) * scale as float32 [N/16, G, 16])."""
+    scale and min as float16 [N/16, G, 16])."""
     v = _pad_rows(w.values())
     nb, kp = v.shape[0] // 16, v.shape[1]
     u = v.view(nb, 16, kp // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [nb, unit, which pair, row, input]
     blocked = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(nb, kp // 4, 32).contiguous()
-    s, z = _pad_rows(w.scale), _pad_rows(w.zero.to(torch.float32))
-    g = s.shape[1]
-    return (blocked, s.view(nb, 16, g).transpose(1, 2).contiguous(),
-            ((z + 128) * s).view(nb, 16, g).transpose(1, 2).contiguous())
+    return blocked, block_groups(w.scale), block_groups(w.min)
 
 
 class BlockedKernel:
-    """sieve's native kernel for int8 / fp8 / int4 weights (CPU, bf16 activations)."""
+    """sieve's native kernel for int8 / fp8 / int4 weights (CPU, bf16 activations), as a `NativeLinear`
+    (sieve/kernels/linear.cpp) that the native layer loop calls too."""
 
-    def __init__(self, w: ChannelScaledWeight | Int4Weight, ops):
-        self.ops, self.nbytes = ops, w.nbytes
+    def __init__(self, w: ChannelScaledWeight | Int4Weight, ops, bias: torch.Tensor | None = None):
+        self.nbytes, self.kind = w.nbytes, w.kind
+        self.name = f"{w.describe()} (native kernel)"
         if isinstance(w, Int4Weight):
-            self.kind, self.n, self.group = "int4", w.scale.shape[0], w.group
-            self.blocked, self.scale, self.zshift = block_int4(w)
+            blocked, scale, aux = block_int4(w)
+            kind, group, n, k = ops.LINEAR_INT4, w.group, w.scale.shape[0], w.k
         else:
-            self.kind = "fp8" if w.q.dtype == torch.float8_e4m3fn else "int8"
-            self.n = w.q.shape[0]
-            self.blocked, self.scale = block_bytes(w.q), w.scale.to(torch.float32).contiguous()
+            grouped = w.scale.dim() == 2
+            blocked, aux = block_bytes(w.q), None
+            scale = block_groups(w.scale) if grouped else w.scale.to(torch.float32).contiguous()
+            kind, group, (n, k) = ops.LINEAR_Q8, w.group if grouped else 0, w.q.shape
+        self.native = ops.NativeLinear(kind, blocked, None, scale, aux, w.kind == "fp8", group, n, k, bias)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "int4":
-            return self.ops.qmatmul_int4(x, self.blocked, self.scale, self.zshift, self.group, bias, self.n)
-        return self.ops.qmatmul_q8(x, self.blocked, self.kind == "fp8", self.scale, bias, self.n)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native(x)
 
 
 class DequantKernel:
     """Dequantize into the activation dtype, then one GEMM. Works for every format and device."""
 
-    def __init__(self, w, dtype: torch.dtype):
-        self.w, self.dtype, self.nbytes = w, dtype, w.nbytes
+    def __init__(self, w, dtype: torch.dtype, bias: torch.Tensor | None = None):
+        self.w, self.dtype, self.nbytes, self.bias = w, dtype, w.nbytes, bias
+        self.name = f"{w.describe()} (dequantized to {str(dtype).removeprefix('torch.')} on every call)"
 
     def dense(self) -> torch.Tensor:
         return self.w.dequantize(self.dtype)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, K] -> [T, N]
-        return F.linear(x, self.dense(), bias)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        return F.linear(x, self.dense(), self.bias)
 
 
 class Int8Kernel(DequantKernel):
-    """PyTorch's packed int8 kernel (CPU) for small batches."""
+    """PyTorch's packed int8 kernel (CPU) for small batches (per-channel scales)."""
 
-    def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype):
-        super().__init__(w, dtype)
+    def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype, bias=None):
+        super().__init__(w, dtype, bias)
         self.scale = w.scale.to(dtype)
         self.int8pack = w.q.device.type == "cpu"
+        if self.int8pack:
+            self.name = f"{w.describe()} (PyTorch int8 kernel up to {SMALL_ROWS['int8']} rows, else dequantized per call)"
 
-    def __call__(self, x, bias):
+    def __call__(self, x):
         if self.int8pack and x.shape[0] <= SMALL_ROWS["int8"] and x.dtype == self.dtype:
             y = torch._weight_int8pack_mm(x.contiguous(), self.w.q, self.scale)
-            return y if bias is None else y + bias
-        return super().__call__(x, bias)
+            return y if self.bias is None else y + self.bias
+        return super().__call__(x)
 
 
 class Int4Kernel(DequantKernel):
     """PyTorch's CPU int4 kernel where its tile shapes fit. It wants its own layout, so the weight is held
     twice (0.5 + 0.5 bytes per value) while a pass reads 0.5."""
 
-    def __init__(self, w: Int4Weight, dtype: torch.dtype):
-        super().__init__(w, dtype)
+    def __init__(self, w: Int4Weight, dtype: torch.dtype, bias=None):
+        super().__init__(w, dtype, bias)
         self.packed = None
         n, kp = w.packed.shape[0], w.packed.shape[1] * 2
         fits = w.k == kp and w.k % 32 == 0 and n % 16 == 0
         if fits and w.packed.device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             # PyTorch's CPU int4 layout: w = (q - 8) * scale + zero_float, per [group, out] pair
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.values().to(torch.int32), 1)
-            zero_float = (8 - w.zero.to(torch.float32)) * w.scale
-            self.scales_and_zeros = torch.stack([w.scale, zero_float], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            scale, zero_float = w.scale.float(), w.min.float() + 8 * w.scale.float()
+            self.scales_and_zeros = torch.stack([scale, zero_float], dim=-1).transpose(0, 1).contiguous().to(dtype)
+            self.name = f"{w.describe()} (PyTorch int4 kernel)"
 
-    def __call__(self, x, bias):
+    def __call__(self, x):
         if self.packed is not None and x.dtype == self.dtype:
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.w.group, self.scales_and_zeros)
-            return y if bias is None else y + bias
-        return super().__call__(x, bias)
+            return y if self.bias is None else y + self.bias
+        return super().__call__(x)
 
 
 class Fp8Kernel(DequantKernel):
     """W8A8 FP8 matmul (`_scaled_mm`, a per-row activation scale) on GPUs with FP8 tensor cores."""
 
-    def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype):
-        super().__init__(w, dtype)
+    def __init__(self, w: ChannelScaledWeight, dtype: torch.dtype, bias=None):
+        super().__init__(w, dtype, bias)
         dev = w.q.device
         self.fp8_mm = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
         if self.fp8_mm:
             self.qt = w.q.t()  # column-major for _scaled_mm
             self.scale_b = w.scale.to(torch.float32)[None, :]
+            self.name = f"{w.describe()} (FP8 tensor cores, _scaled_mm)"
 
-    def __call__(self, x, bias):
+    def __call__(self, x):
         if self.fp8_mm:
             a_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1e-12)
             xq = (x / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            return torch._scaled_mm(xq, self.qt, scale_a=a_scale, scale_b=self.scale_b, bias=bias, out_dtype=x.dtype)
-        return super().__call__(x, bias)
+            return torch._scaled_mm(xq, self.qt, scale_a=a_scale, scale_b=self.scale_b, bias=self.bias, out_dtype=x.dtype)
+        return super().__call__(x)
 
 
 def _native_ops(w, dtype: torch.dtype):
@@ -156,18 +166,23 @@ def _native_ops(w, dtype: torch.dtype):
         return None
     if isinstance(w, Int4Weight) and w.group % 4:
         return None
+    if isinstance(w, ChannelScaledWeight) and w.scale.dim() == 2 and (w.group % 2 or w.kind != "int8"):
+        return None
     ops = cpu_ops()
     return ops if ops is not None and hasattr(ops, "qmatmul_q8") else None
 
 
-def make_kernel(w, dtype: torch.dtype):
+def make_kernel(w, dtype: torch.dtype, bias: torch.Tensor | None = None):
+    """The kernel for weight `w` and activations of `dtype`: called as `kernel(x)`, bias included."""
     ops = _native_ops(w, dtype)
     if ops is not None:
-        return BlockedKernel(w, ops)
+        return BlockedKernel(w, ops, bias)
     if isinstance(w, Int4Weight):
-        return Int4Kernel(w, dtype)
-    if isinstance(w, ChannelScaledWeight) and w.q.dtype == torch.int8:
-        return Int8Kernel(w, dtype)
-    if isinstance(w, ChannelScaledWeight) and w.q.dtype == torch.float8_e4m3fn:
-        return Fp8Kernel(w, dtype)
+        return Int4Kernel(w, dtype, bias)
+    if isinstance(w, ChannelScaledWeight) and w.kind == "int8" and w.scale.dim() == 1:
+        return Int8Kernel(w, dtype, bias)
+    if isinstance(w, ChannelScaledWeight) and w.kind == "fp8":
+        return Fp8Kernel(w, dtype, bias)
+    if isinstance(w, ChannelScaledWeight):
+        return DequantKernel(w, dtype, bias)
     raise TypeError(f"no kernel for {type(w).__name__}")

@@ -1,0 +1,157 @@
+// The decoder's layer loop in C++ (CPU, bf16, model-dtype KV cache), for every step: the same
+// operations, in the same order and with the same kernels, as sieve/models/decoder.py and
+// sieve/layers/attention.py, so that both give the same bits. A step of a small model is mostly
+// fixed costs when it runs from Python: SmolLM2-135M has 30 layers of ~15 small operations, and
+// at batch 1 their dispatch took ~4 ms of a 15 ms step; here the loop costs what the kernels cost.
+//
+// Per layer: h = norm(x [+ residual]); qkv = h W_qkv; q/k rotated in place (q/k-normed first for
+// Qwen3); k, v written to their cache slots; decodes attend through their block tables (paged
+// kernel), each prefill chunk through SDPA over its earlier context plus itself; o = attn W_o;
+// h = norm(o + residual); x = silu(h W_gate) * (h W_up) W_down. Then the final norm.
+#include "kernels.h"
+
+namespace sieve {
+
+NativeDecoder::NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                             torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm)
+    : H(num_heads), KVH(num_kv_heads), D(head_dim), eps(eps), scale(scale), cos(cos.contiguous()), sin(sin.contiguous()),
+      final_norm(final_norm.contiguous()) {
+  TORCH_CHECK(this->cos.scalar_type() == at::kFloat && this->sin.scalar_type() == at::kFloat && this->cos.size(1) * 2 == D,
+              "rotary tables must be float32 [positions, head_dim / 2]");
+  TORCH_CHECK(this->final_norm.scalar_type() == at::kBFloat16, "the final norm must be bf16");
+}
+
+void NativeDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
+                              c10::optional<torch::Tensor> k_norm, std::shared_ptr<NativeLinear> qkv, std::shared_ptr<NativeLinear> o,
+                              std::shared_ptr<NativeLinear> gate_up, std::shared_ptr<NativeLinear> down) {
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  const int64_t hidden = final_norm.numel();
+  auto norm_ok = [](const torch::Tensor& w, int64_t size) { return w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == size; };
+  TORCH_CHECK(norm_ok(input_norm, hidden) && norm_ok(post_norm, hidden), "layer norms must be contiguous bf16 [hidden]");
+  TORCH_CHECK(!q_norm.has_value() || (norm_ok(*q_norm, D) && norm_ok(*k_norm, D)), "q/k norms must be contiguous bf16 [head_dim]");
+  TORCH_CHECK(qkv->k == hidden && qkv->n == (H + 2 * KVH) * D && o->k == H * D && o->n == hidden && gate_up->k == hidden &&
+              gate_up->n % 2 == 0 && down->k == gate_up->n / 2 && down->n == hidden, "layer shapes do not fit the model");
+  TORCH_CHECK(layers.empty() || (gate_up->n == layers[0].gate_up->n && q_norm.has_value() == layers[0].q_norm.defined()),
+              "all layers must have one shape");
+  layers.push_back({input_norm, post_norm, q_norm.value_or(torch::Tensor()), k_norm.value_or(torch::Tensor()), qkv, o, gate_up, down});
+}
+
+namespace {
+
+torch::Tensor causal_mask_bottom_right(int64_t n, int64_t ctx, const torch::TensorOptions& opts) {
+  auto q_pos = torch::arange(ctx - n, ctx, opts.dtype(torch::kLong)).unsqueeze(1);
+  return torch::arange(ctx, opts.dtype(torch::kLong)).unsqueeze(0) <= q_pos;
+}
+
+torch::Tensor strided(const bf16* p, int64_t T, int64_t heads, int64_t D, int64_t row_stride) {
+  return torch::from_blob(const_cast<bf16*>(p), {T, heads, D}, {row_stride, D, 1}, torch::TensorOptions().dtype(at::kBFloat16));
+}
+
+template <class T>
+const T* contiguous_ptr(const torch::Tensor& t, at::ScalarType type, const char* name) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous(), name, " must be contiguous ", c10::toString(type));
+  return t.data_ptr<T>();
+}
+
+}  // namespace
+
+torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
+                                     c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
+                                     std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
+                                     std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
+                                     std::vector<torch::Tensor> v_pools) const {
+  TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [T, hidden]");
+  const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
+  const size_t chunks = chunk_starts.size();
+  TORCH_CHECK(chunk_lens.size() == chunks && chunk_ctx.size() == chunks && chunk_tables.size() == chunks, "chunk lists differ in length");
+  TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_lens.has_value()), "decodes need block tables and lengths");
+  TORCH_CHECK(positions.numel() == T && slots.numel() == T, "one position and one slot per token");
+  const int64_t* pos = contiguous_ptr<int64_t>(positions, at::kLong, "positions");
+  const int64_t* slot = contiguous_ptr<int64_t>(slots, at::kLong, "slots");
+  const int64_t* tables = num_decodes ? contiguous_ptr<int64_t>(*decode_tables, at::kLong, "decode block tables") : nullptr;
+  const int64_t* lens = num_decodes ? contiguous_ptr<int64_t>(*decode_lens, at::kLong, "decode lengths") : nullptr;
+  const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
+  const int64_t block_size = k_pools[0].size(1);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    TORCH_CHECK(k_pools[l].scalar_type() == at::kBFloat16 && v_pools[l].scalar_type() == at::kBFloat16 && k_pools[l].is_contiguous() &&
+                v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D, "K/V pools must be bf16 [blocks, block_size, kv_heads, head_dim]");
+  }
+  std::vector<torch::Tensor> masks(chunks);  // the same for every layer
+  for (size_t c = 0; c < chunks; ++c)
+    if (chunk_ctx[c] != chunk_lens[c]) masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
+
+  // every buffer of the step, allocated once
+  const int64_t inter = layers.empty() ? 0 : layers[0].gate_up->n / 2;
+  auto opts = x.options();
+  auto resid = x.contiguous().clone(), h = torch::empty({T, hid}, opts), mlp = torch::empty({T, hid}, opts);
+  auto qkv = torch::empty({T, width}, opts), attn = torch::empty({T, qs}, opts), o = torch::empty({T, hid}, opts);
+  auto gu = torch::empty({T, 2 * inter}, opts), act = torch::empty({T, inter}, opts);
+  torch::Tensor qn, kn;
+  if (!layers.empty() && layers[0].q_norm.defined()) {
+    qn = torch::empty({T, qs}, opts);
+    kn = torch::empty({T, kvs}, opts);
+  }
+  bf16 *R = resid.data_ptr<bf16>(), *Hb = h.data_ptr<bf16>(), *X = mlp.data_ptr<bf16>(), *QKV = qkv.data_ptr<bf16>();
+  bf16 *A = attn.data_ptr<bf16>(), *O = o.data_ptr<bf16>(), *GU = gu.data_ptr<bf16>(), *ACT = act.data_ptr<bf16>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t P = cos.size(0);
+  const float e = static_cast<float>(eps);
+
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer& L = layers[l];
+    if (l == 0) add_rms_norm_into(R, hid, nullptr, L.input_norm.data_ptr<bf16>(), T, hid, e, Hb);  // residual = x
+    else add_rms_norm_into(X, hid, R, L.input_norm.data_ptr<bf16>(), T, hid, e, Hb);                // residual += x
+    L.qkv->forward_into(Hb, T, QKV);
+    const bf16 *q = QKV, *k = QKV + qs, *v = QKV + qs + kvs;
+    int64_t q_stride = width, k_stride = width;
+    if (!L.q_norm.defined()) {  // rotate q and k together: heads 0 .. H + KVH of each row
+      rotary_into(QKV, T, H + KVH, width, D, pos, cp, sp, P);
+    } else {  // Qwen3: RMSNorm over each head of q and k first
+      bf16 *Q = qn.data_ptr<bf16>(), *K = kn.data_ptr<bf16>();
+      for (int64_t t = 0; t < T; ++t) {
+        add_rms_norm_into(QKV + t * width, D, nullptr, L.q_norm.data_ptr<bf16>(), H, D, e, Q + t * qs);
+        add_rms_norm_into(QKV + t * width + qs, D, nullptr, L.k_norm.data_ptr<bf16>(), KVH, D, e, K + t * kvs);
+      }
+      rotary_into(Q, T, H, qs, D, pos, cp, sp, P);
+      rotary_into(K, T, KVH, kvs, D, pos, cp, sp, P);
+      q = Q, k = K, q_stride = qs, k_stride = kvs;
+    }
+    bf16* kp = k_pools[l].data_ptr<bf16>();
+    bf16* vp = v_pools[l].data_ptr<bf16>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(bf16));
+      std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(bf16));
+    }
+    if (num_decodes)
+      paged_decode_attention_bf16_into(q, q_stride, kp, vp, block_size, KVH, D, tables, max_blocks, lens, num_decodes, H,
+                                       static_cast<float>(scale), A);
+    for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
+      const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
+      auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
+      torch::Tensor kc, vc;
+      if (ctx == n) {
+        kc = strided(k + s * k_stride, n, KVH, D, k_stride);
+        vc = strided(v + s * width, n, KVH, D, width);
+      } else {
+        kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx);
+        vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx);
+      }
+      auto oc = at::scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                                                 masks[c].defined() ? c10::optional<torch::Tensor>(masks[c]) : c10::nullopt, 0.0,
+                                                 !masks[c].defined(), scale, true);
+      attn.narrow(0, s, n).view({n, H, D}).copy_(oc[0].transpose(0, 1));
+    }
+    L.o->forward_into(A, T, O);
+    add_rms_norm_into(O, hid, R, L.post_norm.data_ptr<bf16>(), T, hid, e, Hb);
+    L.gate_up->forward_into(Hb, T, GU);
+    silu_mul_into(GU, T, inter, 2 * inter, ACT);
+    L.down->forward_into(ACT, T, X);
+  }
+  auto out = torch::empty({T, hid}, opts);
+  add_rms_norm_into(X, hid, R, final_norm.data_ptr<bf16>(), T, hid, e, out.data_ptr<bf16>());
+  return out;
+}
+
+}  // namespace sieve

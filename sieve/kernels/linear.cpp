@@ -1,0 +1,102 @@
+// One linear layer's weight in the layout of a native kernel, callable on any batch: the same object
+// serves the Python model (`Linear.forward`) and the native layer loop (decoder.cpp).
+//
+//   bf16   plain [N, K] for decode-sized batches (gemv.cpp), and oneDNN's prepacked layout for larger
+//          ones where the loader kept one (`packed`); without it, ATen's linear on the plain weight.
+//   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
+//   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group
+// Shapes and dtypes are checked once, here; the calls check only the input.
+#include "kernels.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace sieve {
+
+namespace {
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, c10::string_view("none"), c10::List<c10::optional<at::Scalar>>(),
+                          c10::optional<c10::string_view>(c10::string_view(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
+NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
+                           c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k,
+                           c10::optional<torch::Tensor> bias)
+    : kind(kind), n(n), group(group), fp8(fp8), k(k), w(w.contiguous()), bias(bias) {
+  if (packed.has_value() && packed->defined()) this->packed = *packed;
+  if (scale.has_value() && scale->defined()) this->scale = scale->contiguous();
+  if (aux.has_value() && aux->defined()) this->aux = aux->contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "native linear: one bias per output");
+    bias_bf16 = bias->to(at::kBFloat16).contiguous();
+  }
+  const auto& W = this->w;
+  switch (kind) {
+    case kBF16:
+      TORCH_CHECK(W.scalar_type() == at::kBFloat16 && W.dim() == 2 && W.size(0) == n && W.size(1) == k, "bf16 linear takes a [n, k] weight");
+      break;
+    case kQ8:
+      TORCH_CHECK(W.scalar_type() == at::kByte && W.dim() == 3 && W.size(2) == 32 && n <= W.size(0) * 16 && k <= W.size(1) * 2,
+                  "q8 linear takes blocked uint8 [N/16, K/2, 32]");
+      if (group == 0) {
+        TORCH_CHECK(this->scale.scalar_type() == at::kFloat && this->scale.numel() == n, "q8 linear: [n] float32 row scales");
+      } else {
+        const int64_t K2 = W.size(1) * 2;
+        TORCH_CHECK(!fp8 && group % 2 == 0 && K2 % group == 0 && this->scale.scalar_type() == at::kHalf &&
+                    this->scale.numel() == W.size(0) * (K2 / group) * 16, "q8 linear: float16 group scales [N/16, G, 16], int8 codes");
+      }
+      break;
+    case kInt4: {
+      const int64_t K2 = W.size(1) * 4;
+      TORCH_CHECK(W.scalar_type() == at::kByte && W.dim() == 3 && W.size(2) == 32 && n <= W.size(0) * 16 && k <= K2,
+                  "int4 linear takes blocked uint8 [N/16, K/4, 32]");
+      TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "int4 linear: the group must be a multiple of 4 dividing K");
+      TORCH_CHECK(this->scale.scalar_type() == at::kHalf && this->aux.scalar_type() == at::kHalf &&
+                  this->scale.numel() == W.size(0) * (K2 / group) * 16 && this->aux.numel() == this->scale.numel(),
+                  "int4 linear: float16 scale and min [N/16, G, 16]");
+      break;
+    }
+    default: TORCH_CHECK(false, "unknown native linear kind ", kind);
+  }
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(kind == kBF16, "this CPU build has no kernel for quantized native linears");
+#endif
+}
+
+void NativeLinear::forward_into(const bf16* x, int64_t M, bf16* y) const {
+  const bf16* b = bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr;
+  switch (kind) {
+#if defined(__AVX512BF16__)
+    case kBF16:
+      if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, b, y);
+      break;
+    case kQ8:
+      return qmatmul_q8_into(x, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 2, fp8, group == 0 ? scale.data_ptr<float>() : nullptr,
+                             group == 0 ? nullptr : scale.data_ptr<c10::Half>(), group, b, n, y);
+    case kInt4:
+      return qmatmul_int4_into(x, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),
+                               aux.data_ptr<c10::Half>(), group, b, n, y);
+#endif
+    default: break;
+  }
+  // bf16 above the GEMV's rows: oneDNN (or ATen) on tensors over the same memory
+  auto opts = torch::TensorOptions().dtype(at::kBFloat16);
+  auto xt = torch::from_blob(const_cast<bf16*>(x), {M, k}, opts);
+  auto yt = packed.defined() ? onednn_linear(xt, packed, bias) : at::linear(xt, w, bias);
+  std::memcpy(y, yt.data_ptr<bf16>(), M * n * sizeof(bf16));
+}
+
+torch::Tensor NativeLinear::forward(const torch::Tensor& x) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16, "native linear takes bf16 [M, ", k, "]");
+  auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  forward_into(xc.data_ptr<bf16>(), xc.size(0), y.data_ptr<bf16>());
+  return y;
+}
+
+}  // namespace sieve
