@@ -94,10 +94,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from sieve.evaluate import evaluate
 
     options = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-               "quantization_group_size": args.quantization_group_size, "quantize_lm_head": args.quantize_lm_head}
+               "quantization_group_size": args.quantization_group_size, "quantize_lm_head": args.quantize_lm_head,
+               "dequantize": args.dequantize}
     try:
         r = evaluate(args.model, args.data, dtype=args.dtype, window=args.window, max_windows=args.max_windows,
-                     chunk=args.chunk, reference=args.reference, **options)
+                     chunk=args.chunk, reference=args.reference, reference_dtype=args.reference_dtype,
+                     reference_dequantize=args.reference_dequantize, **options)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(ev)
     ev.add_argument("--data", required=True, help="text file to score")
     ev.add_argument("--reference", default=None, help="unquantized checkpoint to compare with (default: --model as it is)")
+    ev.add_argument("--reference-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the reference's dtype (default: --dtype)")
+    ev.add_argument("--reference-dequantize", action="store_true", help="widen the reference's quantized GGUF weights")
     ev.add_argument("--window", type=int, default=256, help="tokens per scored window")
     ev.add_argument("--max-windows", type=int, default=None)
     ev.add_argument("--chunk", type=int, default=64, help="prefill chunk: later chunks read K/V back from the cache")

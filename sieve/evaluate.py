@@ -28,10 +28,13 @@ def _engine(model: str, dtype: str, window: int, **options) -> LLMEngine:
 
 
 def evaluate(model: str, data: str | Path, dtype: str = "auto", window: int = 256, max_windows: int | None = None,
-             chunk: int = 64, reference: str | None = None, **options) -> dict:
-    """`options`: engine options under test (quantization, kv_cache_dtype, quantization_group_size, ...).
-    `reference`: the unquantized checkpoint when `model` is itself quantized (an AWQ checkpoint)."""
-    ref = _engine(reference or model, dtype, window)
+             chunk: int = 64, reference: str | None = None, reference_dtype: str | None = None,
+             reference_dequantize: bool = False, **options) -> dict:
+    """`options`: engine options under test (quantization, kv_cache_dtype, quantization_group_size,
+    dequantize, ...). `reference`: the unquantized checkpoint when `model` is itself quantized (an AWQ
+    checkpoint); `reference_dtype` (default `dtype`) and `reference_dequantize` (widen a GGUF file's
+    quantized weights) say how the reference runs."""
+    ref = _engine(reference or model, reference_dtype or dtype, window, dequantize=reference_dequantize)
     cand = _engine(model, dtype, window, **options)
     ids = ref.tokenizer(Path(data).read_text(), add_special_tokens=True).input_ids
     windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) > 1]
@@ -50,7 +53,9 @@ def evaluate(model: str, data: str | Path, dtype: str = "auto", window: int = 25
         kl += (lr.exp() * (lr - lc)).sum().item()
         agree += (lr.argmax(-1) == lc.argmax(-1)).sum().item()
         n += len(w) - 1
-    return {"model": model, "reference": reference or model, "data": str(data), "options": options, "windows": len(windows), "window": window,
+    return {"model": model, "reference": reference or model, "reference_dtype": str(ref.dtype).removeprefix("torch."),
+            "reference_dequantize": reference_dequantize, "dtype": str(cand.dtype).removeprefix("torch."),
+            "data": str(data), "options": options, "windows": len(windows), "window": window,
             "tokens_scored": n, "reference_perplexity": math.exp(nll_ref / n), "perplexity": math.exp(nll_cand / n),
             "kl_divergence": kl / n, "top1_agreement": agree / n,
             "weight_bytes": sum(m.weight_bytes for m in _linears(cand)),

@@ -10,13 +10,14 @@ API_KEY = "test-key"
 MODEL = "tiny-llama"
 
 
-def start_server(engine, **app_kwargs):
-    """Serve `engine` on a free port of 127.0.0.1 from a thread; returns (base url, stop function)."""
+def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):
+    """Serve `engine` on a free port of 127.0.0.1 from a thread; returns (base url, stop function).
+    `served_model_name` None: the engine's own name."""
     import uvicorn
 
     from sieve.server.app import create_app
 
-    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY, **app_kwargs)
+    app = create_app(engine, served_model_name=served_model_name, api_key=API_KEY, **app_kwargs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -48,35 +48,67 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
 
 @pytest.mark.parametrize("k,group", [(256, 128), (200, 64), (172, 128)])  # whole groups, and a short last group
 def test_int4_groupwise_round_trip(k, group):
-    w = torch.randn(48, k)
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(k + group))
     q = quantize_int4(w, group)
     assert q.values().max() <= 15 and q.zero.max() <= 15 and q.scale.shape == (48, -(-k // group))
     step = q.scale.float().repeat_interleave(group, dim=1)[:, :k]
-    # half a step, plus what rounding the scale and min to float16 moves the grid (a few 2^-11 of a step)
-    assert ((q.dequantize() - w).abs() <= step * (0.5 + 2**-8) + 1e-6).all()
+    # half a step, plus what rounding the min (at most 15 steps) to float16 moves the grid: 15 * 2^-11 of a step
+    assert ((q.dequantize() - w).abs() <= step * (0.5 + 16 * 2**-11) + 1e-6).all()
     groups = -(-k // group)  # 4 bits per (padded) weight, a 16-bit scale and a 16-bit min per group
     assert q.nbytes == 48 * groups * group // 2 + 48 * groups * 2 + 48 * groups * 2
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def _q8_0(w: torch.Tensor) -> "ChannelScaledWeight":
+    """GGUF's Q8_0 layout: int8 codes with a float16 scale per 32 inputs."""
+    from sieve.quant.formats import ChannelScaledWeight
+
+    n, k = w.shape
+    s = (w.view(n, k // 32, 32).abs().amax(-1) / 127).half()
+    q = torch.round(w.view(n, k // 32, 32) / s.float()[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return ChannelScaledWeight(q, s)
+
+
+def _q4_0(w: torch.Tensor):
+    """GGUF's Q4_0: 4-bit codes, w = (q - 8) * scale per 32 inputs, no min stored."""
+    from sieve.quant.formats import Int4Weight
+
+    q = quantize_int4(w, 32)
+    return Int4Weight(q.packed, q.scale, None, 32, q.k)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "q8_0", "q4_0"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 32, 65])  # decode sizes, several row tiles, a prefill-sized batch with a partial tile
-@pytest.mark.parametrize("shape", [(256, 256), (200, 130)])  # whole blocks, and padded rows / a short last group
-def test_kernels_match_their_dequantized_weight(fmt, rows, shape):
+@pytest.mark.parametrize("shape", [(256, 256), (200, 128)])  # whole blocks, and padded rows
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernels_match_their_dequantized_weight(fmt, rows, shape, dtype):
     torch.manual_seed(0)
     n, k = shape
     w = torch.randn(n, k) * 0.05
-    qw = {"int8": quantize_int8, "int4": lambda t: quantize_int4(t, 64), "fp8": quantize_fp8}[fmt](w)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    bias = torch.randn(n).to(torch.bfloat16)
-    kernel = make_kernel(qw, torch.bfloat16, bias)
-    got = kernel(x).float()
-    want = F.linear(x.float(), qw.dequantize(), bias.float())
-    assert got.shape == (rows, n)
-    assert (got - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output rounding
+    qw = {"int8": quantize_int8, "int4": lambda t: quantize_int4(t, 64), "fp8": quantize_fp8, "q8_0": _q8_0, "q4_0": _q4_0}[fmt](w)
+    x = torch.randn(rows, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    kernel = make_kernel(qw, dtype, bias)
+    got = kernel(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # the kernels multiply x rounded to bf16 (exactly representable products, float32 sums)
+    want = F.linear(x.bfloat16().float(), qw.dequantize(), bias.float())
+    tol = 0.01 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding; float32 sums in another order
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
     assert kernel.nbytes == qw.nbytes
 
 
-def test_native_kernel_is_chosen_for_bf16_on_cpu():
+@pytest.mark.parametrize("k,group", [(200, 64), (172, 128)])  # inputs padded to whole groups
+def test_int4_kernel_with_padded_inputs(k, group):
+    torch.manual_seed(k)
+    w = torch.randn(48, k) * 0.05
+    qw = quantize_int4(w, group)
+    x = torch.randn(5, k)
+    got = make_kernel(qw, torch.float32)(x)
+    want = F.linear(x.bfloat16().float(), qw.dequantize())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_native_kernel_is_chosen_for_bf16_and_float32_on_cpu():
     from sieve.kernels import cpu_ops
     from sieve.quant.kernels import BlockedKernel
 
@@ -85,7 +117,8 @@ def test_native_kernel_is_chosen_for_bf16_on_cpu():
     w = torch.randn(64, 128)
     for q in (quantize_int8(w), quantize_fp8(w), quantize_int4(w, 64)):
         assert isinstance(make_kernel(q, torch.bfloat16), BlockedKernel)
-        assert not isinstance(make_kernel(q, torch.float32), BlockedKernel)  # float32 activations: PyTorch's path
+        assert isinstance(make_kernel(q, torch.float32), BlockedKernel)  # inputs rounded to bf16, float32 out
+        assert not isinstance(make_kernel(q, torch.float16), BlockedKernel)  # float16 activations: PyTorch's path
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8", "int4"])

@@ -104,9 +104,10 @@ def _add_tokenizer(writer, path: Path, vocab_size: int, cfg: dict) -> None:
         writer.add_eos_token_id(int(eos))
     if cfg.get("bos_token_id") is not None:
         writer.add_bos_token_id(int(cfg["bos_token_id"]))
-    writer.add_add_bos_token(False)
     tk_cfg = path / "tokenizer_config.json"
-    template = json.loads(tk_cfg.read_text()).get("chat_template") if tk_cfg.exists() else None
+    tk = json.loads(tk_cfg.read_text()) if tk_cfg.exists() else {}
+    writer.add_add_bos_token(bool(tk.get("add_bos_token", (path / "tokenizer.model").exists())))  # as the source tokenizer does
+    template = tk.get("chat_template")
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
     if isinstance(template, str):
@@ -216,8 +217,9 @@ def export_gguf(path: str | Path, out: str | Path, qtype: str = "f16", log=print
     return out
 
 
-def reencode_gguf(src: str | Path, out: str | Path, qtype: str, log=print) -> Path:
-    """The GGUF file `src` with every 2-D tensor dequantized and encoded as `qtype`, metadata copied."""
+def reencode_gguf(src: str | Path, out: str | Path, qtype: str, log=print, encode=None) -> Path:
+    """The GGUF file `src` with every 2-D tensor dequantized and encoded as `qtype`, metadata copied.
+    `encode(name, float32 data)` may return (raw bytes, GGMLQuantizationType) to store a tensor otherwise."""
     import gguf
 
     _check_qtype(qtype)
@@ -235,7 +237,11 @@ def reencode_gguf(src: str | Path, out: str | Path, qtype: str, log=print) -> Pa
     writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[qtype]))
     for t in reader.tensors:
         data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
-        _encode(writer, t.name, data, qtype)
+        custom = encode(t.name, data) if encode is not None else None
+        if custom is not None:
+            writer.add_tensor(t.name, custom[0], raw_dtype=custom[1])
+        else:
+            _encode(writer, t.name, data, qtype)
     _finish(writer, tmp, out)
     log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {qtype}, from {src.name})")
     return out

@@ -53,5 +53,7 @@ def cpu_ops():
         )
         return _LOADED[name]
     except Exception as e:  # no compiler, no ninja, unsupported platform
-        log.warning("native CPU kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        lines = str(e).splitlines()
+        errors = [line.strip() for line in lines if "error" in line.lower()][1:4]  # the compiler's own words, after the summary
+        log.warning("native CPU kernels unavailable (%s); using the PyTorch path", "; ".join([lines[0][:200] if lines else type(e).__name__] + errors))
         return None

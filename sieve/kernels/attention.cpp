@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace sieve {
@@ -287,17 +288,24 @@ Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& sc
 
 }  // namespace
 
-void paged_decode_attention_bf16_into(const bf16* q, int64_t q_stride, const bf16* k_pool, const bf16* v_pool, int64_t block_size,
-                                      int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
-                                      const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, bf16* out) {
+template <class T>
+void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t head_dim, const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t num_seqs,
+                                 int64_t num_heads, float scale, T* out) {
+  constexpr auto kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
   const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
-  const Pool k{k_pool, at::kBFloat16}, v{v_pool, at::kBFloat16};
+  const Pool k{k_pool, kType}, v{v_pool, kType};
   bool done = false;
 #if defined(__AVX512F__)
-  done = decode_vec_any<bf16, at::kBFloat16>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale);
+  done = decode_vec_any<T, kType>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale);
 #endif
-  if (!done) decode_scalar<bf16>(q, k, v, tables, lens, out, num_seqs, lay, scale);
+  if (!done) decode_scalar<T>(q, k, v, tables, lens, out, num_seqs, lay, scale);
 }
+
+template void paged_decode_attention_into<bf16>(const bf16*, int64_t, const bf16*, const bf16*, int64_t, int64_t, int64_t, const int64_t*,
+                                                int64_t, const int64_t*, int64_t, int64_t, float, bf16*);
+template void paged_decode_attention_into<float>(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
+                                                 const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*);
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,

@@ -1,4 +1,4 @@
-// The decoder's layer loop in C++ (CPU, bf16, model-dtype KV cache), for every step: the same
+// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, model-dtype KV cache), for every step: the same
 // operations, in the same order and with the same kernels, as sieve/models/decoder.py and
 // sieve/layers/attention.py, so that both give the same bits. A step of a small model is mostly
 // fixed costs when it runs from Python: SmolLM2-135M has 30 layers of ~15 small operations, and
@@ -18,7 +18,8 @@ NativeDecoder::NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t he
       final_norm(final_norm.contiguous()) {
   TORCH_CHECK(this->cos.scalar_type() == at::kFloat && this->sin.scalar_type() == at::kFloat && this->cos.size(1) * 2 == D,
               "rotary tables must be float32 [positions, head_dim / 2]");
-  TORCH_CHECK(this->final_norm.scalar_type() == at::kBFloat16, "the final norm must be bf16");
+  dtype = this->final_norm.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "the native layer loop runs bf16 or float32 models");
 }
 
 void NativeDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
@@ -26,9 +27,12 @@ void NativeDecoder::add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
                               std::shared_ptr<NativeLinear> gate_up, std::shared_ptr<NativeLinear> down) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
   const int64_t hidden = final_norm.numel();
-  auto norm_ok = [](const torch::Tensor& w, int64_t size) { return w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == size; };
-  TORCH_CHECK(norm_ok(input_norm, hidden) && norm_ok(post_norm, hidden), "layer norms must be contiguous bf16 [hidden]");
-  TORCH_CHECK(!q_norm.has_value() || (norm_ok(*q_norm, D) && norm_ok(*k_norm, D)), "q/k norms must be contiguous bf16 [head_dim]");
+  auto norm_ok = [&](const torch::Tensor& w, int64_t size) { return w.scalar_type() == dtype && w.is_contiguous() && w.numel() == size; };
+  TORCH_CHECK(norm_ok(input_norm, hidden) && norm_ok(post_norm, hidden), "layer norms must be contiguous [hidden] in the model dtype");
+  TORCH_CHECK(!q_norm.has_value() || (norm_ok(*q_norm, D) && norm_ok(*k_norm, D)), "q/k norms must be contiguous [head_dim] in the model dtype");
+  TORCH_CHECK(dtype == at::kBFloat16 || (qkv->kind != NativeLinear::kBF16 && o->kind != NativeLinear::kBF16 &&
+                                          gate_up->kind != NativeLinear::kBF16 && down->kind != NativeLinear::kBF16),
+              "a float32 layer loop takes quantized linears only");
   TORCH_CHECK(qkv->k == hidden && qkv->n == (H + 2 * KVH) * D && o->k == H * D && o->n == hidden && gate_up->k == hidden &&
               gate_up->n % 2 == 0 && down->k == gate_up->n / 2 && down->n == hidden, "layer shapes do not fit the model");
   TORCH_CHECK(layers.empty() || (gate_up->n == layers[0].gate_up->n && q_norm.has_value() == layers[0].q_norm.defined()),
@@ -43,8 +47,10 @@ torch::Tensor causal_mask_bottom_right(int64_t n, int64_t ctx, const torch::Tens
   return torch::arange(ctx, opts.dtype(torch::kLong)).unsqueeze(0) <= q_pos;
 }
 
-torch::Tensor strided(const bf16* p, int64_t T, int64_t heads, int64_t D, int64_t row_stride) {
-  return torch::from_blob(const_cast<bf16*>(p), {T, heads, D}, {row_stride, D, 1}, torch::TensorOptions().dtype(at::kBFloat16));
+template <class E>
+torch::Tensor strided(const E* p, int64_t T, int64_t heads, int64_t D, int64_t row_stride) {
+  return torch::from_blob(const_cast<E*>(p), {T, heads, D}, {row_stride, D, 1},
+                          torch::TensorOptions().dtype(std::is_same_v<E, float> ? at::kFloat : at::kBFloat16));
 }
 
 template <class T>
@@ -60,8 +66,22 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                                      std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                                      std::vector<torch::Tensor> v_pools) const {
+  TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
+  if (dtype == at::kFloat)
+    return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
+                      k_pools, v_pools);
+  return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
+                   k_pools, v_pools);
+}
+
+template <class E>
+torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
+                                 c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
+                                 std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
+                                 std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
+                                 std::vector<torch::Tensor> v_pools) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [T, hidden]");
+  TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
   const size_t chunks = chunk_starts.size();
   TORCH_CHECK(chunk_lens.size() == chunks && chunk_ctx.size() == chunks && chunk_tables.size() == chunks, "chunk lists differ in length");
@@ -74,8 +94,9 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
   const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
   const int64_t block_size = k_pools[0].size(1);
   for (size_t l = 0; l < layers.size(); ++l) {
-    TORCH_CHECK(k_pools[l].scalar_type() == at::kBFloat16 && v_pools[l].scalar_type() == at::kBFloat16 && k_pools[l].is_contiguous() &&
-                v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D, "K/V pools must be bf16 [blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(k_pools[l].scalar_type() == dtype && v_pools[l].scalar_type() == dtype && k_pools[l].is_contiguous() &&
+                v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D,
+                "K/V pools must be [blocks, block_size, kv_heads, head_dim] in the model's dtype");
   }
   std::vector<torch::Tensor> masks(chunks);  // the same for every layer
   for (size_t c = 0; c < chunks; ++c)
@@ -92,8 +113,8 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
     qn = torch::empty({T, qs}, opts);
     kn = torch::empty({T, kvs}, opts);
   }
-  bf16 *R = resid.data_ptr<bf16>(), *Hb = h.data_ptr<bf16>(), *X = mlp.data_ptr<bf16>(), *QKV = qkv.data_ptr<bf16>();
-  bf16 *A = attn.data_ptr<bf16>(), *O = o.data_ptr<bf16>(), *GU = gu.data_ptr<bf16>(), *ACT = act.data_ptr<bf16>();
+  E *R = resid.data_ptr<E>(), *Hb = h.data_ptr<E>(), *X = mlp.data_ptr<E>(), *QKV = qkv.data_ptr<E>();
+  E *A = attn.data_ptr<E>(), *O = o.data_ptr<E>(), *GU = gu.data_ptr<E>(), *ACT = act.data_ptr<E>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t P = cos.size(0);
@@ -101,32 +122,32 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
 
   for (size_t l = 0; l < layers.size(); ++l) {
     const Layer& L = layers[l];
-    if (l == 0) add_rms_norm_into(R, hid, nullptr, L.input_norm.data_ptr<bf16>(), T, hid, e, Hb);  // residual = x
-    else add_rms_norm_into(X, hid, R, L.input_norm.data_ptr<bf16>(), T, hid, e, Hb);                // residual += x
+    if (l == 0) add_rms_norm_into<E>(R, hid, nullptr, L.input_norm.data_ptr<E>(), T, hid, e, Hb);  // residual = x
+    else add_rms_norm_into<E>(X, hid, R, L.input_norm.data_ptr<E>(), T, hid, e, Hb);                // residual += x
     L.qkv->forward_into(Hb, T, QKV);
-    const bf16 *q = QKV, *k = QKV + qs, *v = QKV + qs + kvs;
+    const E *q = QKV, *k = QKV + qs, *v = QKV + qs + kvs;
     int64_t q_stride = width, k_stride = width;
     if (!L.q_norm.defined()) {  // rotate q and k together: heads 0 .. H + KVH of each row
-      rotary_into(QKV, T, H + KVH, width, D, pos, cp, sp, P);
+      rotary_into<E>(QKV, T, H + KVH, width, D, pos, cp, sp, P);
     } else {  // Qwen3: RMSNorm over each head of q and k first
-      bf16 *Q = qn.data_ptr<bf16>(), *K = kn.data_ptr<bf16>();
+      E *Q = qn.data_ptr<E>(), *K = kn.data_ptr<E>();
       for (int64_t t = 0; t < T; ++t) {
-        add_rms_norm_into(QKV + t * width, D, nullptr, L.q_norm.data_ptr<bf16>(), H, D, e, Q + t * qs);
-        add_rms_norm_into(QKV + t * width + qs, D, nullptr, L.k_norm.data_ptr<bf16>(), KVH, D, e, K + t * kvs);
+        add_rms_norm_into<E>(QKV + t * width, D, nullptr, L.q_norm.data_ptr<E>(), H, D, e, Q + t * qs);
+        add_rms_norm_into<E>(QKV + t * width + qs, D, nullptr, L.k_norm.data_ptr<E>(), KVH, D, e, K + t * kvs);
       }
-      rotary_into(Q, T, H, qs, D, pos, cp, sp, P);
-      rotary_into(K, T, KVH, kvs, D, pos, cp, sp, P);
+      rotary_into<E>(Q, T, H, qs, D, pos, cp, sp, P);
+      rotary_into<E>(K, T, KVH, kvs, D, pos, cp, sp, P);
       q = Q, k = K, q_stride = qs, k_stride = kvs;
     }
-    bf16* kp = k_pools[l].data_ptr<bf16>();
-    bf16* vp = v_pools[l].data_ptr<bf16>();
+    E* kp = k_pools[l].data_ptr<E>();
+    E* vp = v_pools[l].data_ptr<E>();
     for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(bf16));
-      std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(bf16));
+      std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(E));
+      std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(E));
     }
     if (num_decodes)
-      paged_decode_attention_bf16_into(q, q_stride, kp, vp, block_size, KVH, D, tables, max_blocks, lens, num_decodes, H,
-                                       static_cast<float>(scale), A);
+      paged_decode_attention_into<E>(q, q_stride, kp, vp, block_size, KVH, D, tables, max_blocks, lens, num_decodes, H,
+                                     static_cast<float>(scale), A);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
@@ -144,13 +165,13 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
       attn.narrow(0, s, n).view({n, H, D}).copy_(oc[0].transpose(0, 1));
     }
     L.o->forward_into(A, T, O);
-    add_rms_norm_into(O, hid, R, L.post_norm.data_ptr<bf16>(), T, hid, e, Hb);
+    add_rms_norm_into<E>(O, hid, R, L.post_norm.data_ptr<E>(), T, hid, e, Hb);
     L.gate_up->forward_into(Hb, T, GU);
-    silu_mul_into(GU, T, inter, 2 * inter, ACT);
+    silu_mul_into<E>(GU, T, inter, 2 * inter, ACT);
     L.down->forward_into(ACT, T, X);
   }
   auto out = torch::empty({T, hid}, opts);
-  add_rms_norm_into(X, hid, R, final_norm.data_ptr<bf16>(), T, hid, e, out.data_ptr<bf16>());
+  add_rms_norm_into<E>(X, hid, R, final_norm.data_ptr<E>(), T, hid, e, out.data_ptr<E>());
   return out;
 }
 

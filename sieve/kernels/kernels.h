@@ -14,16 +14,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale);
 
-void paged_decode_attention_bf16_into(const bf16* q, int64_t q_stride, const bf16* k_pool, const bf16* v_pool, int64_t block_size,
-                                      int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
-                                      const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, bf16* out);
+template <class T>  // bf16 or float: q, the pools and the output of one type
+void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, int64_t block_size, int64_t num_kv_heads,
+                                 int64_t head_dim, const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t num_seqs,
+                                 int64_t num_heads, float scale, T* out);
 
-// layer_ops.cpp: a decoder layer's small operations, fused (bf16)
+// layer_ops.cpp: a decoder layer's small operations, fused; the raw cores take bf16 or float
 // add_rms_norm_into: with `residual`, residual += x and out = norm(residual); without, out = norm(x)
-void add_rms_norm_into(const bf16* x, int64_t x_stride, bf16* residual, const bf16* w, int64_t T, int64_t H, float eps, bf16* out);
-void rotary_into(bf16* qk, int64_t T, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
+template <class T>
+void add_rms_norm_into(const T* x, int64_t x_stride, T* residual, const T* w, int64_t rows, int64_t H, float eps, T* out);
+template <class T>
+void rotary_into(T* qk, int64_t rows, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
                  const float* sin, int64_t P);
-void silu_mul_into(const bf16* gate_up, int64_t T, int64_t I, int64_t stride, bf16* out);
+template <class T>
+void silu_mul_into(const T* gate_up, int64_t rows, int64_t I, int64_t stride, T* out);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
@@ -39,12 +43,13 @@ void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t 
 // q8: `scale` float32 [n] per row (group 0), or float16 [N/16, G, 16] per group of `group` inputs.
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
                          c10::optional<torch::Tensor> bias, int64_t n);
-torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min, int64_t group,
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
                            c10::optional<torch::Tensor> bias, int64_t n);
-void qmatmul_q8_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
-                     const float* row_scale, const c10::Half* gscale, int64_t group, const bf16* bias, int64_t n, bf16* y);
-void qmatmul_int4_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale,
-                       const c10::Half* min, int64_t group, const bf16* bias, int64_t n, bf16* y);
+// x and y: bf16, or float32 where `f32` (x is rounded to bf16 for the dot products, y is written in float32)
+void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
+                     const float* row_scale, const c10::Half* gscale, int64_t group, const float* bias, int64_t n, void* y);
+void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
+                       const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
 #endif
 
 // linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch
@@ -53,16 +58,17 @@ struct NativeLinear {
   int64_t kind, n, group;
   bool fp8;
   int64_t k;  // inputs the layer takes (the blocked layouts may pad them: K2)
-  torch::Tensor w, packed, scale, aux;  // aux: int4 mins
+  torch::Tensor w, packed, scale, aux;  // aux: int4 mins (undefined: w = (q - 8) s)
   c10::optional<torch::Tensor> bias;
-  torch::Tensor bias_bf16;  // the bias as the kernels read it
+  torch::Tensor bias_bf16, bias_f32;  // the bias as the kernels read it
   NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
                c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k, c10::optional<torch::Tensor> bias);
   torch::Tensor forward(const torch::Tensor& x) const;
-  void forward_into(const bf16* x, int64_t M, bf16* y) const;  // x [M, k], y [M, n], both contiguous
+  template <class T>  // bf16, or float32 (quantized kinds only)
+  void forward_into(const T* x, int64_t M, T* y) const;  // x [M, k], y [M, n], both contiguous
 };
 
-// decoder.cpp: the layer loop of one step (bf16, model-dtype KV cache)
+// decoder.cpp: the layer loop of one step (bf16 or float32 activations, model-dtype KV cache)
 class NativeDecoder {
  public:
   NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor cos,
@@ -77,11 +83,17 @@ class NativeDecoder {
                         std::vector<torch::Tensor> v_pools) const;
 
  private:
+  template <class T>
+  torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
+                    c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
+                    std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
+                    std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;
   };
   int64_t H, KVH, D;
+  at::ScalarType dtype;  // of activations, norms and K/V: bf16, or float32 (quantized linears only)
   double eps, scale;
   torch::Tensor cos, sin, final_norm;
   std::vector<Layer> layers;

@@ -1,7 +1,8 @@
-// The small per-layer operations of a decoder, fused (CPU, bf16): at batch 1 a layer is a few large
-// matrix products and ~40 small PyTorch ops whose fixed costs (dispatch, allocation, a pass over
-// memory each) added 5 ms to a 27 ms step of a 0.5B model. Each kernel does in one call what
-// several ops did, and rounds to bf16 where the reference (Hugging Face, in bf16) rounds:
+// The small per-layer operations of a decoder, fused (CPU, bf16 or float32 activations): at batch 1 a
+// layer is a few large matrix products and ~40 small PyTorch ops whose fixed costs (dispatch,
+// allocation, a pass over memory each) added 5 ms to a 27 ms step of a 0.5B model. Each kernel does in
+// one call what several ops did, and in bf16 rounds where the reference (Hugging Face, in bf16)
+// rounds (in float32 the roundings below are no-ops):
 //
 //   add_rms_norm  s = x + residual (bf16), h = bf16(s * rsqrt(mean(s^2) + eps)), out = bf16(w * h),
 //                 returning (out, s); without a residual, s = x.
@@ -21,7 +22,11 @@ namespace {
 
 constexpr int64_t kMaxNormWidth = 16384;
 inline float f32(bf16 v) { return static_cast<float>(v); }
-inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+inline float f32(float v) { return v; }
+template <class T>
+inline float rnd(float v) {  // what storing in T and reading back gives
+  return static_cast<float>(T(v));
+}
 
 void check_bf16_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, name, " must be bf16 [T, H] with contiguous rows");
@@ -29,15 +34,16 @@ void check_bf16_rows(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-void add_rms_norm_into(const bf16* x, int64_t x_stride, bf16* residual, const bf16* w, int64_t T, int64_t H, float eps, bf16* out) {
+template <class T>
+void add_rms_norm_into(const T* x, int64_t x_stride, T* residual, const T* w, int64_t rows, int64_t H, float eps, T* out) {
   TORCH_CHECK(H <= kMaxNormWidth, "add_rms_norm takes rows of at most ", kMaxNormWidth);
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
     float s[kMaxNormWidth];
     for (int64_t t = t0; t < t1; ++t) {
-      const bf16* xr = x + t * x_stride;
-      bf16* sr = residual ? residual + t * H : nullptr;
+      const T* xr = x + t * x_stride;
+      T* sr = residual ? residual + t * H : nullptr;
       if (sr) {
-        for (int64_t i = 0; i < H; ++i) sr[i] = bf16(f32(xr[i]) + f32(sr[i]));
+        for (int64_t i = 0; i < H; ++i) sr[i] = T(f32(xr[i]) + f32(sr[i]));
         xr = sr;
       }
       float sq = 0.f;
@@ -47,47 +53,56 @@ void add_rms_norm_into(const bf16* x, int64_t x_stride, bf16* residual, const bf
         sq += s[i] * s[i];
       }
       const float inv = 1.f / std::sqrt(sq / static_cast<float>(H) + eps);
-      bf16* orow = out + t * H;
-      for (int64_t i = 0; i < H; ++i) orow[i] = bf16(f32(w[i]) * round_bf16(s[i] * inv));
+      T* orow = out + t * H;
+      for (int64_t i = 0; i < H; ++i) orow[i] = T(f32(w[i]) * rnd<T>(s[i] * inv));
     }
   });
 }
 
-void rotary_into(bf16* qk, int64_t T, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
+template <class T>
+void rotary_into(T* qk, int64_t rows, int64_t heads, int64_t row_stride, int64_t D, const int64_t* positions, const float* cos,
                  const float* sin, int64_t P) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(positions[t] >= 0 && positions[t] < P, "position out of the rotary table");
+  at::parallel_for(0, rows, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      TORCH_CHECK(positions[t] >= 0 && positions[t] < P, "position out of the rotary table");
       const float* c = cos + positions[t] * half;
       const float* s = sin + positions[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
-        bf16* a = qk + t * row_stride + h * D;
-        bf16* b = a + half;
+        T* a = qk + t * row_stride + h * D;
+        T* b = a + half;
         for (int64_t i = 0; i < half; ++i) {
-          const float ci = round_bf16(c[i]), si = round_bf16(s[i]), ai = f32(a[i]), bi = f32(b[i]);
-          a[i] = bf16(round_bf16(ai * ci) - round_bf16(bi * si));
-          b[i] = bf16(round_bf16(bi * ci) + round_bf16(ai * si));
+          const float ci = rnd<T>(c[i]), si = rnd<T>(s[i]), ai = f32(a[i]), bi = f32(b[i]);
+          a[i] = T(rnd<T>(ai * ci) - rnd<T>(bi * si));
+          b[i] = T(rnd<T>(bi * ci) + rnd<T>(ai * si));
         }
       }
     }
   });
 }
 
-void silu_mul_into(const bf16* gate_up, int64_t T, int64_t I, int64_t stride, bf16* out) {
-  at::parallel_for(0, T * I, 2048, [&](int64_t begin, int64_t end) {
+template <class T>
+void silu_mul_into(const T* gate_up, int64_t rows, int64_t I, int64_t stride, T* out) {
+  at::parallel_for(0, rows * I, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin / I; t <= (end - 1) / I; ++t) {
-      const bf16* g = gate_up + t * stride;
-      const bf16* u = g + I;
-      bf16* o = out + t * I;
+      const T* g = gate_up + t * stride;
+      const T* u = g + I;
+      T* o = out + t * I;
       const int64_t i0 = t == begin / I ? begin % I : 0, i1 = t == (end - 1) / I ? (end - 1) % I + 1 : I;
       for (int64_t i = i0; i < i1; ++i) {
         const float gv = f32(g[i]);
-        o[i] = bf16(round_bf16(gv / (1.f + std::exp(-gv))) * f32(u[i]));
+        o[i] = T(rnd<T>(gv / (1.f + std::exp(-gv))) * f32(u[i]));
       }
     }
   });
 }
+
+template void add_rms_norm_into<bf16>(const bf16*, int64_t, bf16*, const bf16*, int64_t, int64_t, float, bf16*);
+template void add_rms_norm_into<float>(const float*, int64_t, float*, const float*, int64_t, int64_t, float, float*);
+template void rotary_into<bf16>(bf16*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*, int64_t);
+template void rotary_into<float>(float*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*, int64_t);
+template void silu_mul_into<bf16>(const bf16*, int64_t, int64_t, int64_t, bf16*);
+template void silu_mul_into<float>(const float*, int64_t, int64_t, int64_t, float*);
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps) {
@@ -97,14 +112,14 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   const bool add = residual.has_value() && residual->defined();
   auto out = torch::empty({T, H}, x.options());
   if (!add) {
-    add_rms_norm_into(x.data_ptr<bf16>(), x.stride(0), nullptr, weight.contiguous().data_ptr<bf16>(), T, H, static_cast<float>(eps),
+    add_rms_norm_into<bf16>(x.data_ptr<bf16>(), x.stride(0), nullptr, weight.contiguous().data_ptr<bf16>(), T, H, static_cast<float>(eps),
                       out.data_ptr<bf16>());
     return {out, x};
   }
   check_bf16_rows(*residual, "residual");
   TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual must match x");
   auto sum = residual->contiguous().clone();
-  add_rms_norm_into(x.data_ptr<bf16>(), x.stride(0), sum.data_ptr<bf16>(), weight.contiguous().data_ptr<bf16>(), T, H,
+  add_rms_norm_into<bf16>(x.data_ptr<bf16>(), x.stride(0), sum.data_ptr<bf16>(), weight.contiguous().data_ptr<bf16>(), T, H,
                     static_cast<float>(eps), out.data_ptr<bf16>());
   return {out, sum};
 }
@@ -116,7 +131,7 @@ void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
               cos.size(1) * 2 == qk.size(2), "cos / sin must be float32 [positions, D / 2]");
   auto pc = positions.contiguous();
-  rotary_into(qk.data_ptr<bf16>(), qk.size(0), qk.size(1), qk.stride(0), qk.size(2), pc.data_ptr<int64_t>(), cos.data_ptr<float>(),
+  rotary_into<bf16>(qk.data_ptr<bf16>(), qk.size(0), qk.size(1), qk.stride(0), qk.size(2), pc.data_ptr<int64_t>(), cos.data_ptr<float>(),
               sin.data_ptr<float>(), cos.size(0));
 }
 
@@ -124,7 +139,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_bf16_rows(gate_up, "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
-  silu_mul_into(gate_up.data_ptr<bf16>(), T, I, gate_up.stride(0), out.data_ptr<bf16>());
+  silu_mul_into<bf16>(gate_up.data_ptr<bf16>(), T, I, gate_up.stride(0), out.data_ptr<bf16>());
   return out;
 }
 

@@ -4,11 +4,13 @@
 //   bf16   plain [N, K] for decode-sized batches (gemv.cpp), and oneDNN's prepacked layout for larger
 //          ones where the loader kept one (`packed`); without it, ATen's linear on the plain weight.
 //   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
-//   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group
+//   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min)
 // Shapes and dtypes are checked once, here; the calls check only the input.
 #include "kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <type_traits>
 
 namespace sieve {
 
@@ -34,6 +36,7 @@ NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::T
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "native linear: one bias per output");
     bias_bf16 = bias->to(at::kBFloat16).contiguous();
+    bias_f32 = bias->to(at::kFloat).contiguous();
   }
   const auto& W = this->w;
   switch (kind) {
@@ -56,8 +59,8 @@ NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::T
       TORCH_CHECK(W.scalar_type() == at::kByte && W.dim() == 3 && W.size(2) == 32 && n <= W.size(0) * 16 && k <= K2,
                   "int4 linear takes blocked uint8 [N/16, K/4, 32]");
       TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "int4 linear: the group must be a multiple of 4 dividing K");
-      TORCH_CHECK(this->scale.scalar_type() == at::kHalf && this->aux.scalar_type() == at::kHalf &&
-                  this->scale.numel() == W.size(0) * (K2 / group) * 16 && this->aux.numel() == this->scale.numel(),
+      TORCH_CHECK(this->scale.scalar_type() == at::kHalf && this->scale.numel() == W.size(0) * (K2 / group) * 16 &&
+                  (!this->aux.defined() || (this->aux.scalar_type() == at::kHalf && this->aux.numel() == this->scale.numel())),
                   "int4 linear: float16 scale and min [N/16, G, 16]");
       break;
     }
@@ -68,34 +71,45 @@ NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::T
 #endif
 }
 
-void NativeLinear::forward_into(const bf16* x, int64_t M, bf16* y) const {
-  const bf16* b = bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr;
+template <class T>
+void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  const float* bf = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   switch (kind) {
 #if defined(__AVX512BF16__)
     case kBF16:
-      if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, b, y);
+      if constexpr (!f32) {
+        if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr, y);
+      }
       break;
     case kQ8:
-      return qmatmul_q8_into(x, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 2, fp8, group == 0 ? scale.data_ptr<float>() : nullptr,
-                             group == 0 ? nullptr : scale.data_ptr<c10::Half>(), group, b, n, y);
+      return qmatmul_q8_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 2, fp8, group == 0 ? scale.data_ptr<float>() : nullptr,
+                             group == 0 ? nullptr : scale.data_ptr<c10::Half>(), group, bf, n, y);
     case kInt4:
-      return qmatmul_int4_into(x, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),
-                               aux.data_ptr<c10::Half>(), group, b, n, y);
+      return qmatmul_int4_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),
+                               aux.defined() ? aux.data_ptr<c10::Half>() : nullptr, group, bf, n, y);
 #endif
     default: break;
   }
   // bf16 above the GEMV's rows: oneDNN (or ATen) on tensors over the same memory
+  TORCH_CHECK(!f32, "a bf16 native linear takes bf16 activations");
   auto opts = torch::TensorOptions().dtype(at::kBFloat16);
-  auto xt = torch::from_blob(const_cast<bf16*>(x), {M, k}, opts);
+  auto xt = torch::from_blob(const_cast<T*>(x), {M, k}, opts);
   auto yt = packed.defined() ? onednn_linear(xt, packed, bias) : at::linear(xt, w, bias);
-  std::memcpy(y, yt.data_ptr<bf16>(), M * n * sizeof(bf16));
+  std::memcpy(y, yt.data_ptr(), M * n * sizeof(T));
 }
 
+template void NativeLinear::forward_into<bf16>(const bf16*, int64_t, bf16*) const;
+template void NativeLinear::forward_into<float>(const float*, int64_t, float*) const;
+
 torch::Tensor NativeLinear::forward(const torch::Tensor& x) const {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16, "native linear takes bf16 [M, ", k, "]");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kBFloat16 || (f32 && kind != kBF16)),
+              "native linear takes [M, ", k, "] activations in bf16 (or float32 for quantized weights)");
   auto xc = x.contiguous();
   auto y = torch::empty({xc.size(0), n}, x.options());
-  forward_into(xc.data_ptr<bf16>(), xc.size(0), y.data_ptr<bf16>());
+  if (f32) forward_into(xc.data_ptr<float>(), xc.size(0), y.data_ptr<float>());
+  else forward_into(xc.data_ptr<bf16>(), xc.size(0), y.data_ptr<bf16>());
   return y;
 }
 

@@ -83,13 +83,13 @@ inline __m512i bcast_pair(const uint16_t* x) {  // (x[0], x[1]) into every 32-bi
   return _mm512_set1_epi32(v);
 }
 
-struct Out {  // where and how a tile is written: y = acc * row_scale + bias
-  c10::BFloat16* y;
+struct Out {  // where and how a tile is written: y = acc * row_scale + bias, as bf16 or float32
+  void* y;
+  bool f32;  // y holds float32 (else bf16)
   int64_t N;
   const float* row_scale;  // [N] or null
   const float* bias;       // [N] float32, or null
-  const c10::BFloat16* bias_bf16;  // [N] bf16, or null
-  float post = 1.f;                 // a factor on top of row_scale
+  float post = 1.f;        // a factor on top of row_scale
 
   template <int MR, int NB>
   void store(__m512 (&acc)[MR][NB], int64_t m0, const int64_t (&blk)[NB]) const {
@@ -97,11 +97,13 @@ struct Out {  // where and how a tile is written: y = acc * row_scale + bias
       const int64_t n0 = blk[b] * 16;
       const __mmask16 mask = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
       const __m512 s = row_scale ? _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row_scale + n0), _mm512_set1_ps(post)) : _mm512_set1_ps(post);
-      const __m512 c = bias        ? _mm512_maskz_loadu_ps(mask, bias + n0)
-                       : bias_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias_bf16 + n0)), 16))
-                                   : _mm512_setzero_ps();
-      for (int m = 0; m < MR; ++m)
-        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][b], s, c)));
+      const __m512 c = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m) {
+        const __m512 v = _mm512_fmadd_ps(acc[m][b], s, c);
+        const int64_t at = (m0 + m) * N + n0;
+        if (f32) _mm512_mask_storeu_ps(static_cast<float*>(y) + at, mask, v);
+        else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
     }
   }
 };
@@ -153,7 +155,7 @@ void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const 
 
 struct Int4Args {
   const c10::Half* scale;  // [NBlocks, G, 16]
-  const c10::Half* min;    // [NBlocks, G, 16]
+  const c10::Half* min;    // [NBlocks, G, 16], or null: w = (q - 8) s
   const float* xsum;       // [M, G]: each group's sum of x
   int64_t G, group;
 };
@@ -203,7 +205,8 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
         for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
     for (int b = 0; b < NB; ++b) {
       const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
-      const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16));  // m - 128 s
+      const __m512 off = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16))  // m - 128 s
+                               : _mm512_mul_ps(_mm512_set1_ps(-136.f), s);  // (q - 8) s = (128 + q) s - 136 s
       for (int m = 0; m < MR; ++m)
         acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
     }
@@ -261,13 +264,23 @@ void scale_by_power_of_two(const uint16_t* src, int64_t total, int e, uint16_t* 
   }
 }
 
-// x [M, K] as the kernels read it: [M, K2] with zero padding inputs (and scaled by 2^e), in `scratch`
-// unless x already is that
-const uint16_t* kernel_input(const bf16* x, int64_t M, int64_t K, int64_t K2, int e, std::vector<uint16_t>& scratch) {
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x);
-  if (K == K2 && e == 0) return src;
+// x [M, K] (bf16, or float32 rounded to bf16 here) as the kernels read it: bf16 [M, K2] with zero
+// padding inputs, scaled by 2^e; in `scratch` unless x already is that
+const uint16_t* kernel_input(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, int e, std::vector<uint16_t>& scratch) {
+  if (!f32 && K == K2 && e == 0) return static_cast<const uint16_t*>(x);
   scratch.assign(M * K2, 0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(scratch.data() + m * K2, src + m * K, K * 2);
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* dst = scratch.data() + m * K2;
+    if (!f32) {
+      std::memcpy(dst, static_cast<const uint16_t*>(x) + m * K, K * 2);
+      continue;
+    }
+    const float* src = static_cast<const float*>(x) + m * K;
+    for (int64_t i = 0; i < K; i += 16) {
+      const __mmask16 mask = K - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - i)) - 1);
+      _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i)));
+    }
+  }
   if (e != 0) scale_by_power_of_two(scratch.data(), M * K2, e, scratch.data());
   return scratch.data();
 }
@@ -284,21 +297,21 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
   }
 }
 
-// The bias as a kernel reads it: bf16, one per output, or null
-const bf16* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
+// The bias as a kernel reads it: float32, one per output, or null
+const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
   if (!t.has_value() || !t->defined()) return nullptr;
   TORCH_CHECK(t->numel() == n, "bias must have one value per output");
-  keep = t->to(at::kBFloat16).contiguous();
-  return keep.data_ptr<bf16>();
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
 }
 
 }  // namespace
 
-void qmatmul_q8_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
-                     const float* row_scale, const c10::Half* gscale, int64_t group, const bf16* bias, int64_t n, bf16* y) {
+void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
+                     const float* row_scale, const c10::Half* gscale, int64_t group, const float* bias, int64_t n, void* y) {
   std::vector<uint16_t> scratch;
-  const uint16_t* xw = kernel_input(x, M, K, K2, fp8 ? kFp8InputShift : 0, scratch);
-  Out out{y, n, gscale ? nullptr : row_scale, nullptr, bias};
+  const uint16_t* xw = kernel_input(x, f32, M, K, K2, fp8 ? kFp8InputShift : 0, scratch);
+  Out out{y, f32, n, gscale ? nullptr : row_scale, bias};
   if (fp8) out.post = std::ldexp(1.f, kFp8Shift - kFp8InputShift);
   auto body = [&]<int kMR, int NB>(auto decode) {
     using D = decltype(decode);
@@ -310,32 +323,32 @@ void qmatmul_q8_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int6
   else body.template operator()<kRows, 3>(Int8Decode{});
 }
 
-void qmatmul_int4_into(const bf16* x, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale,
-                       const c10::Half* min, int64_t group, const bf16* bias, int64_t n, bf16* y) {
+void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
+                       const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y) {
   std::vector<uint16_t> scratch;
   std::vector<float> xsum;
-  const uint16_t* xw = kernel_input(x, M, K, K2, 0, scratch);
+  const uint16_t* xw = kernel_input(x, f32, M, K, K2, 0, scratch);
   group_sums(xw, M, K2, group, xsum);
-  const Out out{y, n, nullptr, nullptr, bias};
+  const Out out{y, f32, n, nullptr, bias};
   const Int4Args args{scale, min, xsum.data(), K2 / group, group};
-  if (M <= 2) {  // decode: two accumulators per block, three blocks (see the top of this file)
-    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); };
-    sweep<2, 3>(M, blocks, tile);
-  } else {
-    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B>(xw, K2, w, m0, blk, out, args); };
-    sweep<kRows, 2>(M, blocks, tile);
-  }
+  // two accumulators per block at every batch size: one order of summation, so a row's result does not
+  // depend on how many rows share the call (see the top of this file)
+  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); };
+  if (M <= 2) sweep<2, 3>(M, blocks, tile);
+  else sweep<4, 2>(M, blocks, tile);
 }
 
 // w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked); scale float32 [n] (group 0) or float16
-// [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2]; returns bf16 [M, n].
+// [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2] bf16 or float32 (rounded to
+// bf16 for the products); returns [M, n] in x's dtype.
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
                          c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
               "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
   const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
   TORCH_CHECK(n <= blocks * 16, "qmatmul_q8: n exceeds the blocked rows");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K] with K <= ", K2);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or float32 [M, K] with K <= ", K2);
   if (group == 0) {
     TORCH_CHECK(scale.numel() == n && scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 row scales");
   } else {
@@ -346,34 +359,37 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tens
   auto xc = x.contiguous();
   auto sc = scale.contiguous();
   torch::Tensor bkeep;
-  const bf16* bp = bias_pointer(bias, n, bkeep);
+  const float* bp = bias_pointer(bias, n, bkeep);
   auto y = torch::empty({xc.size(0), n}, x.options());
-  qmatmul_q8_into(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, fp8,
+  qmatmul_q8_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, fp8,
                   group == 0 ? sc.data_ptr<float>() : nullptr, group == 0 ? nullptr : sc.data_ptr<c10::Half>(), group, bp, n,
-                  y.data_ptr<bf16>());
+                  y.data_ptr());
   return y;
 }
 
-// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16], group a multiple
-// of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
-torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor min, int64_t group,
+// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16] (no min: w = (q - 8) s),
+// group a multiple of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
                            c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
               "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
   const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
   TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
   const int64_t G = K2 / group;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 &&
-              min.numel() == blocks * G * 16 && n <= blocks * 16, "qmatmul_int4: scale and min are float16 [N/16, G, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K] with K <= ", K2);
+  const bool has_min = min.has_value() && min->defined();
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 && n <= blocks * 16 &&
+              (!has_min || (min->scalar_type() == at::kHalf && min->numel() == blocks * G * 16)),
+              "qmatmul_int4: scale and min are float16 [N/16, G, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or float32 [M, K] with K <= ", K2);
   auto xc = x.contiguous();
   auto sc = scale.contiguous();
-  auto mc = min.contiguous();
+  auto mc = has_min ? min->contiguous() : torch::Tensor();
   torch::Tensor bkeep;
-  const bf16* bp = bias_pointer(bias, n, bkeep);
+  const float* bp = bias_pointer(bias, n, bkeep);
   auto y = torch::empty({xc.size(0), n}, x.options());
-  qmatmul_int4_into(xc.data_ptr<bf16>(), xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, sc.data_ptr<c10::Half>(),
-                    mc.data_ptr<c10::Half>(), group, bp, n, y.data_ptr<bf16>());
+  qmatmul_int4_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2,
+                    sc.data_ptr<c10::Half>(), has_min ? mc.data_ptr<c10::Half>() : nullptr, group, bp, n, y.data_ptr());
   return y;
 }
 

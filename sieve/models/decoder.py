@@ -5,7 +5,7 @@ residual add happens inside the norm that follows it (`norm(x, residual)`, as in
 fuse into one kernel. Batch layout and pages are the attention layer's business; this file sees a
 flat token batch [T, hidden].
 
-On CPU in bf16 with sieve's native kernels, the layer loop runs in C++ (`NativeDecoder`,
+On CPU with sieve's native kernels (bf16, or float32 with quantized weights), the layer loop runs in C++ (`NativeDecoder`,
 sieve/kernels/decoder.cpp): the same operations in the same order on the same kernels, without the
 ~15 Python-dispatched operations per layer that dominate a small model's step. This file stays the
 reference, and the path for everything else (float32, CUDA, quantized KV caches).
@@ -134,14 +134,15 @@ class DecoderModel(nn.Module):
         self.native = self._build_native()
 
     def _build_native(self):
-        """The C++ layer loop, where every piece of a layer has a native kernel (CPU, bf16)."""
+        """The C++ layer loop, where every piece of a layer has a native kernel: CPU, bf16 activations, or
+        float32 activations with quantized linears (a GGUF file's weights, kept as stored)."""
         a, ops = self.arch, cpu_ops()
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
-                or first.dtype != torch.bfloat16):
+                or first.dtype not in (torch.bfloat16, torch.float32)):
             return None
         linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
-        if any(m.native is None for group in linears for m in group):
+        if any(m.native is None or (first.dtype == torch.float32 and m.qkernel is None) for group in linears for m in group):
             return None
         native = ops.NativeDecoder(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps, a.head_dim**-0.5,
                                    self.rotary.cos, self.rotary.sin, self.norm.weight.detach())

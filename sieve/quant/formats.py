@@ -4,7 +4,8 @@
            or per group of inputs (GGUF Q8_0, 32):      w = q * s[n, g]
     fp8    e4m3, a scale per output channel:             w = float(q) * s[n],         |q| <= 448, no subnormals
     int4   groups of `group` inputs, a scale and a min:  w = q * s[n, g] + m[n, g],   q in [0, 15]
-           (GGUF Q4_1 as stored; Q4_0 is m = -8 s; zero-point int4 and AWQ are m = -z s, rounded to 16 bits)
+           (GGUF Q4_1 as stored; zero-point int4 and AWQ are m = -z s, rounded to 16 bits; GGUF Q4_0
+           has no min: w = (q - 8) * s, held as such)
            (an input size that `group` does not divide gets a shorter last group: q is stored padded)
 
 Per-channel scales are float32; group scales and mins are float16, as GGUF stores them, so a pass
@@ -67,13 +68,13 @@ class ChannelScaledWeight:
 class Int4Weight:
     packed: torch.Tensor  # [N, Kp / 2] uint8, two values 0..15 per byte; Kp = K rounded up to whole groups
     scale: torch.Tensor  # [N, Kp // group] float16
-    min: torch.Tensor  # [N, Kp // group] float16: the value of code 0
+    min: torch.Tensor | None  # [N, Kp // group] float16: the value of code 0; None: -8 * scale (GGUF Q4_0)
     group: int
     k: int  # the true input size
 
     @classmethod
     def from_values(cls, q: torch.Tensor, scale, min, group: int, k: int) -> "Int4Weight":
-        return cls(pack_int4_pairs(q), scale.to(torch.float16), min.to(torch.float16), group, k)
+        return cls(pack_int4_pairs(q), scale.to(torch.float16), None if min is None else min.to(torch.float16), group, k)
 
     @classmethod
     def from_zero_points(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int) -> "Int4Weight":
@@ -85,6 +86,8 @@ class Int4Weight:
     @property
     def zero(self) -> torch.Tensor:
         """Integer zero points (for the AutoAWQ layout): the code whose value is closest to 0."""
+        if self.min is None:
+            return torch.full(self.scale.shape, 8, dtype=torch.uint8)
         return torch.round(-self.min.float() / self.scale.float()).clamp(0, 15).to(torch.uint8)
 
     def values(self) -> torch.Tensor:
@@ -96,24 +99,29 @@ class Int4Weight:
         return self.dequantize_rows(None, dtype)
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
-        q = self.values() if rows is None else Int4Weight(self.packed[rows], self.scale, self.min, self.group, self.k).values()
-        s, m = (self.scale, self.min) if rows is None else (self.scale[rows], self.min[rows])
+        q = self.values() if rows is None else Int4Weight(self.packed[rows], self.scale, None, self.group, self.k).values()
+        s = self.scale if rows is None else self.scale[rows]
         n, kp = q.shape
         q = q.to(torch.float32).view(n, kp // self.group, self.group)
-        w = q * s.to(torch.float32)[..., None] + m.to(torch.float32)[..., None]
+        if self.min is None:  # as gguf computes Q4_0: d * (q - 8)
+            w = s.to(torch.float32)[..., None] * (q - 8)
+        else:
+            m = self.min if rows is None else self.min[rows]
+            w = q * s.to(torch.float32)[..., None] + m.to(torch.float32)[..., None]
         return w.view(n, kp)[:, : self.k].to(dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scale.numel() * 2 + self.min.numel() * 2
+        return self.packed.numel() + self.scale.numel() * 2 + (0 if self.min is None else self.min.numel() * 2)
 
     kind = "int4"
 
     def describe(self) -> str:
-        return f"int4 g{self.group}"
+        return f"int4 g{self.group}" + (" symmetric" if self.min is None else "")
 
     def to(self, device) -> "Int4Weight":
-        return Int4Weight(self.packed.to(device), self.scale.to(device), self.min.to(device), self.group, self.k)
+        return Int4Weight(self.packed.to(device), self.scale.to(device), None if self.min is None else self.min.to(device),
+                          self.group, self.k)
 
 
 def quantize_int8(w: torch.Tensor) -> ChannelScaledWeight:
@@ -170,8 +178,8 @@ def concat_rows(parts: list) -> ChannelScaledWeight | Int4Weight:
     a = parts[0]
     if isinstance(a, ChannelScaledWeight):
         return ChannelScaledWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.min for p in parts]), a.group, a.k)
+    mins = None if a.min is None else torch.cat([p.min for p in parts])
+    return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]), mins, a.group, a.k)
 
 
 def same_layout(parts: list) -> bool:
@@ -180,7 +188,7 @@ def same_layout(parts: list) -> bool:
     if isinstance(a, ChannelScaledWeight):
         return all(isinstance(p, ChannelScaledWeight) and p.q.dtype == a.q.dtype and p.q.shape[1] == a.q.shape[1]
                    and p.scale.dim() == a.scale.dim() and p.group == a.group for p in parts)
-    return all(isinstance(p, Int4Weight) and p.group == a.group and p.k == a.k for p in parts)
+    return all(isinstance(p, Int4Weight) and p.group == a.group and p.k == a.k and (p.min is None) == (a.min is None) for p in parts)
 
 
 def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:

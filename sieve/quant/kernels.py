@@ -1,7 +1,7 @@
 """Matmul kernels for quantized weights, all called as `kernel(x, bias)`; `nbytes` is what one pass
 reads.
 
-CPU, bf16 activations, sieve's native kernels built (`BlockedKernel`): the weight is repacked once,
+CPU, bf16 or float32 activations, sieve's native kernels built (`BlockedKernel`): the weight is repacked once,
 at load time, into the blocked layout of sieve/kernels/qmatmul.cpp, where 32 decoded weights are one
 operand of a bf16 dot product against a broadcast pair of inputs. Every batch size is multiplied
 straight from that layout, so a weight is held once. Measured on the development machine (2 Zen 5
@@ -56,12 +56,12 @@ def block_groups(t: torch.Tensor) -> torch.Tensor:
 
 def block_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (uint8 [N/16, Kp/4, 32]: byte 2c + i of unit u = w[n, 4u + i] | w[n, 4u + 2 + i] << 4,
-    scale and min as float16 [N/16, G, 16])."""
+    scale and min as float16 [N/16, G, 16]; min None for a weight without one)."""
     v = _pad_rows(w.values())
     nb, kp = v.shape[0] // 16, v.shape[1]
     u = v.view(nb, 16, kp // 4, 2, 2).permute(0, 2, 3, 1, 4)  # [nb, unit, which pair, row, input]
     blocked = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(nb, kp // 4, 32).contiguous()
-    return blocked, block_groups(w.scale), block_groups(w.min)
+    return blocked, block_groups(w.scale), None if w.min is None else block_groups(w.min)
 
 
 class BlockedKernel:
@@ -128,7 +128,8 @@ class Int4Kernel(DequantKernel):
         if fits and w.packed.device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             # PyTorch's CPU int4 layout: w = (q - 8) * scale + zero_float, per [group, out] pair
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.values().to(torch.int32), 1)
-            scale, zero_float = w.scale.float(), w.min.float() + 8 * w.scale.float()
+            scale = w.scale.float()
+            zero_float = 8 * scale + (-8 * scale if w.min is None else w.min.float())
             self.scales_and_zeros = torch.stack([scale, zero_float], dim=-1).transpose(0, 1).contiguous().to(dtype)
             self.name = f"{w.describe()} (PyTorch int4 kernel)"
 
@@ -160,9 +161,10 @@ class Fp8Kernel(DequantKernel):
 
 
 def _native_ops(w, dtype: torch.dtype):
-    """sieve's native quantized kernels when they apply: CPU, bf16 activations, shapes they take."""
+    """sieve's native quantized kernels when they apply: CPU, bf16 or float32 activations (float32 is
+    rounded to bf16 for the products; the output stays float32), shapes they take."""
     device = (w.packed if isinstance(w, Int4Weight) else w.q).device
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     if isinstance(w, Int4Weight) and w.group % 4:
         return None

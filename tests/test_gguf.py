@@ -1,0 +1,338 @@
+"""GGUF checkpoints in: the reader on small files the tests write with the `gguf` package (every tensor
+type, both tokenizer kinds), parity with transformers' own GGUF loader, and a matrix of bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+
+from sieve import LLM, SamplingParams
+from sieve.bench.gguf_export import export_gguf, reencode_gguf
+from sieve.models.gguf import GGUFCheckpoint, GGUFError
+from sieve.quant.formats import ChannelScaledWeight, Int4Weight
+
+from conftest import SHARED
+
+QUIET = dict(log=lambda s: None)
+
+
+def file_values(path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file dequantized by the `gguf` package, in Hugging Face row order (llama.cpp
+    permutes the q / k rows of "llama" models; transformers' loader undoes it the same way)."""
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    heads = reader.fields[f"{arch}.attention.head_count"].contents()
+    kv_heads = reader.fields[f"{arch}.attention.head_count_kv"].contents()
+    out = {}
+    for t in reader.tensors:
+        v = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = heads if "attn_q" in t.name else kv_heads
+            v = v.reshape(n, v.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(v.shape)
+        out[t.name] = np.array(v)  # writable
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_quantized_tensors_keep_their_format_and_the_files_exact_values(checkpoints, tmp_path, qtype):
+    path = export_gguf(checkpoints["llama"], tmp_path / f"m-{qtype}.gguf", qtype, **QUIET)
+    want = file_values(path)
+    reader = gguf.GGUFReader(str(path))
+    nbytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    ckpt = GGUFCheckpoint(path)
+    from sieve.bench.gguf_export import _gguf_name
+
+    seen = 0
+    for hf_name, value in ckpt.tensors():
+        name = _gguf_name(hf_name)
+        if want[name].ndim == 1:
+            assert isinstance(value, torch.Tensor) and torch.equal(value, torch.from_numpy(want[name]))
+            continue
+        seen += 1
+        if qtype == "q8_0":
+            assert isinstance(value, ChannelScaledWeight) and value.q.dtype == torch.int8 and value.group == 32
+            assert value.scale.dtype == torch.float16
+        else:
+            assert isinstance(value, Int4Weight) and value.group == 32
+        assert value.nbytes == nbytes[name]  # held in exactly the bytes the file holds
+        assert torch.equal(value.dequantize(), torch.from_numpy(want[name])), f"{name} differs from gguf.quants.dequantize"
+    assert seen == 2 * 7 + 2  # 2 layers x 7 matrices, the embedding and the untied head
+
+
+def test_plain_types_load_as_they_are_and_k_quants_are_dequantized_and_logged(tmp_path, demo_dir, caplog):
+    """F32 / F16 / BF16 tensors come as the file holds them; Q4_K / Q5_K / Q6_K (no native kernel) are
+    dequantized, exactly, and the log says so; a stack of q/k/v in different formats still runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tmp_path / "wide"  # K-quants need rows of 256
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=4096, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    for f in demo_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (src / f.name).write_bytes(f.read_bytes())
+    base = export_gguf(src, tmp_path / "base.gguf", "f32", **QUIET)
+    rng = np.random.default_rng(0)
+    kinds = {"blk.0.attn_v.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K", "blk.0.ffn_gate.weight": "Q5_K",
+             "blk.0.attn_q.weight": "BF16", "blk.0.attn_output.weight": "F16"}
+
+    def encode(name, data):
+        kind = kinds.get(name)
+        if kind in ("BF16", "F16"):
+            t = getattr(gguf.GGMLQuantizationType, kind)
+            return gguf.quants.quantize(data, t) if kind == "BF16" else data.astype(np.float16), t
+        if kind is None:
+            return None
+        t = getattr(gguf.GGMLQuantizationType, kind)
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        raw = rng.integers(0, 256, size=(data.shape[0], data.shape[1] // block, size), dtype=np.uint8)
+        d = np.array([0.002], dtype=np.float16).view(np.uint8)
+        if kind == "Q6_K":
+            raw[..., -2:] = d  # d is the block's last field
+        else:
+            raw[..., 0:2], raw[..., 2:4] = d, np.array([0.001], dtype=np.float16).view(np.uint8)  # d, dmin
+        return raw.reshape(data.shape[0], -1), t
+
+    path = reencode_gguf(base, tmp_path / "mixed.gguf", "q8_0", encode=encode, **QUIET)
+    want = file_values(path)
+    values = {name: v for name, v in GGUFCheckpoint(path).tensors()}
+    from sieve.bench.gguf_export import _gguf_name
+
+    for hf_name, v in values.items():
+        name = _gguf_name(hf_name)
+        if name in kinds:
+            assert isinstance(v, torch.Tensor) and torch.equal(v, torch.from_numpy(want[name])), name
+    caplog.set_level("WARNING", logger="sieve")
+    llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks_override=16)
+    assert any("Q6_K tensors dequantized" in r.message for r in caplog.records)
+    assert "per shard" in llm.llm_engine.runner.model.layers[0].qkv_proj.kernel_name()  # Q8_0 q, k + Q4_K v
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_bpe_tokenizer_chat_template_and_eos_come_from_the_file(checkpoints, tmp_path):
+    from transformers import AutoTokenizer
+
+    ckpt = checkpoints["qwen2"]
+    path = export_gguf(ckpt, tmp_path / "bpe.gguf", "q8_0", **QUIET)
+    tok = LLM(str(path), dtype="bfloat16", num_gpu_blocks_override=16).get_tokenizer()
+    ref = AutoTokenizer.from_pretrained(ckpt)
+    for text in ["def main():\n    return 1", "import os, sys  # é ü 漢字", "  spaces\tand\ttabs\n\n"]:
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert GGUFCheckpoint(path).config["eos_token_id"] == [cfg["eos_token_id"]]
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(tmp_path_factory):
+    src = SHARED / "models" / "stories260K"
+    if not src.exists():
+        pytest.fail(f"{src} is missing: ../shared holds the real checkpoint these tests use")
+    return src, export_gguf(src, tmp_path_factory.mktemp("stories") / "stories260K-f32.gguf", "f32", **QUIET)
+
+
+def test_sentencepiece_tokenizer_and_a_real_model_from_gguf(stories_gguf):
+    """stories260K (SentencePiece vocabulary, trained weights) as a llama-model GGUF: the same tokens as its
+    own tokenizer, the same greedy story as the safetensors checkpoint, which is the documented one."""
+    from transformers import AutoTokenizer
+
+    src, path = stories_gguf
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=64)
+    tok, ref = llm.get_tokenizer(), AutoTokenizer.from_pretrained(src)
+    for text in ["Once upon a time, there was a little girl named Lily.", "She loved to play outside!  Tom said: \"no\"."]:
+        assert tok.encode(text) == ref.encode(text)
+    params = SamplingParams(max_tokens=30, temperature=0)
+    got = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    want = LLM(str(src), dtype="float32", num_gpu_blocks_override=64).generate(["Once upon a time"], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert got.text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
+
+
+def hf_gguf_reference(path, prompt_ids: list[list[int]], n: int):
+    """transformers' own GGUF loader (dequantizes to float32), greedy, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    for ids in prompt_ids:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        tokens.append(out.sequences[0, len(ids):].tolist())
+        logprobs.append(torch.stack([torch.log_softmax(l[0].float(), -1) for l in out.logits]))
+    return tokens, logprobs
+
+
+def assert_matches(outs, ref_tokens, ref_logprobs, what: str) -> None:
+    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
+        assert out.outputs[0].token_ids == ref, f"{what}: greedy tokens differ from transformers"
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, entry in lp.items():
+                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3), what
+
+
+@pytest.mark.parametrize("arch,qtype", [("mistral", "q4_1"), ("mistral", "q8_0"), ("qwen2", "q4_0"), ("qwen2", "q4_1")])
+def test_dequantized_path_matches_transformers_on_the_same_file(checkpoints, tmp_path, arch, qtype):
+    """Mistral checkpoints are written as llama.cpp's "llama" architecture (q/k rows permuted), with
+    default rope. The test's llama (Llama 3.1 rope scaling) and qwen3 (head_dim != hidden / heads)
+    checkpoints are checked below instead: transformers' GGUF loader ignores `rope_freqs` and
+    `attention.key_length`. (The file is exported from a copy named
+    "ckpt": transformers maps a llama file whose general.name says "mistral" to an architecture gguf-py
+    does not know.)"""
+    import shutil
+
+    src = shutil.copytree(checkpoints[arch], tmp_path / "ckpt")
+    path = export_gguf(src, tmp_path / f"{arch}-{qtype}.gguf", qtype, **QUIET)
+    prompts = [[5, 99, 1234, 7, 300, 42, 17, 2048], list(range(40, 80)), [3]]
+    llm = LLM(str(path), dtype="float32", dequantize=True, num_gpu_blocks_override=128, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert_matches(outs, *hf_gguf_reference(path, prompts, 16), f"{arch} {qtype}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_exact_weight_file_gives_the_original_checkpoints_outputs(checkpoints, tmp_path, arch):
+    """Where transformers' GGUF loader cannot be the reference: llama.cpp stores Llama 3.1 rope scaling as
+    a `rope_freqs` tensor (a divisor per frequency), and Qwen3's head size as `attention.key_length`;
+    transformers' loader drops both. sieve reads them, so the file (f32: exact weights) generates what
+    transformers does on the original safetensors checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = checkpoints[arch]
+    path = export_gguf(ckpt, tmp_path / f"{arch}.gguf", "f32", **QUIET)
+    cfg = GGUFCheckpoint(path).config
+    if arch == "llama":
+        assert cfg["rope_scaling"]["rope_type"] == "freq_factors"
+    else:
+        assert cfg["head_dim"] == 32 != cfg["hidden_size"] // cfg["num_attention_heads"]
+    prompts = [list(range(40, 80)), [5, 99, 1234]]
+    outs = LLM(str(path), dtype="float32", num_gpu_blocks_override=64).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5))
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ref_tokens, ref_lps = [], []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        ref_tokens.append(out.sequences[0, len(ids):].tolist())
+        ref_lps.append(torch.stack([torch.log_softmax(l[0].float(), -1) for l in out.logits]))
+    assert_matches(outs, ref_tokens, ref_lps, arch)
+
+
+def test_native_quantized_path_reads_no_more_bytes_than_the_file(checkpoints, tmp_path):
+    path = export_gguf(checkpoints["qwen3"], tmp_path / "q.gguf", "q4_1", **QUIET)
+    reader = gguf.GGUFReader(str(path))
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2 and t.name != "token_embd.weight")
+    llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks_override=16)
+    model = llm.llm_engine.runner.model
+    from sieve.layers.linear import Linear
+
+    read = sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
+    tied_head = int(next(t.n_bytes for t in reader.tensors if t.name == "token_embd.weight"))
+    assert read == file_bytes + tied_head  # the linears (and the head, tied to the embedding) as stored
+    assert model.native is not None and "int4 g32 (native kernel)" in model.layers[0].qkv_proj.kernel_name()
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q4_0"])
+def test_native_quantized_path_is_batch_invariant_in_float32(checkpoints, tmp_path, qtype):
+    """The kernels sum each row in one order whatever the batch: a request alone and among others gives the
+    same logprobs, bit for bit (float32 activations, the file's weights as stored, the native layer loop)."""
+    path = export_gguf(checkpoints["qwen2"], tmp_path / f"q-{qtype}.gguf", qtype, **QUIET)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    target = {"prompt_token_ids": [5, 99, 1234, 7, 300]}
+    crowd = [{"prompt_token_ids": list(range(10 + i, 30 + 3 * i))} for i in range(6)]
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=128)
+    assert llm.llm_engine.runner.model.native is not None
+    alone = llm.generate([target], params)[0].outputs[0]
+    among = llm.generate(crowd[:3] + [target] + crowd[3:], params)[3].outputs[0]
+    assert alone.token_ids == among.token_ids
+    assert [{k: v.logprob for k, v in d.items()} for d in alone.logprobs] == [{k: v.logprob for k, v in d.items()} for d in among.logprobs]
+
+
+def write_minimal(path, arch="llama", tensors=None, fields=True):
+    """A tiny GGUF written by hand: `tensors` maps name -> (array, raw type or None)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    if fields:
+        w.add_block_count(1)
+        w.add_context_length(64)
+        w.add_embedding_length(32)
+        w.add_feed_forward_length(64)
+        w.add_head_count(2)
+    for name, (arr, raw) in (tensors or {"token_embd.weight": (np.zeros((16, 32), np.float32), None)}).items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_files(checkpoints, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    good = export_gguf(checkpoints["llama"], d / "good.gguf", "q8_0", **QUIET)
+    data = good.read_bytes()
+    (d / "truncated-data.gguf").write_bytes(data[: len(data) - 5000])
+    (d / "truncated-header.gguf").write_bytes(data[:300])
+    (d / "garbage.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    (d / "not-gguf.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not a model")
+    write_minimal(d / "gpt2.gguf", arch="gpt2")
+    write_minimal(d / "no-fields.gguf", fields=False)
+    write_minimal(d / "iq-type.gguf", tensors={"token_embd.weight": (np.zeros((16, 64), np.uint8), gguf.GGMLQuantizationType.I8)})
+    two = d / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(data)
+    (two / "b.gguf").write_bytes(data)
+    return d
+
+
+BAD = {  # file -> what the one-line error must name
+    "truncated-data.gguf": "not a readable GGUF file",
+    "truncated-header.gguf": "not a readable GGUF file",
+    "garbage.gguf": "not a readable GGUF file",
+    "not-gguf.gguf": "not a readable GGUF file: ValueError: GGUF magic invalid",
+    "gpt2.gguf": "architecture 'gpt2' is not supported",
+    "no-fields.gguf": "lacks llama.attention.head_count",
+    "iq-type.gguf": "has type I8, which sieve does not load",
+    "two": "holds 2 GGUF files",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_files_raise_one_clear_error(bad_files, name):
+    with pytest.raises((GGUFError, FileNotFoundError)) as e:
+        LLM(str(bad_files / name), num_gpu_blocks_override=16)
+    assert BAD[name] in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["truncated-data.gguf", "gpt2.gguf", "iq-type.gguf", "two"])
+def test_bad_files_on_the_command_line_exit_non_zero_without_a_traceback(bad_files, name):
+    for cmd in (["generate", "--prompt", "hi"], ["serve", "--port", "0"]):
+        r = subprocess.run([sys.executable, "-m", "sieve.cli", *cmd, "--model", str(bad_files / name)], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and BAD[name] in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_llama_cpp_computes_the_same_logits_on_the_file_sieve_loads(checkpoints, tmp_path):
+    """Only where the `peers` extra is installed: llama.cpp (llama-cpp-python) and sieve on one Q8_0 file."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = export_gguf(checkpoints["qwen2"], tmp_path / "q8.gguf", "q8_0", **QUIET)
+    ids = [5, 99, 1234, 7, 300, 42, 17, 2048]
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    engine = LLM(str(path), dtype="float32", dequantize=True, num_gpu_blocks_override=16).llm_engine
+    ours = engine.score(ids).numpy()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 7 / 8  # llama.cpp quantizes activations to Q8_0
+    assert np.corrcoef(ours.ravel(), theirs.ravel())[0, 1] > 0.999
