@@ -9,6 +9,7 @@ The interface the offline API and the server drive:
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -79,6 +80,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        # Everything loaded so far lives as long as the engine: keep it out of the cyclic collector's passes,
+        # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
+        gc.collect()
+        gc.freeze()
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -18,7 +18,7 @@ from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
-from sieve.sampler import SamplerOutput, SamplingMetadata, sample
+from sieve.sampler import SamplerOutput, SamplingMetadata, sample, sample_greedy
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger("sieve")
@@ -142,8 +142,11 @@ class ModelRunner:
         if not sampling:
             return StepResult([])
         logits = self.model.compute_logits(hidden[last_rows])
-        meta_s = SamplingMetadata.from_seqs([s.seq for s in sampling], self.eos_token_ids, logits.shape[-1], self.device)
-        out = sample(logits, meta_s, self.generator)
+        seqs = [s.seq for s in sampling]
+        if SamplingMetadata.plain_greedy(seqs):
+            out = sample_greedy(logits)
+        else:
+            out = sample(logits, SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device), self.generator)
         return StepResult(list(zip(sampling, out.token_ids.tolist(), _logprob_dicts(out, [s.seq.params.logprobs for s in sampling]))))
 
 

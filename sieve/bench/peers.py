@@ -50,7 +50,13 @@ LLAMA_FLAGS = {"q8_0": ["--no-repack"]} if _cpu_has_amx() else {}
 
 
 def add_peers_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face checkpoint folder (with tokenizer.json)")
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint folder (with tokenizer.json)")
+    p.add_argument("--gguf-file", default=None,
+                   help="a GGUF file instead: both engines run it and its --gguf re-encodings, batch-1 decode (llama-bench) "
+                        "and the serving sweep (llama-server), see sieve/bench/peers_gguf.py")
+    p.add_argument("--batch1-rounds", type=int, default=5, help="--gguf-file: interleaved batch-1 rounds per engine and file")
+    p.add_argument("--batch1-tokens", type=int, default=128, help="--gguf-file: tokens per batch-1 round (llama-bench tg)")
+    p.add_argument("--no-serving", dest="serving", action="store_false", help="--gguf-file: batch-1 decode only")
     p.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b"], help="write a random checkpoint of this shape at --model if absent")
     p.add_argument("--dtype", default="bfloat16", help="sieve's dtype for the checkpoint")
     p.add_argument("--engines", default="sieve,llama.cpp",
@@ -121,13 +127,14 @@ class Server:
         self.log.close()
 
 
-def build_llama_server(log=print) -> Path:
-    """Compile llama-server from the llama.cpp tree inside the installed llama-cpp-python's sdist."""
+def build_llama_server(log=print, target: str = "llama-server") -> Path:
+    """Compile llama.cpp's `target` (llama-server, llama-bench) from the llama.cpp tree inside the
+    installed llama-cpp-python's sdist."""
     from importlib.metadata import version
 
     ver = version("llama-cpp-python")
     root = cache_root() / "llama.cpp" / ver
-    binary = root / "build" / "bin" / "llama-server"
+    binary = root / "build" / "bin" / target
     if binary.exists():
         return binary
     src = root / "src"
@@ -141,12 +148,12 @@ def build_llama_server(log=print) -> Path:
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(dl, filter="data")
         shutil.move(str(next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))), src)
-    log(f"compiling llama-server in {root / 'build'} (several minutes)")
+    log(f"compiling {target} in {root / 'build'} (several minutes)")
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF",
              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"]
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], check=True)
+    subprocess.run(["cmake", "--build", str(root / "build"), "--target", target, "-j", str(os.cpu_count() or 2)], check=True)
     return binary
 
 
@@ -213,6 +220,12 @@ def run_peers(args) -> int:
     from sieve.bench.gguf_export import export_gguf
     from sieve.bench.serve_command import load_tokenizer
 
+    if args.gguf_file:
+        from sieve.bench.peers_gguf import run_gguf_peers
+
+        return run_gguf_peers(args)
+    if args.model is None:
+        raise SystemExit("error: bench peers needs --model (a Hugging Face folder) or --gguf-file")
     quiet_http_logs()
     model = Path(args.model)
     if args.create_model:

@@ -143,4 +143,31 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Tensor ids, at::ScalarType dtype) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "codes must be contiguous int8 [V, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == q.size(0) && q.size(1) % scale.size(1) == 0 &&
+              scale.is_contiguous(), "scales must be contiguous float16 [V, G]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rows come out as float32 or bf16");
+  const int64_t T = ids.size(0), V = q.size(0), K = q.size(1), G = scale.size(1), group = K / G;
+  auto idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "token id ", id[t], " out of the embedding's ", V, " rows");
+  auto out = torch::empty({T, K}, q.options().dtype(dtype));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const c10::Half* sp = scale.data_ptr<c10::Half>();
+  for (int64_t t = 0; t < T; ++t) {  // w = q * s in float32, as gguf dequantizes Q8_0, then the model dtype
+    const int8_t* row = qp + id[t] * K;
+    const c10::Half* srow = sp + id[t] * G;
+    if (dtype == at::kFloat) {
+      float* o = out.data_ptr<float>() + t * K;
+      for (int64_t i = 0; i < K; ++i) o[i] = static_cast<float>(row[i]) * static_cast<float>(srow[i / group]);
+    } else {
+      bf16* o = out.data_ptr<bf16>() + t * K;
+      for (int64_t i = 0; i < K; ++i) o[i] = bf16(static_cast<float>(row[i]) * static_cast<float>(srow[i / group]));
+    }
+  }
+  return out;
+}
+
 }  // namespace sieve

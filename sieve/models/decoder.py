@@ -90,9 +90,13 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quantized_embedding is not None:
-            return self.quantized_embedding.dequantize_rows(input_ids, self.embed_tokens.weight.dtype)
-        return self.embed_tokens(input_ids)
+        e, dtype = self.quantized_embedding, self.embed_tokens.weight.dtype
+        if e is None:
+            return self.embed_tokens(input_ids)
+        ops = cpu_ops() if input_ids.device.type == "cpu" else None
+        if ops is not None and getattr(e, "kind", None) == "int8" and e.scale.dim() == 2 and dtype in (torch.float32, torch.bfloat16):
+            return ops.dequantize_rows_q8(e.q, e.scale, input_ids, dtype)  # one call; the same values as below
+        return e.dequantize_rows(input_ids, dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata

@@ -127,6 +127,13 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: {self.arch_name}.{key} varies per layer, which sieve does not support")
         return value
 
+    def decode_bytes(self) -> int:
+        """Weight bytes one decode step reads as stored: every matrix, the embedding only where it is the
+        (tied) LM head (otherwise a step reads one row of it)."""
+        tied = "output.weight" not in self._tensors
+        return sum(int(t.n_bytes) for t in self.reader.tensors
+                   if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied))
+
     def tensor_types(self) -> Counter:
         return Counter(t.tensor_type.name for t in self.reader.tensors)
 
