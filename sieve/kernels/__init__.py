@@ -1,9 +1,18 @@
 """Native kernels behind the same interfaces as the PyTorch path.
 
 `cpu_ops()` JIT-builds the CPU C++ kernels once per machine (cached under the sieve cache folder,
-keyed by the source and the CPU's instruction set) and returns None where that is impossible (no
+keyed by the source, the CPU and the instruction set) and returns None where that is impossible (no
 compiler, no ninja, SIEVE_NO_NATIVE=1); callers then use the PyTorch path, which the tests also use as
 the reference.
+
+The instruction set is chosen from the CPU's features, or forced with SIEVE_CPU_ISA:
+  avx512   AVX512-BF16 kernels (gemv.cpp, qmatmul.cpp), built with -march=native
+  avx2     AVX2 + FMA + F16C kernels (gemv_avx2.cpp, qmatmul_avx2.cpp), built for Haswell, so that an
+           AVX-512 machine can build, test and benchmark what an AVX2-only CPU runs
+  generic  no vector linear kernels: quantized weights fall back to PyTorch (dequantized per call)
+`ops.isa` says which one a module was built for. Forcing avx2 or generic also asks PyTorch's own
+kernels (ATen's CPU dispatch, oneDNN) to stay below AVX-512, where the environment does not already
+set them, before they first run.
 """
 
 from __future__ import annotations
@@ -18,15 +27,49 @@ from pathlib import Path
 log = logging.getLogger("sieve")
 _DIR = Path(__file__).parent
 _LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "qmatmul.cpp", "linear.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "gemv_avx2.cpp", "qmatmul.cpp", "qmatmul_avx2.cpp", "linear.cpp",
+            "decoder.cpp", "module.cpp")  # and kernels.h, which they include
+
+
+_MARCH = {"avx512": "-march=native", "avx2": "-march=haswell", "generic": "-march=x86-64"}
+_NEEDS = {"avx512": ("avx512_bf16", "avx512bw"), "avx2": ("avx2", "fma", "f16c"), "generic": ()}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set(platform.processor().split())
 
 
 def _cpu_signature() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return hashlib.sha256(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:8]
+
+
+def cpu_isa() -> str:
+    """The instruction set the native kernels are built for: SIEVE_CPU_ISA, else the best this CPU has."""
+    forced = os.environ.get("SIEVE_CPU_ISA", "").strip().lower()
+    flags = _cpu_flags()
+    if forced:
+        if forced not in _MARCH:
+            raise ValueError(f"SIEVE_CPU_ISA={forced!r}: use one of {', '.join(_MARCH)}")
+        missing = [f for f in _NEEDS[forced] if f not in flags]
+        if missing:
+            raise ValueError(f"SIEVE_CPU_ISA={forced} but this CPU lacks {', '.join(missing)}")
+        return forced
+    return next((isa for isa in ("avx512", "avx2") if all(f in flags for f in _NEEDS[isa])), "generic")
+
+
+def limit_torch_isa() -> None:
+    """Under a forced avx2 / generic build, keep ATen's CPU dispatch and oneDNN there too (they read
+    these variables when they first run)."""
+    forced = os.environ.get("SIEVE_CPU_ISA", "").strip().lower()
+    if forced == "avx2":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    elif forced == "generic":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "SSE41")
 
 
 @lru_cache(maxsize=1)
@@ -38,20 +81,23 @@ def cpu_ops():
 
         from sieve.demo import cache_root
 
+        isa = cpu_isa()
         text = b"".join((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
-        key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature()
+        key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature() + ("" if isa == "avx512" else "-" + isa)
         name = f"sieve_cpu_ops_{key.replace('-', '_')}"
         if name in _LOADED:  # loaded before in this process (a module registers its classes once)
             return _LOADED[name]
         build = cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
-            log.info("building sieve's native CPU kernels in %s (first use on this machine: about a minute)", build)
+            log.info("building sieve's native CPU kernels (%s) in %s (first use on this machine: about a minute)", isa, build)
         _LOADED[name] = load(
             name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
+            extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
         return _LOADED[name]
+    except ValueError:  # a forced instruction set this CPU cannot run: not something to fall back from silently
+        raise
     except Exception as e:  # no compiler, no ninja, unsupported platform
         lines = str(e).splitlines()
         errors = [line.strip() for line in lines if "error" in line.lower()][1:4]  # the compiler's own words, after the summary

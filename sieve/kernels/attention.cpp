@@ -15,8 +15,8 @@
 // tokens' dot products summed by one transpose-and-add tree; an online
 // softmax (running max and sum per head, flash-decoding style) rescales the accumulators; the block's
 // values, converted once into a small float32 scratch, are added in with their probabilities.
-// Vectorised for head sizes 16, 32, 64, 128 and 256 (AVX-512); other sizes, and CPUs without
-// AVX-512, take a scalar loop with the same arithmetic.
+// Vectorised for head sizes 16, 32, 64, 128 and 256 (AVX-512) or 16 to 128 (AVX2 + FMA); other sizes,
+// and CPUs with neither, take a scalar loop with the same arithmetic.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -113,6 +113,7 @@ void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tabl
 }
 
 #if defined(__AVX512F__)
+#define SIEVE_DECODE_VEC 1
 // ---- vectorised path ----------------------------------------------------------------------------------------
 // exp(x) for x <= 0 (scores minus their running max): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2
 // (two-part ln 2), e^r by Cephes' degree-6 polynomial; about 1 ulp.
@@ -271,6 +272,154 @@ bool decode_vec_any(int64_t head_dim, const T* q, const Pool& k, const Pool& v, 
     default: return false;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- vectorised path, AVX2: the algorithm above with 8 lanes ------------------------------------------------
+#define SIEVE_DECODE_VEC 1
+inline __m256 exp256(__m256 x) {  // as exp512
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+template <at::ScalarType kType>
+inline __m256 load8(const void* base, int64_t at, float scale) {  // 8 consecutive elements of a K/V row as float32
+  if constexpr (kType == at::kFloat) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + at);
+  } else if constexpr (kType == at::kBFloat16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (kType == at::kHalf) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + at)));
+  } else if constexpr (kType == at::kFloat8_e4m3fn) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(u, 3), _mm256_set1_epi32(0xF));
+    const __m256i mant = _mm256_and_si256(u, _mm256_set1_epi32(0x7));
+    const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23), _mm256_slli_epi32(mant, 20));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(1.f / 512.f));
+    const __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256())));
+    return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_castsi256_ps(sign)), _mm256_set1_ps(scale));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + at));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
+  }
+}
+
+inline __m256 hsum8(const __m256 (&v)[8]) {  // lane t = sum of v[t]'s 8 lanes
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]), a2 = _mm256_hadd_ps(v[4], v[5]),
+               a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per 128-bit lane: partial sums of v0..3, v4..7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+template <at::ScalarType kType>
+inline float row_scale(const Pool& p, int64_t row) {
+  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale;
+  if constexpr (kType == at::kChar) return static_cast<float>(p.token_scales[row]);
+  return 1.f;
+}
+
+template <typename T, at::ScalarType kKV, int V>  // V = head_dim / 8
+void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens, T* out,
+                int64_t num_seqs, const Layout& lay, float scale) {
+  constexpr int D = 8 * V;
+  const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
+  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores(G * (bs + 8)), kf(bs * D), vf(bs * D), m(G), l(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
+      const int64_t* table = tables + s * lay.max_blocks;
+      for (int64_t g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t j = 0; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs);
+        const int64_t row0 = table[j] * bs * KVH + kh;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = row0 + t * KVH;
+          const float rs = row_scale<kKV>(k, row);
+          for (int i = 0; i < V; ++i) _mm256_storeu_ps(&kf[t * D + 8 * i], load8<kKV>(k.data, row * D + 8 * i, rs));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          __m256 qv[V];
+          for (int i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(&qf[g * D + 8 * i]);
+          float* sg = &scores[g * (bs + 8)];
+          for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            __m256 dots[8];
+            for (int t = 0; t < 8; ++t) {
+              if (t0 + t >= n) {
+                dots[t] = _mm256_setzero_ps();
+                continue;
+              }
+              const float* kr = &kf[(t0 + t) * D];
+              __m256 d = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+              for (int i = 1; i < V; ++i) d = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr + 8 * i), d);
+              dots[t] = d;
+            }
+            _mm256_storeu_ps(sg + t0, hsum8(dots));  // the row has 8 spare slots past the block
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = row0 + t * KVH;
+          const float rs = row_scale<kKV>(v, row);
+          for (int i = 0; i < V; ++i) _mm256_storeu_ps(&vf[t * D + 8 * i], load8<kKV>(v.data, row * D + 8 * i, rs));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = &scores[g * (bs + 8)];
+          float mx = m[g];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          const float alpha = std::exp(m[g] - mx);
+          for (int64_t t = n; t < ((n + 7) / 8) * 8; ++t) sg[t] = -1e30f;  // padding: exp -> 0
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; t += 8) {
+            const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(sg + t, p);
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, p);
+            for (int64_t i = 0; i < std::min<int64_t>(8, n - t); ++i) sum += tmp[i];
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = mx;
+          __m256 a[V];
+          for (int i = 0; i < V; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(&acc[g * D + 8 * i]), _mm256_set1_ps(alpha));
+          for (int64_t t = 0; t < n; ++t) {
+            const __m256 p = _mm256_set1_ps(sg[t]);
+            for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(&vf[t * D + 8 * i]), a[i]);
+          }
+          for (int i = 0; i < V; ++i) _mm256_storeu_ps(&acc[g * D + 8 * i], a[i]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) out[s * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T, at::ScalarType kKV>
+bool decode_vec_any(int64_t head_dim, const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens,
+                    T* out, int64_t num_seqs, const Layout& lay, float scale) {
+  switch (head_dim) {
+    case 16: decode_vec<T, kKV, 2>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 32: decode_vec<T, kKV, 4>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 64: decode_vec<T, kKV, 8>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 128: decode_vec<T, kKV, 16>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    default: return false;
+  }
+}
 #endif
 
 Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& scale, const char* name) {
@@ -296,7 +445,7 @@ void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, 
   const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
   const Pool k{k_pool, kType}, v{v_pool, kType};
   bool done = false;
-#if defined(__AVX512F__)
+#if defined(SIEVE_DECODE_VEC)
   done = decode_vec_any<T, kType>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale);
 #endif
   if (!done) decode_scalar<T>(q, k, v, tables, lens, out, num_seqs, lay, scale);
@@ -329,7 +478,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
     const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
     bool done = false;
-#if defined(__AVX512F__)
+#if defined(SIEVE_DECODE_VEC)
     switch (kv) {
       case at::kFloat: done = decode_vec_any<scalar_t, at::kFloat>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;
       case at::kBFloat16: done = decode_vec_any<scalar_t, at::kBFloat16>(head_dim, qp, k, v, tp, lp, op, num_seqs, lay, s); break;

@@ -10,6 +10,8 @@
 // where a loop of the same arithmetic with a mask and a branch per step ran at 25 GB/s.
 #include "kernels.h"
 
+#if defined(__AVX512BF16__)
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -90,23 +92,6 @@ void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t 
   }
 }
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 takes bfloat16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K], w [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "gemv_bf16 takes 1 to ", kGemvMaxRows, " rows, got ", x.size(0));
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bc;
-  const bf16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "gemv_bf16: one bias per output");
-    bc = bias->to(at::kBFloat16).contiguous();
-    bp = bc.data_ptr<bf16>();
-  }
-  gemv_bf16_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
-  return y;
-}
-
 }  // namespace sieve
+
+#endif

@@ -2,6 +2,19 @@
 #pragma once
 #include <torch/extension.h>
 
+// Which instruction set this build's kernels use (SIEVE_CPU_ISA picks it, see __init__.py): the
+// AVX512-BF16 kernels (gemv.cpp, qmatmul.cpp), the AVX2 + FMA + F16C ones (gemv_avx2.cpp,
+// qmatmul_avx2.cpp), or none (generic: no native linear kernels; attention and the layer ops remain).
+#if defined(__AVX512BF16__)
+#define SIEVE_ISA "avx512-bf16"
+#define SIEVE_HAS_QUANT 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SIEVE_ISA "avx2"
+#define SIEVE_HAS_QUANT 1
+#else
+#define SIEVE_ISA "generic"
+#endif
+
 namespace sieve {
 
 using bf16 = c10::BFloat16;
@@ -35,13 +48,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // rows `ids` of an int8 table with float16 scales per group (GGUF Q8_0), dequantized: an embedding lookup
 torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Tensor ids, at::ScalarType dtype);
 
-#if defined(__AVX512BF16__)
-// gemv.cpp: bf16 weights, decode-sized batches
+#if defined(SIEVE_HAS_QUANT)
+// gemv.cpp / gemv_avx2.cpp: bf16 weights, decode-sized batches
 constexpr int64_t kGemvMaxRows = 4;
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias, bf16* y);
 
-// qmatmul.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.
+// qmatmul.cpp / qmatmul_avx2.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.
 // q8: `scale` float32 [n] per row (group 0), or float16 [N/16, G, 16] per group of `group` inputs.
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
                          c10::optional<torch::Tensor> bias, int64_t n);

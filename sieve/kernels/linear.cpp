@@ -24,7 +24,93 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
+// The bias as a kernel reads it: float32, one per output, or null
+const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 }  // namespace
+
+#if defined(SIEVE_HAS_QUANT)
+// Tensor wrappers of the raw kernels (whichever ISA built them), for Python and the tests.
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16 takes bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K], w [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "gemv_bf16 takes 1 to ", kGemvMaxRows, " rows, got ", x.size(0));
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bc;
+  const bf16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gemv_bf16: one bias per output");
+    bc = bias->to(at::kBFloat16).contiguous();
+    bp = bc.data_ptr<bf16>();
+  }
+  gemv_bf16_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
+  return y;
+}
+
+// w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked); scale float32 [n] (group 0) or float16
+// [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2] bf16 or float32;
+// returns [M, n] in x's dtype.
+torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
+                         c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
+              "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
+  TORCH_CHECK(n <= blocks * 16, "qmatmul_q8: n exceeds the blocked rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or float32 [M, K] with K <= ", K2);
+  if (group == 0) {
+    TORCH_CHECK(scale.numel() == n && scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 row scales");
+  } else {
+    TORCH_CHECK(!fp8 && group % 2 == 0 && K2 % group == 0, "qmatmul_q8: group scales take int8 codes and an even group dividing K");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * (K2 / group) * 16,
+                "qmatmul_q8: group scales are float16 [N/16, G, 16]");
+  }
+  auto xc = x.contiguous();
+  auto sc = scale.contiguous();
+  torch::Tensor bkeep;
+  const float* bp = bias_pointer(bias, n, bkeep);
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  qmatmul_q8_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, fp8,
+                  group == 0 ? sc.data_ptr<float>() : nullptr, group == 0 ? nullptr : sc.data_ptr<c10::Half>(), group, bp, n,
+                  y.data_ptr());
+  return y;
+}
+
+// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16] (no min: w = (q - 8) s),
+// group a multiple of 4 dividing Kp, bias [n] or none; returns [M, n] in x's dtype
+torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
+                           c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
+              "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
+  const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
+  const int64_t G = K2 / group;
+  const bool has_min = min.has_value() && min->defined();
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 && n <= blocks * 16 &&
+              (!has_min || (min->scalar_type() == at::kHalf && min->numel() == blocks * G * 16)),
+              "qmatmul_int4: scale and min are float16 [N/16, G, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or float32 [M, K] with K <= ", K2);
+  auto xc = x.contiguous();
+  auto sc = scale.contiguous();
+  auto mc = has_min ? min->contiguous() : torch::Tensor();
+  torch::Tensor bkeep;
+  const float* bp = bias_pointer(bias, n, bkeep);
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  qmatmul_int4_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2,
+                    sc.data_ptr<c10::Half>(), has_min ? mc.data_ptr<c10::Half>() : nullptr, group, bp, n, y.data_ptr());
+  return y;
+}
+#endif
 
 NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
                            c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k,
@@ -66,8 +152,8 @@ NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::T
     }
     default: TORCH_CHECK(false, "unknown native linear kind ", kind);
   }
-#if !defined(__AVX512BF16__)
-  TORCH_CHECK(kind == kBF16, "this CPU build has no kernel for quantized native linears");
+#if !defined(SIEVE_HAS_QUANT)
+  TORCH_CHECK(false, "this CPU build (", SIEVE_ISA, ") has no native linear kernels");
 #endif
 }
 
@@ -76,7 +162,7 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
   constexpr bool f32 = std::is_same_v<T, float>;
   const float* bf = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   switch (kind) {
-#if defined(__AVX512BF16__)
+#if defined(SIEVE_HAS_QUANT)
     case kBF16:
       if constexpr (!f32) {
         if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr, y);

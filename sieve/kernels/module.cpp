@@ -11,11 +11,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads", nogil);
   m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix", nogil);
   m.def("dequantize_rows_q8", &sieve::dequantize_rows_q8, "rows of an int8 table with float16 group scales (an embedding lookup)", nogil);
-#if defined(__AVX512BF16__)
-  m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights (CPU, AVX512-BF16)", nogil);
+  m.attr("isa") = SIEVE_ISA;
+#if defined(SIEVE_HAS_QUANT)
+  m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights", nogil);
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
-  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout (CPU, AVX512-BF16)", nogil);
-  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (CPU, AVX512-BF16)", nogil);
+  m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout", nogil);
+  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout", nogil);
 #endif
   py::class_<sieve::NativeLinear, std::shared_ptr<sieve::NativeLinear>>(m, "NativeLinear")
       .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

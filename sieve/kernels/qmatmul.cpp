@@ -32,6 +32,8 @@
 // Group scales and mins are float16 [N/16, G, 16]: the 16 rows of a block for one group side by side.
 #include "kernels.h"
 
+#if defined(__AVX512BF16__)
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -297,14 +299,6 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
   }
 }
 
-// The bias as a kernel reads it: float32, one per output, or null
-const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
-  if (!t.has_value() || !t->defined()) return nullptr;
-  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
-  keep = t->to(at::kFloat).contiguous();
-  return keep.data_ptr<float>();
-}
-
 }  // namespace
 
 void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
@@ -338,59 +332,6 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   else sweep<4, 2>(M, blocks, tile);
 }
 
-// w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked); scale float32 [n] (group 0) or float16
-// [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2] bf16 or float32 (rounded to
-// bf16 for the products); returns [M, n] in x's dtype.
-torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
-                         c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
-              "qmatmul_q8 takes blocked uint8 [N/16, K/2, 32]");
-  const int64_t blocks = w.size(0), K2 = w.size(1) * 2;
-  TORCH_CHECK(n <= blocks * 16, "qmatmul_q8: n exceeds the blocked rows");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x must be bf16 or float32 [M, K] with K <= ", K2);
-  if (group == 0) {
-    TORCH_CHECK(scale.numel() == n && scale.scalar_type() == at::kFloat, "qmatmul_q8 takes [n] float32 row scales");
-  } else {
-    TORCH_CHECK(!fp8 && group % 2 == 0 && K2 % group == 0, "qmatmul_q8: group scales take int8 codes and an even group dividing K");
-    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * (K2 / group) * 16,
-                "qmatmul_q8: group scales are float16 [N/16, G, 16]");
-  }
-  auto xc = x.contiguous();
-  auto sc = scale.contiguous();
-  torch::Tensor bkeep;
-  const float* bp = bias_pointer(bias, n, bkeep);
-  auto y = torch::empty({xc.size(0), n}, x.options());
-  qmatmul_q8_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, fp8,
-                  group == 0 ? sc.data_ptr<float>() : nullptr, group == 0 ? nullptr : sc.data_ptr<c10::Half>(), group, bp, n,
-                  y.data_ptr());
-  return y;
-}
-
-// w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16] (no min: w = (q - 8) s),
-// group a multiple of 4 dividing Kp, bias [n] or none; returns bf16 [M, n]
-torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
-                           c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
-              "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
-  const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
-  TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
-  const int64_t G = K2 / group;
-  const bool has_min = min.has_value() && min->defined();
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 && n <= blocks * 16 &&
-              (!has_min || (min->scalar_type() == at::kHalf && min->numel() == blocks * G * 16)),
-              "qmatmul_int4: scale and min are float16 [N/16, G, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x must be bf16 or float32 [M, K] with K <= ", K2);
-  auto xc = x.contiguous();
-  auto sc = scale.contiguous();
-  auto mc = has_min ? min->contiguous() : torch::Tensor();
-  torch::Tensor bkeep;
-  const float* bp = bias_pointer(bias, n, bkeep);
-  auto y = torch::empty({xc.size(0), n}, x.options());
-  qmatmul_int4_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2,
-                    sc.data_ptr<c10::Half>(), has_min ? mc.data_ptr<c10::Half>() : nullptr, group, bp, n, y.data_ptr());
-  return y;
-}
-
 }  // namespace sieve
+
+#endif

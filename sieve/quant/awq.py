@@ -117,18 +117,48 @@ def calibration_inputs(model, tok, texts: list[str], seq_len: int, max_windows: 
     return {k: torch.cat(v) for k, v in captured.items()}, sum(len(w) for w in windows)
 
 
+def _reference_model(model_path: Path):
+    """(transformers model in float32, tokenizer, config.json dict, function saving the tokenizer files)
+    for a Hugging Face folder or a GGUF file. A GGUF file's weights come dequantized through sieve's own
+    reader (q/k rows in Hugging Face order, its config) into a model built from that config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from sieve.models.gguf import GGUFCheckpoint, find_gguf
+
+    gguf_file = find_gguf(model_path)
+    if gguf_file is None:
+        def copy_tokenizer(out: Path) -> None:
+            for f in model_path.iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+                    shutil.copy(f, out / f.name)
+
+        return (AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(model_path),
+                json.loads((model_path / "config.json").read_text()), copy_tokenizer)
+    ckpt = GGUFCheckpoint(gguf_file, dequantize=True)
+    cfg = dict(ckpt.config, torch_dtype="float32")
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "freq_factors":
+        raise ValueError(f"{gguf_file}: AWQ calibrates in transformers, whose configs cannot express this file's rope_freqs")
+    config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({name: t.float() for name, t in ckpt.tensors()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{gguf_file}: its tensors do not fit {cfg['architectures'][0]} (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
+    tok = ckpt.tokenizer()
+    return model.eval(), tok, cfg, lambda out: tok.save_pretrained(str(out))
+
+
 @torch.no_grad()
 def awq_quantize(model_path: str | Path, calib_file: str | Path, out: str | Path, group: int = 128, seq_len: int = 256,
                  max_windows: int = 32, log=print) -> dict:
-    """Search AWQ scales for every layer of the checkpoint at `model_path`, write an AutoAWQ-layout
-    checkpoint at `out`. Returns per-linear-group output errors (AWQ and plain rounding)."""
+    """Search AWQ scales for every layer of the checkpoint at `model_path` (a Hugging Face folder or a
+    GGUF file, dequantized), write an AutoAWQ-layout checkpoint at `out`. Returns per-linear-group output
+    errors (AWQ and plain rounding)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path, out = Path(model_path), Path(out)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model, tok, src_config, save_tokenizer = _reference_model(model_path)
     cfg = model.config
     texts = [t for t in Path(calib_file).read_text().split("\n\n") if t.strip()]
     inputs, n_tokens = calibration_inputs(model, tok, texts, seq_len, max_windows)
@@ -170,12 +200,10 @@ def awq_quantize(model_path: str | Path, calib_file: str | Path, out: str | Path
         else:
             tensors[name] = p.to(torch.float16).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    c = json.loads((model_path / "config.json").read_text())
+    c = dict(src_config)
     c["quantization_config"] = awq_config(group)
     c["torch_dtype"] = "float16"
     (out / "config.json").write_text(json.dumps(c, indent=2))
-    for f in model_path.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy(f, out / f.name)
+    save_tokenizer(out)
     log(f"wrote AWQ checkpoint to {out}")
     return report
