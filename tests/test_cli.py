@@ -41,7 +41,9 @@ def test_default_model_is_smollm2_and_answers():
     r = run_cli("generate", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in r.stderr and "int4 g32 (native kernel)" in r.stderr
+    from sieve.kernels import cpu_ops
+
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in r.stderr and f"int4 g32 ({cpu_ops().isa} kernel)" in r.stderr
 
 
 def test_missing_default_package_gives_one_clear_message(monkeypatch, capsys):

@@ -15,6 +15,7 @@ import gguf
 
 from sieve import LLM, SamplingParams
 from sieve.bench.gguf_export import export_gguf, reencode_gguf
+from sieve.kernels import cpu_ops
 from sieve.models.gguf import GGUFCheckpoint, GGUFError
 from sieve.quant.formats import ChannelScaledWeight, Int4Weight
 
@@ -239,7 +240,7 @@ def test_native_quantized_path_reads_no_more_bytes_than_the_file(checkpoints, tm
     read = sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
     tied_head = int(next(t.n_bytes for t in reader.tensors if t.name == "token_embd.weight"))
     assert read == file_bytes + tied_head  # the linears (and the head, tied to the embedding) as stored
-    assert model.native is not None and "int4 g32 (native kernel)" in model.layers[0].qkv_proj.kernel_name()
+    assert model.native is not None and f"int4 g32 ({cpu_ops().isa} kernel)" in model.layers[0].qkv_proj.kernel_name()
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q4_0"])

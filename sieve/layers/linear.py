@@ -129,7 +129,8 @@ class Linear(nn.Module):
             return self.qkernel.name
         dtype = str(self.dtype).removeprefix("torch.")
         if self.native is not None:
-            return f"{dtype} (native GEMV; {'oneDNN packed' if self.packed is not None else 'ATen'} above {cpu_ops().gemv_max_rows} rows)"
+            ops = cpu_ops()
+            return f"{dtype} ({ops.isa} GEMV; {'oneDNN packed' if self.packed is not None else 'ATen'} above {ops.gemv_max_rows} rows)"
         return f"{dtype} ({'oneDNN packed' if self.packed is not None else 'F.linear'})"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

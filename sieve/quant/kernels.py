@@ -70,7 +70,7 @@ class BlockedKernel:
 
     def __init__(self, w: ChannelScaledWeight | Int4Weight, ops, bias: torch.Tensor | None = None):
         self.nbytes, self.kind = w.nbytes, w.kind
-        self.name = f"{w.describe()} (native kernel)"
+        self.name = f"{w.describe()} ({ops.isa} kernel)"
         if isinstance(w, Int4Weight):
             blocked, scale, aux = block_int4(w)
             kind, group, n, k = ops.LINEAR_INT4, w.group, w.scale.shape[0], w.k
@@ -87,6 +87,8 @@ class BlockedKernel:
 
 class DequantKernel:
     """Dequantize into the activation dtype, then one GEMM. Works for every format and device."""
+
+    widens = True  # every call dequantizes the whole matrix: the slow path the load log warns about
 
     def __init__(self, w, dtype: torch.dtype, bias: torch.Tensor | None = None):
         self.w, self.dtype, self.nbytes, self.bias = w, dtype, w.nbytes, bias
@@ -108,6 +110,7 @@ class Int8Kernel(DequantKernel):
         self.int8pack = w.q.device.type == "cpu"
         if self.int8pack:
             self.name = f"{w.describe()} (PyTorch int8 kernel up to {SMALL_ROWS['int8']} rows, else dequantized per call)"
+            self.widens = False
 
     def __call__(self, x):
         if self.int8pack and x.shape[0] <= SMALL_ROWS["int8"] and x.dtype == self.dtype:
@@ -132,6 +135,7 @@ class Int4Kernel(DequantKernel):
             zero_float = 8 * scale + (-8 * scale if w.min is None else w.min.float())
             self.scales_and_zeros = torch.stack([scale, zero_float], dim=-1).transpose(0, 1).contiguous().to(dtype)
             self.name = f"{w.describe()} (PyTorch int4 kernel)"
+            self.widens = False
 
     def __call__(self, x):
         if self.packed is not None and x.dtype == self.dtype:
@@ -151,6 +155,7 @@ class Fp8Kernel(DequantKernel):
             self.qt = w.q.t()  # column-major for _scaled_mm
             self.scale_b = w.scale.to(torch.float32)[None, :]
             self.name = f"{w.describe()} (FP8 tensor cores, _scaled_mm)"
+            self.widens = False
 
     def __call__(self, x):
         if self.fp8_mm:
