@@ -64,7 +64,9 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default="f16", help="llama.cpp formats to run, comma list of f16,q8_0")
     p.add_argument("--gguf-dir", default=None, help="where GGUF files are written (default: beside the sieve cache)")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="path of llama.cpp's llama-server")
-    p.add_argument("--build-llama-server", action="store_true", help="compile llama-server from the installed llama-cpp-python's sources")
+    p.add_argument("--build-llama-server", action="store_true", help="compile llama-server (and llama-bench) from the installed llama-cpp-python's sources")
+    p.add_argument("--llama-isa", default="native", choices=sorted(LLAMA_ISA_FLAGS),
+                   help="llama.cpp built for this CPU (native) or without AVX-512 (avx2), beside SIEVE_CPU_ISA=avx2")
     p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     p.add_argument("--ctx-per-slot", type=int, default=4096, help="llama.cpp context per parallel slot")
     p.add_argument("--sieve-arg", action="append", default=[], help="extra `sieve serve` flag, repeatable (e.g. --sieve-arg=--max-num-seqs=64)")
@@ -127,14 +129,28 @@ class Server:
         self.log.close()
 
 
-def build_llama_server(log=print, target: str = "llama-server") -> Path:
-    """Compile llama.cpp's `target` (llama-server, llama-bench) from the llama.cpp tree inside the
-    installed llama-cpp-python's sdist."""
+LLAMA_ISA_FLAGS = {  # llama.cpp's CMake switches per instruction set; avx2: what a CPU without AVX-512 runs
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"],
+}
+
+
+def llama_build_dir(isa: str = "native") -> Path:
+    from importlib.metadata import version
+
+    return cache_root() / "llama.cpp" / version("llama-cpp-python") / ("build" if isa == "native" else f"build-{isa}")
+
+
+def build_llama_server(log=print, target: str = "llama-server", isa: str = "native") -> Path:
+    """Compile llama.cpp's `target` (llama-server, llama-bench) for `isa` from the llama.cpp tree inside
+    the installed llama-cpp-python's sdist."""
     from importlib.metadata import version
 
     ver = version("llama-cpp-python")
     root = cache_root() / "llama.cpp" / ver
-    binary = root / "build" / "bin" / target
+    build = llama_build_dir(isa)
+    binary = build / "bin" / target
     if binary.exists():
         return binary
     src = root / "src"
@@ -148,28 +164,30 @@ def build_llama_server(log=print, target: str = "llama-server") -> Path:
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(dl, filter="data")
         shutil.move(str(next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))), src)
-    log(f"compiling {target} in {root / 'build'} (several minutes)")
+    log(f"compiling {target} ({isa}) in {build} (several minutes)")
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"]
-    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *flags], check=True)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", target, "-j", str(os.cpu_count() or 2)], check=True)
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", *LLAMA_ISA_FLAGS[isa], "-DBUILD_SHARED_LIBS=OFF"]
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), *flags], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)], check=True)
     return binary
 
 
-def find_llama_server(args, log=print) -> Path | None:
-    for cand in (args.llama_server, shutil.which("llama-server")):
-        if cand and Path(cand).exists():
-            return Path(cand)
-    from importlib.metadata import PackageNotFoundError, version
+def find_llama_server(args, log=print, target: str = "llama-server") -> Path | None:
+    isa = getattr(args, "llama_isa", "native")
+    if target == "llama-server" and isa == "native":
+        for cand in (args.llama_server, shutil.which("llama-server")):
+            if cand and Path(cand).exists():
+                return Path(cand)
+    from importlib.metadata import PackageNotFoundError
 
     try:
-        built = cache_root() / "llama.cpp" / version("llama-cpp-python") / "build" / "bin" / "llama-server"
+        built = llama_build_dir(isa) / "bin" / target
     except PackageNotFoundError:
         return None
     if built.exists():
         return built
-    return build_llama_server(log) if args.build_llama_server else None
+    return build_llama_server(log, target, isa) if args.build_llama_server else None
 
 
 def llama_cmd(binary: Path | None, gguf: Path, port: int, threads: int, parallel: int, ctx_per_slot: int,

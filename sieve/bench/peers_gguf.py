@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 from sieve.bench.bandwidth import measure_bandwidth
-from sieve.bench.peers import (LLAMA_FLAGS, SERVED_NAME, Server, _free_port, build_llama_server, find_llama_server, format_table,
-                               llama_cmd, ratio_table)
+from sieve.bench.peers import LLAMA_FLAGS, SERVED_NAME, Server, _free_port, find_llama_server, format_table, llama_cmd, ratio_table
 from sieve.bench.serve_command import quiet_http_logs, workload_from_args
 from sieve.bench.serving import Target, parse_loads, sweep
 from sieve.bench.serving_stats import SLO
@@ -116,19 +115,22 @@ def run_gguf_peers(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     files = gguf_files(src, [q for q in args.gguf.split(",") if q], gguf_dir)
     bw = measure_bandwidth("cpu")
-    print(f"peers on {src.name}: {', '.join(files)}; {threads} threads each; bandwidth copy {bw.copy_gbps:.1f}, "
+    from sieve.kernels import cpu_ops
+
+    print(f"peers on {src.name}: {', '.join(files)}; {threads} threads each; sieve kernels {cpu_ops().isa}, llama.cpp {args.llama_isa}; "
+          f"bandwidth copy {bw.copy_gbps:.1f}, "
           f"triad {bw.triad_gbps:.1f}, read {bw.read_gbps:.1f} GB/s")
-    out: dict = {"gguf_file": str(src), "threads": threads, "bandwidth_gbps": bw.best_gbps, "files": {k: str(v) for k, v in files.items()}}
+    out: dict = {"gguf_file": str(src), "threads": threads, "bandwidth_gbps": bw.best_gbps, "files": {k: str(v) for k, v in files.items()},
+                 "sieve_isa": cpu_ops().isa, "llama_isa": args.llama_isa}
 
     def save():
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(out, indent=2))
 
     if args.batch1_rounds > 0:
-        bench_bin = build_llama_server(target="llama-bench") if args.build_llama_server else \
-            cache_root() / "llama.cpp" / _llama_version() / "build" / "bin" / "llama-bench"
-        if not bench_bin.exists():
-            raise SystemExit(f"llama-bench not found at {bench_bin}: add --build-llama-server")
+        bench_bin = find_llama_server(args, target="llama-bench")
+        if bench_bin is None:
+            raise SystemExit("llama-bench not found: add --build-llama-server")
         out["batch1"] = batch1(files, bench_bin, threads, args.batch1_rounds, args.batch1_tokens, bw.best_gbps)
         print(batch1_table(out["batch1"], bw.best_gbps))
         save()
@@ -136,6 +138,8 @@ def run_gguf_peers(args) -> int:
         return 0
 
     binary = find_llama_server(args)
+    if binary is None:
+        raise SystemExit("llama-server not found: add --build-llama-server")
     loads = parse_loads(args.concurrency, args.request_rate)
     key = "concurrency" if loads[0].concurrency is not None else "request_rate"
     parallel = max(l.concurrency or 32 for l in loads)
@@ -169,8 +173,3 @@ def run_gguf_peers(args) -> int:
         print(batch1_table(out["batch1"], bw.best_gbps))
     return 1 if out["failed"] else 0
 
-
-def _llama_version() -> str:
-    from importlib.metadata import version
-
-    return version("llama-cpp-python")

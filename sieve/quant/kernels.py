@@ -21,9 +21,11 @@ no arithmetic there. fp8 decodes with a shift and a mask (its codes carry no sub
 two conversions, so fp8 is the cheaper of the two one-byte formats on this CPU, which has no FP8
 arithmetic.
 
-Elsewhere (CUDA, float32 activations, no native kernels): int8 uses PyTorch's packed kernel for small
-batches, int4 PyTorch's CPU int4 kernel where its tile shapes fit, fp8 the FP8 matmul (`_scaled_mm`)
-on GPUs that have it; anything else dequantizes into the activation dtype for one GEMM.
+On CUDA (fp16 / bf16 activations): int8 and int4 in every layout run one Triton GEMM that dequantizes
+tiles inside the product (sieve/quant/triton_kernels.py), fp8 the FP8 matmul (`_scaled_mm`) on GPUs
+that have it. On CPUs without native kernels: int8 uses PyTorch's packed kernel for small batches,
+int4 PyTorch's CPU int4 kernel where its tile shapes fit; anything else dequantizes into the
+activation dtype for one GEMM on every call (the load log warns).
 """
 
 from __future__ import annotations
@@ -184,6 +186,13 @@ def make_kernel(w, dtype: torch.dtype, bias: torch.Tensor | None = None):
     ops = _native_ops(w, dtype)
     if ops is not None:
         return BlockedKernel(w, ops, bias)
+    device = (w.packed if isinstance(w, Int4Weight) else w.q).device
+    fp8 = isinstance(w, ChannelScaledWeight) and w.kind == "fp8"
+    if not fp8 and device.type == "cuda":
+        from sieve.quant import triton_kernels
+
+        if triton_kernels.available(device, dtype):
+            return triton_kernels.TritonKernel(w, dtype, bias)
     if isinstance(w, Int4Weight):
         return Int4Kernel(w, dtype, bias)
     if isinstance(w, ChannelScaledWeight) and w.kind == "int8" and w.scale.dim() == 1:
