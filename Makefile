@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test run bench bench-peers bench-prefix clean
+.PHONY: install test run bench bench-peers bench-smollm2 bench-prefix clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ bench-peers: $(STAMP)
 	$(BIN)/sieve bench peers --model bench-out/qwen2.5-0.5b --create-model qwen2.5-0.5b --build-llama-server \
 		--gguf f16,q8_0 --concurrency 1,2,4,8,16,32 --num-prompts 96 --prompts-per-user 3 \
 		--input-len 64:256 --output-len 64:128 --output-json bench-out/peers.json --plot bench-out/peers.png
+
+# the default model's GGUF file (Q4_1) and its f16/bf16/q8_0 re-encodings on sieve and llama.cpp: batch-1 decode
+# against llama-bench, then the serving sweep against llama-server (docs/benchmarks.md, issue 13)
+SMOL_GGUF = $$($(BIN)/python -c "from sieve.models.default import default_model_path as p; print(p())")
+bench-smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[peers]"
+	$(BIN)/sieve bench peers --gguf-file $(SMOL_GGUF) --gguf f16,bf16,q8_0 --batch1-rounds 7 --build-llama-server \
+		--concurrency 1,2,4,8,16,32 --num-prompts 96 --prompts-per-user 3 --input-len 64:256 --output-len 64:128 \
+		--output-json bench-out/peers-smollm2.json
 
 # prefix cache on vs off: 8 system prompts of 2,000 tokens shared by 200 requests, then multi-turn chat
 # without and with a system prompt all conversations share

@@ -83,6 +83,8 @@ def test_avx2_kernels_match_the_pytorch_reference_at_every_batch_size(avx2):
                         x = torch.randn(rows, k).to(dtype)
                         got = kern(x)
                         assert got.dtype == dtype and got.shape == (rows, n)
+                        if rows > 1:  # one row decodes on the fly, more rows from a panel: the same sums, bit for bit
+                            assert torch.equal(kern(x[1:2]), got[1:2]), f"{name} {dtype}: row 1 alone differs from row 1 of {rows}"
                         want = F.linear(x.float(), ref_w, bias.float())
                         key = f"{name} {str(dtype)[6:]}"
                         err = ((got.float() - want).abs().max() / want.abs().max()).item()
@@ -93,6 +95,15 @@ def test_avx2_kernels_match_the_pytorch_reference_at_every_batch_size(avx2):
             got = ops.gemv_bf16(x[:rows], w, None).float()
             want = F.linear(x[:rows].float(), w.float())
             worst["bf16 gemv"] = max(worst.get("bf16 gemv", 0.0), ((got - want).abs().max() / want.abs().max()).item())
+        for n, k in ((256, 256), (200, 131), (37, 576)):  # plain bf16 weights at every batch: GEMV, then float32 panels
+            w, bias = (torch.randn(n, k) * 0.05).bfloat16(), torch.randn(n).bfloat16()
+            lin = ops.NativeLinear(ops.LINEAR_BF16, w, None, None, None, False, 0, n, k, bias)
+            for rows in (1, 4, 5, 7, 8, 16, 33, 100, 2048):
+                x = torch.randn(rows, k).bfloat16()
+                got = lin(x)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                want = F.linear(x.float(), w.float(), bias.float())
+                worst["bf16 linear"] = max(worst.get("bf16 linear", 0.0), ((got.float() - want).abs().max() / want.abs().max()).item())
         print(json.dumps({"isa": ops.isa, "worst": worst, "names": sorted(names)}))
     """)
     assert out["isa"] == "avx2"

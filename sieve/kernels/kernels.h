@@ -53,6 +53,10 @@ torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Te
 constexpr int64_t kGemvMaxRows = 4;
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias, bf16* y);
+#if defined(__AVX2__) && !defined(__AVX512BF16__)
+// qmatmul_avx2.cpp: bf16 weights above the GEMV's rows, float32 panels (bias float32 [N] or null)
+void gemm_bf16_avx2_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y);
+#endif
 
 // qmatmul.cpp / qmatmul_avx2.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.
 // q8: `scale` float32 [n] per row (group 0), or float16 [N/16, G, 16] per group of `group` inputs.

@@ -3,6 +3,7 @@
 //
 //   bf16   plain [N, K] for decode-sized batches (gemv.cpp), and oneDNN's prepacked layout for larger
 //          ones where the loader kept one (`packed`); without it, ATen's linear on the plain weight.
+//          The AVX2 build runs larger batches on float32 panels too (gemm_bf16_avx2_into).
 //   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
 //   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min)
 // Shapes and dtypes are checked once, here; the calls check only the input.
@@ -166,6 +167,9 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
     case kBF16:
       if constexpr (!f32) {
         if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr, y);
+#if defined(__AVX2__) && !defined(__AVX512BF16__)
+        return gemm_bf16_avx2_into(x, M, k, w.data_ptr<bf16>(), n, bf, y);  // ATen's bf16 GEMM is ~12x slower here
+#endif
       }
       break;
     case kQ8:

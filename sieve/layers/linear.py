@@ -116,7 +116,8 @@ class Linear(nn.Module):
         w = self.weight
         ops = cpu_ops() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
         native = ops is not None and hasattr(ops, "gemv_bf16")
-        if _can_pack(w) and (not native or allow_two_layouts):
+        panels = native and ops.isa == "avx2"  # the AVX2 build multiplies every batch itself (float32 panels)
+        if _can_pack(w) and (not native or allow_two_layouts) and not panels:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
             except RuntimeError:
@@ -130,7 +131,8 @@ class Linear(nn.Module):
         dtype = str(self.dtype).removeprefix("torch.")
         if self.native is not None:
             ops = cpu_ops()
-            return f"{dtype} ({ops.isa} GEMV; {'oneDNN packed' if self.packed is not None else 'ATen'} above {ops.gemv_max_rows} rows)"
+            above = "float32 panels" if ops.isa == "avx2" else "oneDNN packed" if self.packed is not None else "ATen"
+            return f"{dtype} ({ops.isa} GEMV; {above} above {ops.gemv_max_rows} rows)"
         return f"{dtype} ({'oneDNN packed' if self.packed is not None else 'F.linear'})"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
