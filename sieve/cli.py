@@ -83,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
-                     max_waiting=args.max_waiting)
+                     max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
+                     metrics_public=args.metrics_public)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None)
+    sv.add_argument("--allow-client-priority", action="store_true",
+                    help="honour the `priority` field of requests (otherwise setting it is a 400)")
+    sv.add_argument("--metrics-public", action="store_true", help="serve /metrics without the --api-key")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")

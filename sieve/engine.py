@@ -111,6 +111,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.arch.vocab_size]
+        if out_of_vocab:
+            raise RequestError(f"logit_bias token id {out_of_vocab[0]} is out of range for vocabulary size {self.arch.vocab_size}")
         max_len = self.config.max_model_len
         if params.max_tokens is None:
             params.max_tokens = max(1, max_len - len(ids))

@@ -1,6 +1,6 @@
 """Turn a batch of logits into next tokens, vectorised over the batch.
 
-Order of operations (as in vLLM): raw logprobs for reporting -> penalties -> min_tokens ban ->
+Order of operations (as in vLLM): raw logprobs for reporting -> penalties -> logit_bias -> min_tokens ban ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
 exponential race (argmax p / q with q ~ Exp(1)), which equals a multinomial draw; seeded rows
 draw q from their own generator, seeded by (seed, output position), so a seeded request gives the
@@ -31,6 +31,7 @@ class SamplingMetadata:
     output_ids: torch.Tensor | None  # [B, max_out] int64, padded with vocab_size (a dummy column)
     prompt_ids: torch.Tensor | None  # [B, max_prompt] int64, padded likewise (repetition penalty only)
     banned: list[list[int]]  # per row: token ids forbidden this step (EOS/stop ids before min_tokens)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # logit_bias as (rows, token ids, values); None: no row has one
     seeds: list[int | None]  # per row: seed for this step's draw, or None for the global generator
     num_logprobs: int  # the largest top-N asked for in the batch; -1: none asked
 
@@ -41,7 +42,7 @@ class SamplingMetadata:
         for s in seqs:
             p = s.params
             if (not p.greedy or p.logprobs is not None or s.num_output_tokens < p.min_tokens or p.presence_penalty
-                    or p.frequency_penalty or p.repetition_penalty != 1.0):
+                    or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias):
                 return False
         return True
 
@@ -70,6 +71,12 @@ class SamplingMetadata:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             banned.append(ban)
         seeds = [None if s.seed is None else _mix(s.seed, s.num_output_tokens) for s in seqs]
+        entries = [(row, tok, v) for row, p in enumerate(ps) for tok, v in (p.logit_bias or {}).items() if tok < vocab]
+        bias = None
+        if entries:
+            rows, toks, values = zip(*entries)
+            bias = (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(toks, dtype=torch.int64, device=device),
+                    torch.tensor(values, **f32))
         return cls(
             temperature=temperature,
             greedy=temperature == 0,
@@ -82,6 +89,7 @@ class SamplingMetadata:
             output_ids=output_ids,
             prompt_ids=prompt_ids,
             banned=banned,
+            bias=bias,
             seeds=seeds,
             num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
@@ -109,6 +117,8 @@ def sample(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
     _apply_penalties(logits, m)
+    if m.bias is not None:
+        logits.index_put_((m.bias[0], m.bias[1]), m.bias[2], accumulate=True)
     for row, ban in enumerate(m.banned):
         if ban:
             logits[row, [t for t in ban if t < V]] = _NEG_INF

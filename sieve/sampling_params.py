@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -21,8 +22,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
-    prompt_logprobs: int | None = None  # accepted for API compatibility; not computed
+    prompt_logprobs: int | None = None  # not computed yet: anything but None is refused
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -41,6 +43,10 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -63,10 +69,17 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs is not implemented yet; leave it unset")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop_strings):
             bad("stop strings must not be empty")
+        for tok, value in (self.logit_bias or {}).items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:  # also refuses NaN
+                bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tok}")
 
     @property
     def greedy(self) -> bool:

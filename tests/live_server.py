@@ -35,6 +35,13 @@ def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):
     return f"http://127.0.0.1:{port}", stop
 
 
+def metrics_page(base: str) -> str:
+    """/metrics, which needs the API key when the server has one (unless it runs with metrics_public)."""
+    import httpx
+
+    return httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+
+
 def wait_idle(engine, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while engine.has_unfinished() and time.time() < deadline:

@@ -204,7 +204,7 @@ def test_server_reports_cached_tokens_and_hit_rate(llama_dir):
     import httpx
     import openai
 
-    from live_server import API_KEY, MODEL, start_server
+    from live_server import API_KEY, MODEL, metrics_page, start_server
     from sieve import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=512))
@@ -221,7 +221,7 @@ def test_server_reports_cached_tokens_and_hit_rate(llama_dir):
                                            stream=True, stream_options={"include_usage": True})
         usage = [c.usage for c in stream if c.usage is not None][-1]
         assert usage.prompt_tokens_details.cached_tokens == cached
-        page = httpx.get(url + "/metrics").text
+        page = metrics_page(url)
         hits = next(float(l.split()[-1]) for l in page.splitlines() if l.startswith("sieve:prefix_cache_hits_total"))
         rate = next(float(l.split()[-1]) for l in page.splitlines() if l.startswith("sieve:prefix_cache_hit_rate"))
         assert hits == 2 * cached and 0 < rate < 1

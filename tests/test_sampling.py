@@ -22,7 +22,7 @@ def meta_for(B, V, **over):
     m = dict(
         temperature=torch.ones(B), greedy=torch.zeros(B, dtype=torch.bool), top_k=None, top_p=None, min_p=None,
         presence=None, frequency=None, repetition=None, output_ids=None, prompt_ids=None,
-        banned=[[] for _ in range(B)], seeds=[None] * B, num_logprobs=-1,
+        banned=[[] for _ in range(B)], bias=None, seeds=[None] * B, num_logprobs=-1,
     )
     m.update(over)
     return SamplingMetadata(**m)
@@ -81,6 +81,37 @@ def test_penalties_arithmetic():
 
 
 # ---- through the engine ---------------------------------------------------------------------------
+def test_logit_bias_adds_to_the_logits_of_its_row_only():
+    logits = torch.stack([LOGITS, LOGITS])
+    bias = (torch.tensor([0, 0]), torch.tensor([4, 0]), torch.tensor([10.0, -100.0]))
+    m = meta_for(2, 6, temperature=torch.zeros(2), greedy=torch.ones(2, dtype=torch.bool), bias=bias, num_logprobs=2)
+    out = sample(logits.clone(), m)
+    assert out.token_ids.tolist() == [4, 0]  # row 0: token 4 lifted from 0.0 to 10.0 (token 0 pushed down); row 1 untouched
+    # the reported logprobs are the model's, before the bias (as OpenAI and vLLM report them)
+    assert out.logprobs[0].item() == pytest.approx(torch.log_softmax(LOGITS, -1)[4].item())
+    counts = draw(LOGITS, n=300, bias=(torch.tensor([0]), torch.tensor([0]), torch.tensor([-100.0])))
+    assert counts[0] == 0 and sum(counts.values()) == 300  # -100 bans a token in sampling too
+
+
+def test_logit_bias_through_the_engine(llama_llm):
+    plain = one(llama_llm, max_tokens=8, temperature=0, ignore_eos=True).token_ids
+    forced = one(llama_llm, max_tokens=8, temperature=0, ignore_eos=True, logit_bias={77: 100.0}).token_ids
+    assert plain != [77] * 8 and forced == [77] * 8
+    banned = one(llama_llm, max_tokens=8, temperature=0, ignore_eos=True, logit_bias={plain[0]: -100.0}).token_ids
+    assert banned[0] != plain[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: float("nan")})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="out of range"):
+        llama_llm.generate([PROMPT], SamplingParams(max_tokens=2, logit_bias={10**9: 1.0}))
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: value})
+    assert one(llama_llm, max_tokens=8, temperature=0, ignore_eos=True).token_ids == plain  # recovers after the bad request
+
+
 def test_greedy_ignores_seed_and_top_k_1_is_greedy(llama_llm):
     greedy = one(llama_llm, max_tokens=12, temperature=0, ignore_eos=True).token_ids
     assert one(llama_llm, max_tokens=12, temperature=0, seed=7, ignore_eos=True).token_ids == greedy

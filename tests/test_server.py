@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import API_KEY, MODEL, start_server, wait_idle
+from live_server import API_KEY, MODEL, metrics_page, start_server, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +146,9 @@ def test_errors_have_openai_shape(server, client):
 
 
 def test_metrics_count_requests_tokens_and_latencies(server, client):
-    before = httpx.get(server[0] + "/metrics").text
+    before = metrics_page(server[0])
     client.completions.create(model=MODEL, prompt=[9, 8, 7], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
-    text = httpx.get(server[0] + "/metrics").text
+    text = metrics_page(server[0])
 
     def value(name: str, page: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name))
@@ -163,7 +163,7 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
 
 
 def aborted_count(base: str) -> float:
-    line = next((l for l in httpx.get(base + "/metrics").text.splitlines()
+    line = next((l for l in metrics_page(base).splitlines()
                  if l.startswith("sieve:request_success_total{") and 'finished_reason="abort"' in l), None)
     return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
@@ -205,7 +205,7 @@ def test_overload_answers_429_with_retry_after(llama_dir):
         ok = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                         json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200  # still serving once the queue drains
-        assert "sieve:request_rejected_total" in httpx.get(url + "/metrics").text
+        assert "sieve:request_rejected_total" in metrics_page(url)
     finally:
         stop()
 
@@ -249,7 +249,7 @@ def test_load_64_streams_a_third_disconnecting(server):
     completed = [i for i, k in plan if k is None]
     assert all(results[i] is not None and results[i][1] == "length" for i in completed)
     wait_idle(engine, timeout=20)
-    page = httpx.get(base + "/metrics").text
+    page = metrics_page(base)
     assert 'sieve:num_requests_running{model_name="tiny-llama"} 0.0' in page
     assert 'sieve:num_requests_waiting{model_name="tiny-llama"} 0.0' in page
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -298,7 +298,7 @@ def test_sigterm_lets_short_requests_finish_and_aborts_the_rest(llama_dir):
         threads[0].start()
         time.sleep(0.3)
         threads[1].start()
-        while 'sieve:num_requests_running{model_name="' in (page := httpx.get(base + "/metrics").text) and \
+        while 'sieve:num_requests_running{model_name="' in (page := metrics_page(base)) and \
                 not any(l.startswith("sieve:num_requests_running") and float(l.split()[-1]) >= 17 for l in page.splitlines()):
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
@@ -420,3 +420,78 @@ def test_engine_built_by_a_factory_lives_in_the_engine_thread(llama_dir):
         stop()
     with pytest.raises(ValueError, match="unsupported"):
         AsyncEngine(lambda: (_ for _ in ()).throw(ValueError("unsupported architecture")))
+
+
+def test_unimplemented_and_unknown_fields_are_400_naming_the_field(server, client):
+    base, h = server[0], {"Authorization": f"Bearer {API_KEY}"}
+    refused = [
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "no_such_option": 1}, "no_such_option"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, None),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1000}}, None),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999999": 1}}, None),
+        ("/v1/completions", {"prompt": "hi", "priority": 3}, "priority"),
+    ]
+    for path, body, field in refused:
+        resp = httpx.post(base + path, json=body, headers=h)
+        assert resp.status_code == 400, (body, resp.text)
+        err = resp.json()["error"]
+        if field is not None:
+            assert err["param"] == field and f"`{field}`" in err["message"], err
+        else:
+            assert "logit_bias" in err["message"], err
+    # the no-op values clients send by default pass
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None}, headers=h)
+    assert ok.status_code == 200, ok.text
+    ok = httpx.post(base + "/v1/chat/completions", headers=h, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                                       "response_format": {"type": "text"}, "tool_choice": "none"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_logit_bias_through_the_server(client, server):
+    base = dict(model=MODEL, prompt=[21, 22, 23], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**base).choices[0].text
+    tok = server[1].tokenizer
+    target = tok.encode(" return", add_special_tokens=False)[0]
+    biased = client.completions.create(logit_bias={str(target): 100}, **base).choices[0].text
+    assert biased != plain and biased == tok.decode([target] * 6)
+    assert client.completions.create(**base).choices[0].text == plain  # nothing carried over to the next request
+
+
+def test_access_control_key_priority_and_metrics(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    url, stop = start_server(engine, allow_client_priority=True)
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json={**body, "priority": 5}, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        for wrong in ("Bearer test-ke", "Bearer test-key2", "test-key", "Bearer TEST-KEY", ""):
+            assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": wrong}).status_code == 401
+        assert httpx.get(url + "/metrics").status_code == 401  # the key protects /metrics too
+        assert "sieve:num_requests_running" in metrics_page(url)
+        assert httpx.get(url + "/health").status_code == 200  # health stays open for supervisors
+    finally:
+        stop()
+    url, stop = start_server(engine, metrics_public=True)
+    try:
+        assert httpx.get(url + "/metrics").status_code == 200
+    finally:
+        stop()
+
+
+def test_nan_and_infinite_values_are_400(server):
+    h = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    for field in ("temperature", "top_p", "presence_penalty", "repetition_penalty"):
+        for literal in ("NaN", "Infinity", "-Infinity"):  # Python's json (FastAPI's parser) reads these
+            resp = httpx.post(server[0] + "/v1/completions", content=f'{{"prompt": "hi", "max_tokens": 2, "{field}": {literal}}}', headers=h)
+            assert resp.status_code == 400 and field in resp.json()["error"]["message"], (field, literal, resp.text)
+    ok = httpx.post(server[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=h)
+    assert ok.status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -41,9 +42,11 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
+               max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
-    does: see sieve/server/async_engine.py for why)."""
+    does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
+    `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
+    `api_key`, /metrics needs it too unless `metrics_public`."""
     aengine = AsyncEngine(engine)
     engine = aengine.engine
     model_name = served_model_name or engine.model_name
@@ -67,6 +70,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     async def _validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "extra_forbidden":  # a field this server does not know: never dropped silently
+            return error_response(400, f"unknown field `{'.'.join(loc)}`: this server does not implement it", "invalid_request_error",
+                                  ".".join(loc) or None, code="unsupported_field")
         return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", ".".join(loc) or None)
 
     @app.exception_handler(Exception)
@@ -80,8 +86,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, which would
     # hide client disconnects from the handlers (and disconnects must abort requests).
-    async def require_api_key(request: Request) -> None:
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+    expected = f"Bearer {api_key}".encode() if api_key else b""
+
+    async def require_api_key(request: Request) -> None:  # constant-time comparison: no timing oracle on the key
+        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
@@ -92,7 +100,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if metrics_public else [Depends(require_api_key)])
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -127,6 +135,12 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         return await _serve(raw, body, [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}], params, chat=True)
 
     def _params(body, max_tokens, logprobs):
+        field = body.unsupported()
+        if field is not None:
+            raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
+        if "priority" in body.model_fields_set and not allow_client_priority:
+            raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
+                           code="unsupported_field")
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:

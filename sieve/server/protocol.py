@@ -14,7 +14,11 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A field the server does not know is refused (400 naming it), never dropped: `extra="forbid"`.
+    Fields of OpenAI's API that sieve does not implement are declared, so that their no-op values
+    (what some clients always send) pass and anything else is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -35,6 +39,37 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI fields without an implementation here: only their no-op values pass (see `unsupported`)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not implement, or None."""
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        return None
+
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -52,7 +87,10 @@ class _Common(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logit_bias=self.token_bias(),
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -61,6 +99,15 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of"
+        return super().unsupported()
 
     def prompts(self) -> list[str | dict]:
         p = self.prompt
