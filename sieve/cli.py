@@ -84,11 +84,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
-    serve(app, args.host, args.port, grace=args.shutdown_grace)
-    return 0
+    return serve(app, args.host, args.port, grace=args.shutdown_grace)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -191,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--allow-client-priority", action="store_true",
                     help="honour the `priority` field of requests (otherwise setting it is a 400)")
     sv.add_argument("--metrics-public", action="store_true", help="serve /metrics without the --api-key")
+    sv.add_argument("--health-stall-seconds", type=float, default=60.0,
+                    help="/health answers 503 when work is queued and no step has finished for this long")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")

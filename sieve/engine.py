@@ -75,6 +75,12 @@ class LLMEngine:
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, namespace)
+        capacity = self.runner.num_blocks * config.block_size
+        if max_len > capacity:  # never advertise a context the KV pool cannot hold for even one sequence
+            log.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d tokens (give it more memory "
+                        "with --kv-cache-memory-gb for longer contexts)",
+                        max_len, capacity, self.runner.num_blocks, config.block_size)
+            max_len = config.max_model_len = capacity
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.requests: dict[str, Request] = {}

@@ -32,6 +32,7 @@ def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):
         srv.should_exit = True
         thread.join(timeout=10)
 
+    stop.app = app  # for the tests that reach into the running server (fault injection)
     return f"http://127.0.0.1:{port}", stop
 
 

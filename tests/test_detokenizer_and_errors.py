@@ -57,13 +57,15 @@ def test_streamed_deltas_add_up_and_hold_back_partial_stops(llama_engine_factory
         ("", SamplingParams(), "empty"),
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
         ({"prompt_token_ids": [1, 99999]}, SamplingParams(), "out of range"),
-        ({"prompt_token_ids": [1] * 1000}, SamplingParams(max_tokens=100), "maximum context length of 1024"),
-        ({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=900), "never fit in the KV cache"),
+        # 512 tokens of cache: the model's 1024-token context is capped to what the pool can hold
+        ({"prompt_token_ids": [1] * 1000}, SamplingParams(max_tokens=100), "maximum context length of 512"),
+        ({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=900), "maximum context length of 512"),
         (3.5, SamplingParams(), "prompt is a string"),
     ],
 )
 def test_bad_requests_are_refused_clearly(llama_engine_factory, prompt, params, match):
     llm = llama_engine_factory(num_gpu_blocks_override=32)  # 512 tokens of cache
+    assert llm.llm_engine.config.max_model_len == 512
     with pytest.raises(RequestError, match=match):
         llm.generate([prompt], params)
     assert not llm.llm_engine.has_unfinished()

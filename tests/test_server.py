@@ -495,3 +495,143 @@ def test_nan_and_infinite_values_are_400(server):
             assert resp.status_code == 400 and field in resp.json()["error"]["message"], (field, literal, resp.text)
     ok = httpx.post(server[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=h)
     assert ok.status_code == 200
+
+
+def test_a_failed_step_reaches_every_affected_client_and_serving_goes_on(llama_dir):
+    """Fault injection: the engine's step raises at a chosen call. A stream in flight gets an error
+    event (the openai client raises it) and [DONE]; a non-streaming request gets a 500 in OpenAI's shape;
+    the next requests are served and no KV block is left behind."""
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    real_step, state = engine.step, {"calls": 0, "fail_at": None}
+
+    def step():
+        state["calls"] += 1
+        if state["calls"] == state["fail_at"]:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = step
+    url, stop = start_server(engine)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=30, max_retries=0)
+        body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=50, temperature=0, extra_body={"ignore_eos": True})
+        state["fail_at"] = state["calls"] + 4  # the request's 4th step: 3 tokens out, then the fault
+        got = []
+        with pytest.raises(openai.APIError, match="injected fault"):
+            for ch in client.completions.create(stream=True, **body):
+                got.append(ch.choices[0].text)
+        assert 1 <= len(got) <= 4
+        state["fail_at"] = state["calls"] + 2
+        resp = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        assert resp.status_code == 500 and "injected fault" in resp.json()["error"]["message"], resp.text
+        assert resp.json()["error"]["type"] == "server_error"
+        assert client.completions.create(**body).usage.completion_tokens == 50  # serving goes on
+        assert httpx.get(url + "/health").status_code == 200
+        wait_idle(engine)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        stop()
+
+
+def test_a_dead_engine_thread_fails_every_client_health_says_503_and_serve_exits_1(llama_dir):
+    """Fault injection outside the step (delivering an output): the engine thread dies. The stream in
+    flight gets an error event, a request arriving later a 503, /health a 503, and `serve` returns 1."""
+    from sieve import EngineConfig, LLMEngine
+    from sieve.server.app import create_app
+    from sieve.server.serve import serve
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    app = create_app(engine, served_model_name=MODEL, api_key=API_KEY)
+    aengine = app.state.async_engine
+    real_deliver, state = aengine._deliver, {"calls": 0}
+
+    def deliver(rid, item, last):
+        state["calls"] += 1
+        if state["calls"] == 3:
+            raise RuntimeError("delivery exploded")
+        return real_deliver(rid, item, last)
+
+    aengine._deliver = deliver
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status = {}
+    thread = threading.Thread(target=lambda: status.setdefault("rc", serve(app, "127.0.0.1", port, grace=1.0)), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=30, max_retries=0)
+    with pytest.raises(openai.APIError, match="delivery exploded"):
+        for _ in client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=50, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            pass
+    assert aengine.error is not None
+    thread.join(timeout=30)
+    assert status.get("rc") == 1, "an engine that cannot continue ends the process with a non-zero status"
+    # what a client would have seen between the death and the exit, asked of the app directly
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as tc:
+        health = tc.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        late = tc.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_error"
+
+
+def test_health_is_503_while_a_step_hangs_with_work_queued(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    real_step, release = engine.step, threading.Event()
+
+    def step():  # a step that hangs until the test lets it go
+        release.wait(timeout=60)
+        return real_step()
+
+    engine.step = step
+    url, stop = start_server(engine, health_stall_seconds=0.3)
+    try:
+        assert httpx.get(url + "/health").status_code == 200  # idle: nothing queued, not stalled
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        sender = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=h,
+                                                            timeout=60), daemon=True)
+        sender.start()
+        deadline, health = time.time() + 10, None
+        while time.time() < deadline:
+            health = httpx.get(url + "/health")
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["status"] == "stalled"
+        release.set()
+        sender.join(timeout=30)
+        wait_idle(engine)
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        release.set()
+        stop()
+
+
+def test_models_advertise_the_context_the_kv_cache_can_hold(llama_dir, caplog):
+    from sieve import EngineConfig, LLMEngine
+
+    with caplog.at_level("WARNING", logger="sieve"):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=8, max_model_len=256))
+    assert engine.config.max_model_len == 8 * 16 and "max_model_len 256 capped to 128" in caplog.text
+    url, stop = start_server(engine)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 128
+        with pytest.raises(openai.BadRequestError, match="maximum context length of 128"):
+            client.completions.create(model=MODEL, prompt=[3] * 100, max_tokens=50)
+    finally:
+        stop()

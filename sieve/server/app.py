@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import sieve
 from sieve.engine import LLMEngine, RequestError
 from sieve.outputs import RequestOutput
-from sieve.server.async_engine import AsyncEngine
+from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -42,11 +42,13 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False) -> FastAPI:
+               max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
+               health_stall_seconds: float = 60.0) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
-    `api_key`, /metrics needs it too unless `metrics_public`."""
+    `api_key`, /metrics needs it too unless `metrics_public`. /health answers 503 when the engine thread
+    has died, or when work is queued and no step has finished for `health_stall_seconds`."""
     aengine = AsyncEngine(engine)
     engine = aengine.engine
     model_name = served_model_name or engine.model_name
@@ -98,6 +100,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
     @app.get("/health")
     async def health():
+        if aengine.error is not None:
+            return JSONResponse({"status": "dead", "error": f"{type(aengine.error).__name__}: {aengine.error}"}, status_code=503)
+        stalled = time.monotonic() - aengine.last_progress
+        if stalled > health_stall_seconds and (engine.has_unfinished() or aengine.num_pending):
+            return JSONResponse({"status": "stalled", "seconds_since_last_step": round(stalled, 1)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=[] if metrics_public else [Depends(require_api_key)])
@@ -158,9 +165,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             gen = aengine.generate(f"{rid}-{i}", prompt, params, priority=body.priority)
             try:
                 first = await gen.__anext__()  # raises a refused request before anything is sent
-            except RequestError as e:
+            except (RequestError, EngineError) as e:
                 for g in streams:
                     await g[0].aclose()
+                if isinstance(e, EngineError):
+                    raise APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error") from e
                 raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "context" in str(e) else None) from e
             streams.append((gen, first))
         if body.stream:
@@ -182,7 +191,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 return Response(status_code=499)
-        finals = task.result()
+        try:
+            finals = task.result()
+        except EngineError as e:  # the engine failed this request after admitting it
+            raise APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error") from e
         return _full_response(rid, created, finals, params.n, chat, body, params.logprobs or 0)
 
     async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:
@@ -196,8 +208,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         async def pump(p_idx: int, gen, first, queue: asyncio.Queue) -> None:
             await queue.put((p_idx, first))
             if not first.finished:
-                async for out in gen:
-                    await queue.put((p_idx, out))
+                try:
+                    async for out in gen:
+                        await queue.put((p_idx, out))
+                except EngineError as e:  # handed to the stream, which tells the client
+                    await queue.put((p_idx, e))
 
         queue: asyncio.Queue = asyncio.Queue()
         pumps: list[asyncio.Task] = []
@@ -213,6 +228,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             remaining = len(streams)
             while remaining:
                 p_idx, out = await queue.get()
+                if isinstance(out, EngineError):  # an error event, then [DONE]: the client is told, never left waiting
+                    yield "data: " + json.dumps({"error": {"message": str(out), "type": "server_error", "param": None,
+                                                           "code": "engine_error"}}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 for c, (text, ids) in zip(out.outputs, out.deltas):  # one chunk per choice per step, as OpenAI
                     if not (text or ids or c.finish_reason):
                         continue

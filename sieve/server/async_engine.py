@@ -3,6 +3,12 @@
 Requests and aborts cross into the engine thread through a lock-protected inbox; outputs cross
 back to each request's asyncio.Queue with `call_soon_threadsafe`.
 
+Failures reach every affected client: a step that raises fails the requests it held (each gets an
+`EngineError`, and the engine goes on with new ones); anything else that raises in the engine thread
+kills it, fails every request in flight or waiting, and leaves `error` set, which /health reports as
+503 and `sieve serve` turns into a non-zero exit. `last_progress` is when the thread last finished a
+step or found nothing to do, for /health's stall check.
+
 Given a factory instead of an engine, the engine is also built in that thread, and should be: with
 GNU OpenMP (PyTorch's CPU threads), every thread that starts parallel work gets a team of its own, and
 once the teams hold more threads than there are CPUs, libgomp stops spin-waiting between parallel
@@ -14,12 +20,20 @@ against 26 ms when one thread does both.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from sieve.engine import LLMEngine, Prompt
 from sieve.outputs import RequestOutput
 from sieve.sampling_params import SamplingParams
+
+log = logging.getLogger("sieve")
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request: a failed step, or a dead engine thread."""
 
 
 class AsyncEngine:
@@ -32,6 +46,9 @@ class AsyncEngine:
         self._inbox: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self.error: BaseException | None = None  # set when the engine thread died
+        self.last_progress = time.monotonic()
+        self.on_dead: Callable[[BaseException], None] | None = None  # called in the engine thread when it dies
         self.engine: LLMEngine | None = None
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -59,6 +76,8 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
         with self._lock:
+            if self.error is not None:
+                raise EngineError(f"the engine has stopped after an internal error: {self.error}")
             self._queues[request_id] = (loop, queue)
             self._inbox.append(("add", request_id, prompt, params, priority, done))
         self._wake.set()
@@ -102,21 +121,31 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug in a step must not hang every client: fail them all
-                self._fail_all(e)
-                continue
-            for out in outputs:
-                if out.finished and self.on_finished is not None:
-                    self.on_finished(out)
-                self._deliver(out.request_id, out, last=out.finished)
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self.last_progress = time.monotonic()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug in a step must not hang every client: fail the requests it held
+                    log.exception("an engine step failed; failing the %d requests it held", len(self.engine.requests))
+                    self._fail_all(e)
+                    continue
+                self.last_progress = time.monotonic()
+                for out in outputs:
+                    if out.finished and self.on_finished is not None:
+                        self.on_finished(out)
+                    self._deliver(out.request_id, out, last=out.finished)
+        except BaseException as e:  # the thread itself is failing: nobody may be left waiting
+            self.error = e
+            log.exception("the engine thread failed; failing every request and refusing new ones")
+            self._fail_everything(e)
+            if self.on_dead is not None:
+                self.on_dead(e)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -150,7 +179,20 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self._deliver(rid, RuntimeError(f"engine step failed: {error}"), last=True)
+            self._deliver(rid, EngineError(f"engine step failed: {type(error).__name__}: {error}"), last=True)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        """The engine thread is dying: every stream in flight and every request not yet admitted gets the error."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            queues, self._queues = self._queues, {}
+        failure = EngineError(f"the engine stopped after an internal error: {type(error).__name__}: {error}")
+        for cmd in inbox:
+            if cmd[0] == "add":
+                done = cmd[5]
+                done.get_loop().call_soon_threadsafe(_settle, done, failure)
+        for loop, queue in queues.values():
+            loop.call_soon_threadsafe(queue.put_nowait, failure)
 
 
 def _settle(fut: asyncio.Future, error: Exception | None) -> None:

@@ -30,6 +30,16 @@ class GracefulServer(uvicorn.Server):
         getattr(self, "_captured_signals", []).clear()
 
 
-def serve(app, host: str, port: int, grace: float) -> None:
+def serve(app, host: str, port: int, grace: float) -> int:
+    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine thread dies (status 1, after every
+    client has been sent its error), so that a supervisor restarts the process."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 10)
-    GracefulServer(config, app.state.async_engine, grace).run()
+    server = GracefulServer(config, app.state.async_engine, grace)
+
+    def on_dead(error: BaseException) -> None:
+        log.error("the engine cannot continue (%s: %s); shutting down with exit status 1", type(error).__name__, error)
+        server.should_exit = True
+
+    app.state.async_engine.on_dead = on_dead
+    server.run()
+    return 1 if app.state.async_engine.error is not None else 0
