@@ -165,7 +165,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests with a sequence waiting (a request of n choices counts once, as vLLM's metric does)."""
+        return len({id(seq.request) for seq in self.scheduler.waiting})
 
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32) at every position of `token_ids`, for evaluation. Runs between

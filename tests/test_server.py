@@ -635,3 +635,73 @@ def test_models_advertise_the_context_the_kv_cache_can_hold(llama_dir, caplog):
             client.completions.create(model=MODEL, prompt=[3] * 100, max_tokens=50)
     finally:
         stop()
+
+
+def test_limits_on_choices_prompts_and_body_size(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    url, stop = start_server(engine, max_n=4, max_prompts=3, max_body_bytes=2000)
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        def post(**kw):
+            return httpx.post(url + "/v1/completions", headers={**h, **kw.pop("headers", {})}, timeout=30, **kw)
+
+        assert post(json={"prompt": "hi", "max_tokens": 1, "n": 4}).status_code == 200
+        r = post(json={"prompt": "hi", "max_tokens": 1, "n": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = post(json={"prompt": ["a", "b", "c", "d"], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        big = json.dumps({"prompt": "x" * 3000, "max_tokens": 1}).encode()
+        r = post(content=big, headers={"content-type": "application/json"})  # by its Content-Length
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = post(content=iter([big[:1000], big[1000:]]), headers={"content-type": "application/json"})  # chunked: counted
+        assert r.status_code == 413
+        small = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        r = post(content=iter([small[:5], small[5:]]), headers={"content-type": "application/json"})  # chunked, small: served
+        assert r.status_code == 200, r.text
+        assert engine.num_waiting == 0
+    finally:
+        stop()
+
+
+def test_max_waiting_counts_requests_not_choices(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    real_step, release = engine.step, threading.Event()
+
+    def step():  # nothing is scheduled until the test lets steps run
+        release.wait(timeout=60)
+        return real_step()
+
+    engine.step = step
+    url, stop = start_server(engine, max_waiting=2)
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    results = {}
+
+    def send(name, body):
+        results[name] = httpx.post(url + "/v1/completions", json=body, headers=h, timeout=60).status_code
+
+    try:
+        a = threading.Thread(target=send, args=("a", {"prompt": "hi", "max_tokens": 2, "n": 8, "temperature": 1.0}))
+        a.start()
+        deadline = time.time() + 10
+        while engine.num_waiting < 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.num_waiting == 1 and len(engine.scheduler.waiting) == 8  # one request of 8 choices
+        b = threading.Thread(target=send, args=("b", {"prompt": "hi", "max_tokens": 2}))
+        b.start()
+        aengine = stop.app.state.async_engine  # b waits in the engine thread's inbox while the step is held
+        while engine.num_waiting + aengine.num_pending < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.num_waiting + aengine.num_pending == 2
+        send("c", {"prompt": "hi", "max_tokens": 2})
+        assert results["c"] == 429
+        release.set()
+        a.join(timeout=60)
+        b.join(timeout=60)
+        assert results["a"] == 200 and results["b"] == 200
+    finally:
+        release.set()
+        stop()

@@ -41,13 +41,60 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status, headers=headers)
 
 
+class BodyLimit:
+    """Pure ASGI middleware (it leaves `receive` to the app once the body is in, so disconnects still reach
+    the handlers): a body over `max_bytes` is a 413 in OpenAI's shape, by its Content-Length or, for a
+    chunked body, by counting it as it arrives, before the app reads any of it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0  # no Content-Length: read the body here, up to the limit
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        await error_response(413, f"the request body is over the {self.max_bytes}-byte limit (--max-request-body-bytes)",
+                             "invalid_request_error", code="request_too_large")(scope, receive, send)
+
+
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
-               health_stall_seconds: float = 60.0) -> FastAPI:
+               health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
+               max_body_bytes: int = 16 << 20) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
-    `api_key`, /metrics needs it too unless `metrics_public`. /health answers 503 when the engine thread
+    `api_key`, /metrics needs it too unless `metrics_public`. Limits: `max_n` choices and `max_prompts`
+    prompts per request (400 past them), `max_body_bytes` per body (413). /health answers 503 when the engine thread
     has died, or when work is queued and no step has finished for `health_stall_seconds`."""
     aengine = AsyncEngine(engine)
     engine = aengine.engine
@@ -61,6 +108,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         aengine.stop()
 
     app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = engine.tokenizer
     app.state.async_engine = aengine
 
@@ -125,6 +173,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         check_model(body.model)
         params = _params(body, body.max_tokens, body.logprobs)
         prompts = body.prompts()
+        if len(prompts) > max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
+                                "(--max-prompts-per-request)", param="prompt")
         return await _serve(raw, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -145,6 +196,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
+        if body.n > max_n:
+            raise APIError(400, f"n = {body.n} is over this server's limit of {max_n} choices (--max-n)", param="n")
         if "priority" in body.model_fields_set and not allow_client_priority:
             raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
                            code="unsupported_field")

@@ -28,7 +28,7 @@ class Metrics:
         self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full)", ["model_name"], registry=r).labels(**label)
         gauges = {
             "sieve:num_requests_running": ("Sequences running", lambda: engine.num_running),
-            "sieve:num_requests_waiting": ("Sequences waiting", lambda: engine.num_waiting),
+            "sieve:num_requests_waiting": ("Requests waiting", lambda: engine.num_waiting),
             "sieve:kv_cache_usage_perc": ("KV-cache usage, 0 to 1", lambda: engine.block_manager.usage),
         }
         for name, (doc, fn) in gauges.items():
