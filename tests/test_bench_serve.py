@@ -214,3 +214,8 @@ def test_cli_bench_serve_writes_json_and_plot(live, llama_dir, tmp_path, capsys)
     assert png.stat().st_size > 10_000
     assert "rate=50/s" in capsys.readouterr().out
     assert main(["bench", "serve", "--base-url", url, "--model", MODEL, "--concurrency", "1"]) == 2  # no tokenizer
+    # vLLM's convention: the server's URL without /v1 (and a trailing slash) means the same API root
+    rc = main(["bench", "serve", "--base-url", url.removesuffix("/v1") + "/", "--api-key", API_KEY, "--tokenizer", str(llama_dir),
+               "--num-prompts", "2", "--input-len", "8:8", "--output-len", "2:2", "--concurrency", "1", "--no-progress",
+               "--output-json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["base_url"] == url and json.loads(out.read_text())["model"] == MODEL

@@ -46,8 +46,16 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     l.add_argument("--no-progress", dest="progress", action="store_false")
 
 
+def api_base(url: str) -> str:
+    """The OpenAI API root of a server URL: vLLM's client takes the server (`http://host:8000`), OpenAI's
+    the API root (`http://host:8000/v1`); both mean the same here."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", type=api_base, default="http://127.0.0.1:8000/v1",
+                   help="the server (http://host:port) or its API root (http://host:port/v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     add_workload_args(p)
