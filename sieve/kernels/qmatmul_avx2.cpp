@@ -169,6 +169,22 @@ void row_tile(const float* x, const Weights& W, const int64_t (&blk)[NB], int64_
   for (int b = 0; b < NB; ++b) out.store(acc[b], m, blk[b]);
 }
 
+// 16 float16 values of rows 0..15 -> float32, the even rows in `e` and the odd ones in `o` (the lane
+// order of Int4Lanes and Int8Lanes)
+inline void even_odd(const c10::Half* p, __m256& e, __m256& o) {
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // per 8 rows: evens, then odds
+  const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), even);
+  const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), even);
+  e = _mm256_permute2f128_ps(a, b, 0x20), o = _mm256_permute2f128_ps(a, b, 0x31);
+}
+
+// even/odd row accumulators back to rows 0-7 and 8-15, stored as block `blk` of one row
+inline void store_even_odd(const Out& out, int64_t blk, __m256 acc_e, __m256 acc_o) {
+  const __m256 lo = _mm256_unpacklo_ps(acc_e, acc_o), hi = _mm256_unpackhi_ps(acc_e, acc_o);
+  const __m256 acc[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+  out.store(acc, 0, blk);
+}
+
 // int4 sums factor per group: sum_k (q_k s + m) x_k = s (sum_k q_k x_k) + m (sum_k x_k), so a group
 // accumulates q x alone and then adds acc = fma(acc_q, s, acc), acc = fma(m, xsum, acc), in that
 // order, per output, in both paths below (the same bits at any batch). One FMA per weight instead of
@@ -184,7 +200,6 @@ struct Int4Lanes {
   const c10::Half* scale;  // this block's [G, 16]
   const c10::Half* min;
   const float* xsum;       // the row's [G] group sums of x
-  int64_t group;
   __m256 acc_e = _mm256_setzero_ps(), acc_o = _mm256_setzero_ps(), q_e = _mm256_setzero_ps(), q_o = _mm256_setzero_ps();
 
   // The nibble at bit S is masked in place, q 2^S, and meets x 2^-S (xs, scaled once per call): the
@@ -207,15 +222,9 @@ struct Int4Lanes {
   }
 
   inline void end_group(int64_t g) {  // scale and min of rows 0, 2, .. 14 and 1, 3, .. 15
-    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // per 8 rows: evens, then odds
-    auto split = [&](const c10::Half* p, __m256& e, __m256& o) {
-      const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), even);
-      const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), even);
-      e = _mm256_permute2f128_ps(a, b, 0x20), o = _mm256_permute2f128_ps(a, b, 0x31);
-    };
     __m256 se, so, me, mo;
-    split(scale + g * 16, se, so);
-    if (min) split(min + g * 16, me, mo);
+    even_odd(scale + g * 16, se, so);
+    if (min) even_odd(min + g * 16, me, mo);
     else me = _mm256_mul_ps(se, _mm256_set1_ps(-8.f)), mo = _mm256_mul_ps(so, _mm256_set1_ps(-8.f));
     const __m256 xs = _mm256_set1_ps(xsum[g]);
     acc_e = _mm256_fmadd_ps(me, xs, _mm256_fmadd_ps(q_e, se, acc_e));
@@ -223,11 +232,7 @@ struct Int4Lanes {
     q_e = q_o = _mm256_setzero_ps();
   }
 
-  void store(const Out& out, int64_t blk) const {  // even/odd lanes back to rows 0-7 and 8-15
-    const __m256 lo = _mm256_unpacklo_ps(acc_e, acc_o), hi = _mm256_unpackhi_ps(acc_e, acc_o);
-    const __m256 acc[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
-    out.store(acc, 0, blk);
-  }
+  void store(const Out& out, int64_t blk) const { store_even_odd(out, blk, acc_e, acc_o); }
 };
 
 // x with input 4u + j scaled by 2^-S for the bit S = 0, 8, 4, 12 its nibble sits at (exact: a power of 2,
@@ -244,7 +249,7 @@ void int4_row_tile(const float* x, const float* xsum, const Weights& W, const in
   const int64_t G = W.K2 / W.group, units = W.group / 4;
   Int4Lanes t[NB];
   for (int b = 0; b < NB; ++b)
-    t[b] = Int4Lanes{W.w + blk[b] * W.block_bytes(), W.scale + blk[b] * G * 16, W.min ? W.min + blk[b] * G * 16 : nullptr, xsum, W.group};
+    t[b] = Int4Lanes{W.w + blk[b] * W.block_bytes(), W.scale + blk[b] * G * 16, W.min ? W.min + blk[b] * G * 16 : nullptr, xsum};
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t u = g * units; u < (g + 1) * units; ++u)
       for (int b = 0; b < NB; ++b) t[b].unit(u, x);
@@ -260,7 +265,6 @@ void int4_row_tile(const float* x, const float* xsum, const Weights& W, const in
 struct Int8Lanes {
   const uint8_t* base;
   const c10::Half* scale;  // Q8_0: this block's [G, 16]; int8: null (row scales at the store)
-  int64_t group;
   __m256 se = _mm256_set1_ps(1.f), so = _mm256_set1_ps(1.f);
   __m256 acc_e = _mm256_setzero_ps(), acc_o = _mm256_setzero_ps();
 
@@ -280,26 +284,16 @@ struct Int8Lanes {
     acc_o = _mm256_fmadd_ps(o1, x1, _mm256_fmadd_ps(o0, x0, acc_o));
   }
 
-  inline void load_group(int64_t g) {
-    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const c10::Half* p = scale + g * 16;
-    const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), even);
-    const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), even);
-    se = _mm256_permute2f128_ps(a, b, 0x20), so = _mm256_permute2f128_ps(a, b, 0x31);
-  }
+  inline void load_group(int64_t g) { even_odd(scale + g * 16, se, so); }
 
-  void store(const Out& out, int64_t blk) const {
-    const __m256 lo = _mm256_unpacklo_ps(acc_e, acc_o), hi = _mm256_unpackhi_ps(acc_e, acc_o);
-    const __m256 acc[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
-    out.store(acc, 0, blk);
-  }
+  void store(const Out& out, int64_t blk) const { store_even_odd(out, blk, acc_e, acc_o); }
 };
 
 template <int NB>
 void int8_row_tile(const float* x, const Weights& W, const int64_t (&blk)[NB], const Out& out) {
   const int64_t G = W.scale ? W.K2 / W.group : 1, pairs = W.scale ? W.group / 2 : W.K2 / 2;
   Int8Lanes t[NB];
-  for (int b = 0; b < NB; ++b) t[b] = Int8Lanes{W.w + blk[b] * W.block_bytes(), W.scale ? W.scale + blk[b] * G * 16 : nullptr, W.group};
+  for (int b = 0; b < NB; ++b) t[b] = Int8Lanes{W.w + blk[b] * W.block_bytes(), W.scale ? W.scale + blk[b] * G * 16 : nullptr};
   for (int64_t g = 0; g < G; ++g) {
     if (W.scale)
       for (int b = 0; b < NB; ++b) t[b].load_group(g);
