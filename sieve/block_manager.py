@@ -123,6 +123,31 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def reserve_fork(self, child: Sequence, num_tokens: int) -> int | None | bool:
+        """When a choice is to be forked from a sibling whose first `num_tokens` tokens this step computes:
+        the block it will own for their partial last block (filled by a copy after the step), None when
+        they end on a block boundary, or False (nothing changed) when no block is free."""
+        assert not child.block_table
+        if num_tokens % self.block_size == 0:
+            return None
+        if not self.num_free_blocks:
+            return False
+        block = self._take_block()
+        self.ref_counts[block] = 1
+        child.block_table = [block]
+        return block
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """After that step: `child` shares `parent`'s full blocks of those tokens (before its reserved one),
+        so no block is shared while it is being written."""
+        full = num_tokens // self.block_size
+        for block in parent.block_table[:full]:
+            self.ref_counts[block] += 1
+        child.block_table = parent.block_table[:full] + child.block_table
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_computed_tokens = num_tokens
+
     def commit(self, seq: Sequence) -> None:
         """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
         content another block already holds stays private (and is freed as usual)."""

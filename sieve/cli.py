@@ -38,6 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="lpm: with a long queue, admit requests with the longest cached prefix first (starvation-guarded)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -21,6 +21,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     dequantize: bool = False  # widen a quantized checkpoint's weights (GGUF) to `dtype` at load: the reference path
     seed: int = 0
+    max_logprobs: int = 20  # most top-N a request may ask for (logprobs, prompt_logprobs), as vLLM's
 
     # KV cache
     block_size: int = 16

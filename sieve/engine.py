@@ -9,6 +9,7 @@ The interface the offline API and the server drive:
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import logging
@@ -113,13 +114,13 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
-        params = params or SamplingParams()
+        # The request's own copy: the engine fills defaults in it (max_tokens), and the caller's object may be
+        # shared by other prompts and requests.
+        params = copy.copy(params or SamplingParams())
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.arch.vocab_size]
-        if out_of_vocab:
-            raise RequestError(f"logit_bias token id {out_of_vocab[0]} is out of range for vocabulary size {self.arch.vocab_size}")
+        self._check_token_ids(params)
         max_len = self.config.max_model_len
         if params.max_tokens is None:
             params.max_tokens = max(1, max_len - len(ids))
@@ -136,14 +137,30 @@ class LLMEngine:
                 "give the cache more memory or ask for fewer tokens"
             )
         req = Request(request_id, text, ids, params, priority, RequestMetrics(arrival_time=time.monotonic()))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         order = next(self._arrivals)
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=seed)
+            seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=params.seed)
             init_offsets(seq)
             req.seqs.append(seq)
-            self.scheduler.add(seq)
+        # Choice 0 computes the prompt; the others fork from it when its last chunk runs (see the scheduler).
+        self.scheduler.add(req.seqs[0])
+        req.unforked = req.seqs[1:]
         self.requests[request_id] = req
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """What depends on the model: token ids inside the vocabulary, top-N within --max-logprobs."""
+        vocab = self.arch.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"{name} token id {bad[0]} is out of range for vocabulary size {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > min(self.config.max_logprobs, vocab):
+                raise RequestError(f"{name} = {n} is over this engine's limit of {min(self.config.max_logprobs, vocab)} "
+                                   "(--max-logprobs)")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (finish_reason 'abort')."""
@@ -194,10 +211,13 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self.scheduler.postprocess(sched)
         self.num_steps += 1
+        for seq, first, dicts in result.prompt_logprobs:
+            scored = seq.request.prompt_logprobs
+            if first == len(scored):  # a sibling in the same step may have scored the same positions
+                scored += dicts
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for item, token_id, logprobs in result.sampled:
-            seq = item.seq
+        for seq, token_id, logprobs in result.sampled:
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

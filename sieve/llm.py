@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 from sieve.config import EngineConfig
@@ -33,33 +32,31 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
-        ids = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                rid = f"offline-{next(self._ids)}"
-                engine.add_request(rid, prompt, _copy(p), priority=priority[i] if priority else 0)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:
-                engine.abort(rid)
-            raise
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"offline-{next(self._ids)}"
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            # A refused prompt or a failed step leaves nothing of this call behind: the object stays usable.
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
         return [results[rid] for rid in ids]
 
-
-def _copy(p: SamplingParams) -> SamplingParams:
-    """The engine fills defaults (max_tokens=None) per request; keep the caller's object intact."""
-    return copy.copy(p)

@@ -7,7 +7,7 @@ decode tokens first (one row each, attended in one batched call), then prefill c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,15 +20,18 @@ from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
 from sieve.sampler import SamplerOutput, SamplingMetadata, sample, sample_greedy
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
+from sieve.sequence import Sequence
 
 log = logging.getLogger("sieve")
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the sequences whose step reached their end, in scheduled order."""
+    """Sampled tokens for the sequences whose step reached their end, in scheduled order; and prompt
+    logprobs computed this step, as (sequence, index of the first prompt token they score, one dict per token)."""
 
-    sampled: list[tuple[ScheduledSeq, int, dict[int, Logprob] | None]]
+    sampled: list[tuple[Sequence, int, dict[int, Logprob] | None]]
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -132,22 +135,55 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
         )
-        # Rows whose sequence reaches its end this step: the last token of each such item.
-        sampling, last_rows, row = [], [], 0
+        if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
+            self._copy_blocks(sched.block_copies)
+        # Rows whose sequence reaches its end this step: the last token of each such item (once more for
+        # each choice forked from it, which samples from the same logits).
+        seqs, last_rows, row, prompt_lps = [], [], 0, []
         for item in items:
+            if item.seq.needs_prompt_logprobs:
+                prompt_lps += self._prompt_logprobs(item, hidden, row)
             row += item.num_new_tokens
             if item.samples:
-                sampling.append(item)
-                last_rows.append(row - 1)
-        if not sampling:
-            return StepResult([])
+                for seq in [item.seq, *item.forks]:
+                    seqs.append(seq)
+                    last_rows.append(row - 1)
+        if not seqs:
+            return StepResult([], prompt_lps)
         logits = self.model.compute_logits(hidden[last_rows])
-        seqs = [s.seq for s in sampling]
         if SamplingMetadata.plain_greedy(seqs):
             out = sample_greedy(logits)
         else:
             out = sample(logits, SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device), self.generator)
-        return StepResult(list(zip(sampling, out.token_ids.tolist(), _logprob_dicts(out, [s.seq.params.logprobs for s in sampling]))))
+        return StepResult(list(zip(seqs, out.token_ids.tolist(), _logprob_dicts(out, [s.params.logprobs for s in seqs]))), prompt_lps)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        pool = self.kv_pool.view(torch.uint8)  # byte view: float8 has no CPU copy kernels everywhere
+        pool[:, :, dst] = pool[:, :, src]
+        if self.kv_kind == "int8":
+            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
+
+    def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
+        """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.
+        Computed from the rows of positions not scored yet (a chunk after preemption may have scored them),
+        `rows_per_pass` at a time so a long prompt never holds [prompt, vocab] logits at once."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        lo = max(start, len(seq.request.prompt_logprobs) - 1)
+        hi = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+        n = seq.params.prompt_logprobs
+        dicts = []
+        for a in range(lo, hi, rows_per_pass):
+            b = min(a + rows_per_pass, hi)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + a - start : row + b - start]), dim=-1)
+            targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
+            chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+            ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+            top_lp, top_ids = logprobs.topk(n, dim=-1) if n > 0 else (None, None)
+            dicts += _logprob_dicts(SamplerOutput(targets, chosen, ranks, top_ids, top_lp), [n] * (b - a))
+        return [(seq, lo + 1, dicts)] if dicts else []
 
 
 @torch.inference_mode()

@@ -85,5 +85,6 @@ class OutputProcessor:
             finished=finished,
             metrics=req.metrics,
             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             deltas=deltas,
         )

@@ -50,5 +50,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # With prompt_logprobs: one dict per prompt token (None for the first), the token's entry plus the top-N.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per choice, the text and token ids produced since the previous output (for streaming).
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)

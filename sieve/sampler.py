@@ -3,12 +3,13 @@
 Order of operations (as in vLLM): raw logprobs for reporting -> penalties -> logit_bias -> min_tokens ban ->
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
 exponential race (argmax p / q with q ~ Exp(1)), which equals a multinomial draw; seeded rows
-draw q from their own generator, seeded by (seed, output position), so a seeded request gives the
+draw q from their own generator, seeded by (seed, choice, output position), so a seeded request gives the
 same tokens whatever else is in the batch and after preemption or rollback.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class SamplingMetadata:
             if s.num_output_tokens < p.min_tokens:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             banned.append(ban)
-        seeds = [None if s.seed is None else _mix(s.seed, s.num_output_tokens) for s in seqs]
+        seeds = [None if s.seed is None else draw_seed(s.seed, s.index, s.num_output_tokens) for s in seqs]
         entries = [(row, tok, v) for row, p in enumerate(ps) for tok, v in (p.logit_bias or {}).items() if tok < vocab]
         bias = None
         if entries:
@@ -194,9 +195,9 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
 
 
-def _mix(seed: int, step: int) -> int:
-    """A per-(seed, position) generator seed (splitmix64), so draws never depend on history."""
-    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+def draw_seed(seed: int, choice: int, position: int) -> int:
+    """The generator seed of one draw: a hash of (request seed, choice index, output position), so draws
+    never depend on history, and choice i of one seed shares no draw with any choice of another seed
+    (choice i of seed s was once choice 0 of seed s + i)."""
+    key = b"".join(int(x).to_bytes(16, "little", signed=True) for x in (seed, choice, position))
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF

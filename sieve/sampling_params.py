@@ -24,7 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
-    prompt_logprobs: int | None = None  # not computed yet: anything but None is refused
+    prompt_logprobs: int | None = None  # per prompt token (the first has none): its logprob plus the top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -47,6 +47,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -69,10 +71,12 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs is not implemented yet; leave it unset")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be non-negative, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                bad(f"{name} must be a non-negative integer, got {value!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids}")
         if any(not s for s in self.stop_strings):
             bad("stop strings must not be empty")
         for tok, value in (self.logit_bias or {}).items():

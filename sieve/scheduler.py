@@ -25,6 +25,9 @@ from sieve.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step (1 for a decode)
+    # Sibling choices forked from `seq` at the end of its prompt: they take its K/V and sample their first
+    # token from the same logits (n > 1 prefills the prompt once).
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -36,6 +39,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done after the step's writes
 
     @property
     def num_batched_tokens(self) -> int:
@@ -100,7 +104,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             idx = self._next_waiting()
             seq = self.waiting[idx]
-            cached = self.blocks.take_cached_prefix(seq)
+            # prompt logprobs need every prompt position's logits: such a prefill takes nothing from the cache
+            cached = 0 if seq.needs_prompt_logprobs else self.blocks.take_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)
             if (not self.config.enable_chunked_prefill and num_new < remaining) or \
@@ -117,7 +122,30 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+        # 3. Choices waiting for their first sibling's prompt: forked as that prompt's last chunk is scheduled.
+        for item in out.scheduled:
+            if item.seq.request.unforked and item.samples:
+                self._fork(item, out)
         return out
+
+    def _fork(self, item: ScheduledSeq, out: SchedulerOutput) -> None:
+        parent, unforked = item.seq, item.seq.request.unforked
+        end = parent.num_computed_tokens + item.num_new_tokens
+        while unforked and len(self.running) < self.config.max_num_seqs:
+            block = self.blocks.reserve_fork(unforked[0], end)
+            if block is False:
+                break
+            child = unforked.pop(0)
+            if block is not None:
+                out.block_copies.append((parent.block_table[end // self.blocks.block_size], block))
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=lambda s: s.schedule_key)
+            item.forks.append(child)
+        for child in unforked:  # no room to fork now: they queue and compute their prompt themselves
+            self.add(child)
+        unforked.clear()
 
     def _next_waiting(self) -> int:
         """Index in `waiting` of the sequence to admit next under the configured policy."""
@@ -149,3 +177,5 @@ class Scheduler:
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.blocks.commit(s.seq)
+            for child in s.forks:
+                self.blocks.fork(s.seq, child, s.seq.num_computed_tokens)

@@ -28,6 +28,9 @@ class Request:
     priority: int  # lower is served first (as in vLLM)
     metrics: RequestMetrics
     seqs: list["Sequence"] = field(default_factory=list)
+    unforked: list["Sequence"] = field(default_factory=list)  # choices 1..n-1 until choice 0's prompt is computed
+    # With params.prompt_logprobs: one entry per prompt token computed so far (the first token's is None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,7 +43,7 @@ class Sequence:
     index: int  # choice index within the request
     arrival_order: int  # tie-breaker for FCFS among equal priorities
     token_ids: list[int]  # prompt followed by generated tokens
-    seed: int | None  # this choice's seed (request seed offset by choice index)
+    seed: int | None  # the request's seed (each choice draws from (seed, index, position))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -72,6 +75,13 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed: this sequence's prefill must compute every
+        prompt position (logits come from hidden states, which the prefix cache does not keep)."""
+        lps = self.request.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

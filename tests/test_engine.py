@@ -162,3 +162,38 @@ def test_preempted_sequence_keeps_its_tokens(llama_engine_factory):
     for i in range(3):
         ref = alone.generate([{"prompt_token_ids": [10 + i] * 4}], sp)[0]
         assert outs[f"r{i}"].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("prompt_len", [37, 32])  # a partial last block (copied for each fork), and none
+def test_n_choices_fork_after_one_prefill(llama_engine_factory, kv, prompt_len):
+    prompt = {"prompt_token_ids": workload(1, seed=9, max_prompt=200)[0][0]["prompt_token_ids"][:prompt_len]}
+    assert len(prompt["prompt_token_ids"]) == prompt_len
+    sp = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=21, ignore_eos=True)
+    llm = llama_engine_factory(kv_cache_dtype=kv, block_size=8)
+    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    computed = []
+    real = engine.runner.execute
+    engine.runner.execute = lambda sched: (computed.append(sched.num_batched_tokens), real(sched))[1]
+    forked = llm.generate(prompt, sp)[0]
+    assert sum(computed) == prompt_len + 4 * 5  # the prompt once, then 5 decodes per choice
+    assert bm.num_free_blocks == bm.num_blocks and sum(bm.ref_counts) == 0
+    # the same request where no choice can fork (one sequence at a time): each computes the prompt itself
+    alone = llama_engine_factory(kv_cache_dtype=kv, block_size=8, max_num_seqs=1, enable_prefix_caching=False)
+    unforked = alone.generate(prompt, sp)[0]
+    assert [c.token_ids for c in forked.outputs] == [c.token_ids for c in unforked.outputs]
+    assert len({tuple(c.token_ids) for c in forked.outputs}) > 1  # sampled choices do differ
+
+
+def test_choice_seeds_never_collide_with_other_requests(llama_llm):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+
+    def choices(seed, n):
+        return [c.token_ids for c in llama_llm.generate(prompt, SamplingParams(n=n, max_tokens=12, temperature=1.0, seed=seed,
+                                                                                ignore_eos=True))[0].outputs]
+
+    three = choices(100, 3)
+    assert choices(100, 3) == three  # reproducible
+    assert choices(100, 1) == three[:1]  # choice 0 is the same whatever n is
+    assert three[1] != choices(101, 1)[0] and three[2] != choices(102, 1)[0]  # choice i of s is not choice 0 of s + i
+    assert len({tuple(c) for c in three}) == 3

@@ -171,7 +171,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        params = _params(body, body.max_tokens, body.logprobs)
+        # echo with logprobs scores the prompt too (how evaluation harnesses get a loglikelihood)
+        prompt_lp = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, body.logprobs)
+        params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
         prompts = body.prompts()
         if len(prompts) > max_prompts:
             raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
@@ -189,10 +193,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         except Exception as e:
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs)
+        params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs, body.prompt_logprobs)
         return await _serve(raw, body, [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}], params, chat=True)
 
-    def _params(body, max_tokens, logprobs):
+    def _params(body, max_tokens, logprobs, prompt_logprobs):
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
@@ -202,7 +206,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
                            code="unsupported_field")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -213,23 +217,28 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = []
-        for i, prompt in enumerate(prompts):
-            gen = aengine.generate(f"{rid}-{i}", prompt, params, priority=body.priority)
-            try:
-                first = await gen.__anext__()  # raises a refused request before anything is sent
-            except (RequestError, EngineError) as e:
-                for g in streams:
-                    await g[0].aclose()
-                if isinstance(e, EngineError):
-                    raise APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error") from e
-                raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "context" in str(e) else None) from e
-            streams.append((gen, first))
+        # Every prompt of the request is admitted at once: they share the next step (the engine gives each
+        # its own copy of the sampling parameters).
+        try:
+            gens = await aengine.submit([(f"{rid}-{i}", prompt, params, body.priority) for i, prompt in enumerate(prompts)])
+        except (RequestError, EngineError) as e:
+            raise _as_api_error(e) from e
+        try:
+            # the first output of each (a failed step before it is still an HTTP error, not a broken stream)
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+        except BaseException as e:
+            for g in gens:
+                await g.aclose()
+            if isinstance(e, EngineError):
+                raise _as_api_error(e) from e
+            raise
+        streams = list(zip(gens, firsts))
         if body.stream:
             return StreamingResponse(
                 _stream(raw, rid, created, streams, params.n, chat, body, params.logprobs or 0), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
+
         async def collect(gen, first):
             last = first
             async for out in gen:
@@ -237,18 +246,26 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             return last
 
         task = asyncio.ensure_future(asyncio.gather(*(collect(g, f) for g, f in streams)))
-        while not task.done():  # a client that goes away aborts its request at once
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()  # the cancellation reaches each generator's `finally`, which aborts its request
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return Response(status_code=499)
         try:
+            while not task.done():  # a client that goes away aborts its request at once
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return Response(status_code=499)
             finals = task.result()
         except EngineError as e:  # the engine failed this request after admitting it
-            raise APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error") from e
+            raise _as_api_error(e) from e
+        finally:
+            for g in gens:  # aborts whatever has not finished (a no-op for the rest)
+                await g.aclose()
         return _full_response(rid, created, finals, params.n, chat, body, params.logprobs or 0)
+
+    def _as_api_error(e: Exception) -> APIError:
+        if isinstance(e, EngineError):
+            return APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error")
+        return APIError(400, str(e), param="prompt" if "prompt" in str(e) or "context" in str(e) else None)
 
     async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -269,13 +286,15 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
         queue: asyncio.Queue = asyncio.Queue()
         pumps: list[asyncio.Task] = []
+        first_chunk = [set(range(n)) for _ in streams]  # choices whose prompt_logprobs are still to be sent
         try:
             for p_idx, (gen, first) in enumerate(streams):
                 for i in range(n):  # opening chunk per choice: the role (chat) or the echoed prompt
                     if chat:
                         yield chunk([{"index": p_idx * n + i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
                     elif getattr(body, "echo", False):
-                        yield chunk([{"index": p_idx * n + i, "text": first.prompt or _decode(first.prompt_token_ids), "logprobs": None, "finish_reason": None}])
+                        lp = _prompt_logprobs_openai(first, n_top) if body.logprobs is not None else None
+                        yield chunk([{"index": p_idx * n + i, "text": _prompt_text(first), "logprobs": lp, "finish_reason": None}])
             # the prompts of one request generate together; their chunks interleave as they come
             pumps = [asyncio.create_task(pump(i, gen, first, queue)) for i, (gen, first) in enumerate(streams)]
             remaining = len(streams)
@@ -286,15 +305,19 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                                                            "code": "engine_error"}}) + "\n\n"
                     yield "data: [DONE]\n\n"
                     return
+                echo = len(_prompt_text(out)) if getattr(body, "echo", False) else 0
                 for c, (text, ids) in zip(out.outputs, out.deltas):  # one chunk per choice per step, as OpenAI
                     if not (text or ids or c.finish_reason):
                         continue
-                    lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top) if c.logprobs is not None else None
+                    lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top, echo + len(c.text) - len(text)) \
+                        if c.logprobs is not None else None
                     idx = p_idx * n + c.index
                     if chat:
                         yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason}])
                     else:
-                        yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
+                        extra = {"prompt_logprobs": _prompt_logprobs_vllm(out)} if body.prompt_logprobs is not None and c.index in first_chunk[p_idx] else {}
+                        first_chunk[p_idx].discard(c.index)
+                        yield chunk([{"index": idx, "text": text, "logprobs": lp, "finish_reason": c.finish_reason, **extra}])
                 if out.finished:
                     remaining -= 1
                     usage["prompt_tokens"] += len(out.prompt_token_ids)
@@ -308,30 +331,38 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            # Cancelling a pump reaches its generator's `finally`, which aborts an unfinished request.
             for task in pumps:
                 task.cancel()
             for task in pumps:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for gen, _ in streams[len(pumps):] if pumps else streams:
+            for gen, _ in streams:  # aborts whatever has not finished (the client went away)
                 await gen.aclose()
 
     def _full_response(rid, created, finals: list[RequestOutput], n, chat, body, n_top):
         choices, prompt_tokens, completion_tokens = [], 0, 0
+        echo = getattr(body, "echo", False)
         for p_idx, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                lp = _logprobs(c, 0, chat, n_top) if c.logprobs is not None else None
                 if chat:
+                    lp = _logprobs(c, 0, chat, n_top) if c.logprobs is not None else None
                     choices.append({"index": p_idx * n + c.index, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
-                else:
-                    text = ((out.prompt or _decode(out.prompt_token_ids)) + c.text) if getattr(body, "echo", False) else c.text
-                    choices.append({"index": p_idx * n + c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                    continue
+                prefix = _prompt_text(out) if echo else ""
+                lp = _logprobs(c, 0, chat, n_top, len(prefix)) if c.logprobs is not None else None
+                if echo and lp is not None:  # the prompt's tokens first, scored by the tokens before them
+                    scored = _prompt_logprobs_openai(out, n_top)
+                    lp = {k: scored[k] + v for k, v in lp.items()}
+                choice = {"index": p_idx * n + c.index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_vllm(out)
+                choices.append(choice)
+        extra = {"prompt_logprobs": _prompt_logprobs_vllm(finals[0])} if chat and body.prompt_logprobs is not None else {}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name,
-                "choices": choices,
+                "choices": choices, **extra,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}}
 
@@ -341,8 +372,34 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     def _token_str(t: int) -> str:
         return tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
 
-    def _logprobs(c, start: int, chat: bool, n_top: int) -> dict:
-        """OpenAI logprobs for tokens [start:] of choice `c`: the chosen token's and the top `n_top`."""
+    def _prompt_text(out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else _decode(out.prompt_token_ids)
+
+    def _prompt_logprobs_openai(out: RequestOutput, n_top: int) -> dict:
+        """The legacy completions shape for the prompt's tokens (as `echo` returns them): the first token
+        has no logprob (null), every later one its own and the top `n_top`."""
+        tokens = [_token_str(t) for t in out.prompt_token_ids]
+        logprobs, tops = [None], [None]
+        for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+            logprobs.append(lp[t].logprob)
+            tops.append({_token_str(k): v.logprob for k, v in lp.items() if v.rank <= n_top or k == t})
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": _offsets(tokens, 0)}
+
+    def _prompt_logprobs_vllm(out: RequestOutput) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, then {token id: {logprob, rank, decoded_token}}."""
+        return [None if lp is None else {str(k): {"logprob": v.logprob, "rank": v.rank, "decoded_token": _token_str(k)}
+                                         for k, v in lp.items()} for lp in out.prompt_logprobs]
+
+    def _offsets(tokens: list[str], base: int) -> list[int]:
+        offsets, pos = [], base
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return offsets
+
+    def _logprobs(c, start: int, chat: bool, n_top: int, text_base: int = 0) -> dict:
+        """OpenAI logprobs for tokens [start:] of choice `c`: the chosen token's and the top `n_top`; `text_base`:
+        where these tokens' text begins in the choice's text (`text_offset`)."""
         ids, lps = c.token_ids[start:], c.logprobs[start:]
         if chat:
             def entry(t, logprob):
@@ -355,11 +412,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                 for t, lp in zip(ids, lps)
             ]}
         tokens = [_token_str(t) for t in ids]
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
         return {"tokens": tokens, "token_logprobs": [lp[t].logprob for t, lp in zip(ids, lps)],
-                "top_logprobs": [{_token_str(k): v.logprob for k, v in lp.items()} for lp in lps], "text_offset": offsets}
+                "top_logprobs": [{_token_str(k): v.logprob for k, v in lp.items()} for lp in lps], "text_offset": _offsets(tokens, text_base)}
 
     return app

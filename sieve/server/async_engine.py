@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,9 @@ class AsyncEngine:
         self.last_progress = time.monotonic()
         self.on_dead: Callable[[BaseException], None] | None = None  # called in the engine thread when it dies
         self.engine: LLMEngine | None = None
+        # A test hook: seconds added to every step (SIEVE_DEBUG_STEP_DELAY), so that tests of timing-dependent
+        # behaviour (graceful shutdown) control how long a request runs instead of racing the CPU.
+        self.step_delay = float(os.environ.get("SIEVE_DEBUG_STEP_DELAY", "0"))
         failed: list[BaseException] = []
         ready = threading.Event()
 
@@ -70,31 +74,45 @@ class AsyncEngine:
             raise failed[0]
 
     # ---- called from the event loop --------------------------------------------------------
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields outputs as the request progresses; aborts it if the consumer goes away."""
+    async def submit(self, requests: list[tuple[str, Prompt, SamplingParams, int]]) -> list["RequestStream"]:
+        """Admit (request id, prompt, params, priority) requests together: they reach the engine in one
+        drain of the inbox, so they join the same step. All or none: if the engine refuses one, the others
+        are aborted and its error is raised here, before any output. The caller owns the streams and
+        must `aclose()` each one it does not read to the end."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = asyncio.get_running_loop().create_future()
+        entries = []
         with self._lock:
             if self.error is not None:
                 raise EngineError(f"the engine has stopped after an internal error: {self.error}")
-            self._queues[request_id] = (loop, queue)
-            self._inbox.append(("add", request_id, prompt, params, priority, done))
+            for rid, prompt, params, priority in requests:
+                queue: asyncio.Queue = asyncio.Queue()
+                done = loop.create_future()
+                self._queues[rid] = (loop, queue)
+                self._inbox.append(("add", rid, prompt, params, priority, done))
+                entries.append((rid, queue, done))
         self._wake.set()
-        await done  # raises the engine's error (bad request) here, before any output
-        finished = False
+        streams = [RequestStream(self, rid, queue) for rid, queue, _ in entries]
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            results = await asyncio.gather(*(done for _, _, done in entries), return_exceptions=True)
+        except BaseException:  # cancelled (the client went away): nothing it asked for may keep running
+            for stream in streams:
+                await stream.aclose()
+            raise
+        refused = [r for r in results if isinstance(r, BaseException)]
+        if refused:
+            for stream in streams:
+                await stream.aclose()
+            raise refused[0]
+        return streams
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """One request: yields its outputs as it progresses; aborts it if the consumer goes away."""
+        [stream] = await self.submit([(request_id, prompt, params, priority)])
+        try:
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self.abort(request_id)
+            await stream.aclose()
 
     @property
     def num_pending(self) -> int:
@@ -129,6 +147,8 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                if self.step_delay:
+                    time.sleep(self.step_delay)
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a bug in a step must not hang every client: fail the requests it held
@@ -193,6 +213,33 @@ class AsyncEngine:
                 done.get_loop().call_soon_threadsafe(_settle, done, failure)
         for loop, queue in queues.values():
             loop.call_soon_threadsafe(queue.put_nowait, failure)
+
+
+class RequestStream:
+    """The outputs of one admitted request, in order; the last has `finished` set. An engine failure is
+    raised from `__anext__`. `aclose()` aborts the request unless it has finished (idempotent)."""
+
+    def __init__(self, aengine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self._aengine, self.request_id, self._queue = aengine, request_id, queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._aengine.abort(self.request_id)
 
 
 def _settle(fut: asyncio.Future, error: Exception | None) -> None:

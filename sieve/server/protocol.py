@@ -40,6 +40,7 @@ class _Common(BaseModel):
     user: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's (up to --max-logprobs): per prompt token, its logprob and the top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI fields without an implementation here: only their no-op values pass (see `unsupported`)
@@ -71,7 +72,7 @@ class _Common(BaseModel):
         except ValueError:
             raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -89,6 +90,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logit_bias=self.token_bias(),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
