@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
                      metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds, max_n=args.max_n,
-                     max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes)
+                     max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
+                     max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     return serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for")
     sv.add_argument("--max-prompts-per-request", type=int, default=64, help="most prompts in one completions request")
     sv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    sv.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts get 400 (default: the context length)")
+    sv.add_argument("--tokenizer-workers", type=int, default=1, help="threads that tokenize prompts and render chat templates")
     sv.add_argument("--health-stall-seconds", type=float, default=60.0,
                     help="/health answers 503 when work is queued and no step has finished for this long")
     sv.add_argument("--served-model-name", default=None)

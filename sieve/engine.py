@@ -36,6 +36,20 @@ log = logging.getLogger("sieve")
 Prompt = str | dict | list[int]
 
 
+# Calibration text for FP8 KV scales: prose, dialogue, code and numbers, so activations of several kinds are seen.
+KV_CALIBRATION_TEXT = (
+    "The committee met on Tuesday to review the budget. After a long discussion, they agreed to fund the new library, "
+    "repair the bridge over the river, and hire three teachers for the school in the north of the town.\n"
+    "\"Where are you going?\" asked Maria. \"To the market,\" said Tom, \"we need bread, eggs and 2 kg of apples.\"\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fibonacci(i) for i in range(10)])  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]\n"
+    "Photosynthesis converts light energy into chemical energy: 6 CO2 + 6 H2O -> C6H12O6 + 6 O2. "
+    "In 1969, Apollo 11 landed on the Moon; the mission lasted 8 days, 3 hours and 18 minutes.\n"
+    "User: Can you summarise the main causes of the French Revolution?\nAssistant: Its main causes were a fiscal crisis, "
+    "food shortages, resentment of the privileges of the nobility and clergy, and Enlightenment ideas about rights."
+)
+
+
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, too long, cannot ever fit)."""
 
@@ -82,6 +96,8 @@ class LLMEngine:
                         "with --kv-cache-memory-gb for longer contexts)",
                         max_len, capacity, self.runner.num_blocks, config.block_size)
             max_len = config.max_model_len = capacity
+        if self.runner.kv_needs_calibration:
+            self._calibrate_kv()
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.requests: dict[str, Request] = {}
@@ -91,6 +107,16 @@ class LLMEngine:
         # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
         gc.collect()
         gc.freeze()
+
+    def _calibrate_kv(self) -> None:
+        """FP8 KV scales the checkpoint does not give are fixed here, once, from fixed text, so no request's
+        output depends on which request happened to write the cache first."""
+        ids = self.tokenizer.encode(KV_CALIBRATION_TEXT) if self.tokenizer is not None else []
+        if len(ids) < 64:  # no tokenizer: a fixed spread of ids instead
+            ids = [(7919 * i) % self.arch.vocab_size for i in range(256)]
+        ids = ids[: max(1, min(len(ids), self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size))]
+        self.score(ids)
+        log.info("FP8 KV scales calibrated at load on %d tokens of fixed text", len(ids))
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -53,7 +53,7 @@ class ModelRunner:
             self.kv_scales = torch.ones(shape[:-1], dtype=torch.float16, device=device)
             self.caches = [QuantizedKVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i], "int8", self.kv_scales[0, i],
                                                  self.kv_scales[1, i]) for i in range(arch.num_layers)]
-        else:  # fp8: the checkpoint's per-layer scales where it has them, else calibrated on the first batch
+        else:  # fp8: the checkpoint's per-layer scales where it has them, else calibrated by the engine at load
             scales = getattr(model, "kv_scales", {})
             self.caches = [QuantizedKVCacheLayer(
                 self.kv_pool[0, i], self.kv_pool[1, i], "fp8",
@@ -63,6 +63,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
+
+    @property
+    def kv_needs_calibration(self) -> bool:
+        """FP8 KV layers whose scales are set by the first K/V they see (the engine feeds them fixed text)."""
+        return any(getattr(c, "calibrate", False) for c in self.caches)
 
     @property
     def block_bytes(self) -> int:

@@ -213,9 +213,29 @@ def test_cli_bench_serve_writes_json_and_plot(live, llama_dir, tmp_path, capsys)
     assert result["max_request_rate_within_slo"] == math.inf
     assert png.stat().st_size > 10_000
     assert "rate=50/s" in capsys.readouterr().out
-    assert main(["bench", "serve", "--base-url", url, "--model", MODEL, "--concurrency", "1"]) == 2  # no tokenizer
+    assert main(["bench", "serve", "--base-url", url, "--model", MODEL, "--concurrency", "1"]) == 2  # no key for /tokenize
+    # no --tokenizer: the server's /tokenize and /detokenize size the prompts; --endpoint picks the chat API
+    rc = main(["bench", "serve", "--base-url", url, "--api-key", API_KEY, "--endpoint", "/v1/chat/completions",
+               "--num-prompts", "3", "--input-len", "20:20", "--output-len", "2:2", "--concurrency", "1", "--no-progress",
+               "--output-json", str(out)])
+    run = json.loads(out.read_text())["runs"][0]
+    tok = _tokenizer(llama_dir)
+    template = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False))
+    assert rc == 0 and run["completed"] == 3
+    assert abs(run["prompt_tokens"] - 3 * (20 + template)) <= 3 * 2  # 20 tokens of user text each, give or take re-encoding
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--base-url", url, "--endpoint", "/v1/embeddings"])
+    assert main(["bench", "serve", "--base-url", url, "--api-key", API_KEY, "--tokenizer", str(llama_dir), "--dataset", "multi-turn",
+                 "--endpoint", "/v1/completions", "--concurrency", "1"]) == 2  # conversations need the chat endpoint
     # vLLM's convention: the server's URL without /v1 (and a trailing slash) means the same API root
     rc = main(["bench", "serve", "--base-url", url.removesuffix("/v1") + "/", "--api-key", API_KEY, "--tokenizer", str(llama_dir),
                "--num-prompts", "2", "--input-len", "8:8", "--output-len", "2:2", "--concurrency", "1", "--no-progress",
                "--output-json", str(out)])
     assert rc == 0 and json.loads(out.read_text())["base_url"] == url and json.loads(out.read_text())["model"] == MODEL
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -238,3 +238,24 @@ def test_cli_eval_gates_on_max_kl(stories, capsys):
     r = json.loads(out[out.index("{"):])
     assert r["kl_divergence"] > 0 and 0 < r["top1_agreement"] <= 1
     assert main(base + ["--max-kl", "1e-9"]) == 3
+
+
+def test_fp8_kv_scales_do_not_depend_on_request_order(stories):
+    """FP8 KV scales without checkpoint scales are fixed at load from fixed text: a greedy request gives the
+    same tokens whether it runs first or after other, very different, requests."""
+    from sieve import LLM, SamplingParams
+
+    p = SamplingParams(max_tokens=24, temperature=0)
+    target = "Once upon a time, there was a little girl named Lily."
+
+    def make():
+        return LLM(str(stories), dtype="float32", kv_cache_dtype="fp8", num_gpu_blocks_override=64)
+
+    first = make()
+    alone = first.generate([target], p)[0].outputs[0].token_ids
+    scales = [float(c.k_scale) for c in first.llm_engine.runner.caches]
+    after = make()
+    after.generate([{"prompt_token_ids": list(range(3, 200))}, "zzzz !!!! 9999 ####"], SamplingParams(max_tokens=8))
+    assert [float(c.k_scale) for c in after.llm_engine.runner.caches] == scales
+    assert after.generate([target], p)[0].outputs[0].token_ids == alone
+    assert not any(c.calibrate for c in after.llm_engine.runner.caches)

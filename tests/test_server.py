@@ -730,3 +730,72 @@ def test_prompts_of_one_request_are_admitted_together_with_their_own_params(serv
     assert len(admitted) == 3 and len({steps for _, steps, _ in admitted}) == 1  # all before one same step
     assert len({p for _, _, p in admitted}) == 1  # handed over as one object: the engine makes each request's copy
     assert all(req.params is not None for req in engine.requests.values()) or not engine.requests
+
+
+def test_tokenize_and_detokenize_shaped_like_vllm(server):
+    base, h = server[0], {"Authorization": f"Bearer {API_KEY}"}
+    tok = server[1].tokenizer
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "def f(x): return x"}, headers=h).json()
+    assert r["tokens"] == tok.encode("def f(x): return x") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    assert r["token_strs"] is None
+    strs = httpx.post(base + "/tokenize", json={"prompt": "ab", "add_special_tokens": False, "return_token_strs": True}, headers=h).json()
+    assert strs["token_strs"] == tok.convert_ids_to_tokens(tok.encode("ab", add_special_tokens=False))
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=h).json()
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    back = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}, headers=h).json()
+    assert back == {"prompt": tok.decode(r["tokens"])}
+    for path, body in [("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}), ("/tokenize", {}),
+                       ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": "a", "x": 1}),
+                       ("/tokenize", {"model": "other", "prompt": "a"})]:
+        resp = httpx.post(base + path, json=body, headers=h)
+        assert resp.status_code in (400, 404) and "error" in resp.json(), (path, body, resp.text)
+    assert httpx.post(base + "/tokenize", json={"prompt": "a"}).status_code == 401
+
+
+def test_tokenization_blocks_neither_the_event_loop_nor_the_engine(server, monkeypatch):
+    """A prompt whose tokenization takes as long as we like (held on an event): meanwhile /health answers and
+    another request runs to the end, so the tokenizer ran on neither the event loop nor the engine thread."""
+    base, engine = server
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    tok = engine.tokenizer
+    real = tok.encode
+    held, release = threading.Event(), threading.Event()
+
+    def slow_encode(text, *args, **kwargs):
+        if text == "a very long prompt":
+            held.set()
+            release.wait(30)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(base + "/v1/completions", headers=h, timeout=60, json={
+        "prompt": "a very long prompt", "max_tokens": 2})))
+    t.start()
+    try:
+        assert held.wait(30)
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        other = httpx.post(base + "/v1/completions", headers=h, timeout=30,
+                           json={"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}).json()
+        assert other["usage"]["completion_tokens"] == 8
+        assert "r" not in result  # still being tokenized
+    finally:
+        release.set()
+        t.join(timeout=30)
+    assert result["r"].status_code == 200
+
+
+def test_prompt_token_limit(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64))
+    url, stop = start_server(engine, max_prompt_tokens=10)
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        for body in ({"prompt": [5] * 11}, {"prompt": "word " * 40}, {"prompt": [[5] * 3, [5] * 11]}):
+            r = httpx.post(url + "/v1/completions", headers=h, json=body)
+            assert r.status_code == 400 and "--max-prompt-tokens" in r.json()["error"]["message"], r.text
+        assert httpx.post(url + "/v1/completions", headers=h, json={"prompt": [5] * 10, "max_tokens": 1}).status_code == 200
+    finally:
+        stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -11,7 +13,7 @@ import httpx
 
 from sieve.bench.serving import Target, parse_loads, sweep
 from sieve.bench.serving_stats import SLO
-from sieve.bench.workloads import WorkloadSpec
+from sieve.bench.workloads import Session, WorkloadSpec
 
 
 def _range(s: str) -> tuple[int, int]:
@@ -53,9 +55,15 @@ def api_base(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", type=api_base, default="http://127.0.0.1:8000/v1",
                    help="the server (http://host:port) or its API root (http://host:port/v1)")
+    p.add_argument("--endpoint", default=None, choices=ENDPOINTS,
+                   help="API path the requests go to, as vLLM's client takes it (default: /v1/completions, or "
+                        "/v1/chat/completions for multi-turn)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     add_workload_args(p)
@@ -79,6 +87,49 @@ def load_tokenizer(name: str | None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)
+
+
+def with_endpoint(points: list[list[Session]], endpoint: str) -> list[list[Session]]:
+    """Every session sent to `endpoint`: a conversation of several turns needs the chat one."""
+    chat = endpoint == "/v1/chat/completions"
+    if not chat and any(len(s.turns) > 1 or s.messages is not None for sessions in points for s in sessions):
+        raise ValueError(f"this workload holds conversations: they need --endpoint /v1/chat/completions, not {endpoint}")
+    return [[dataclasses.replace(s, chat=chat) for s in sessions] for sessions in points]
+
+
+class RemoteTokenizer:
+    """The server's tokenizer through vLLM's /tokenize and /detokenize, for sizing prompts when no tokenizer
+    is at hand here. Its token pool (what random text is drawn from) is the ids of a fixed English text."""
+
+    POOL_TEXT = ("the of and to in is was that for it with as on be at by this had not are but from or have an they which "
+                 "one you were her all she there would their we him been has when who will more no if out so said what up "
+                 "its about into than them can only other new some could time these two may then do first any my now such "
+                 "like our over man me even most made after also did many before must through back years where much your "
+                 "way well down should because each just those people how too little state good very make world still own "
+                 "see men work long get here between both life being under never day same another know while last might us "
+                 "great old year off come since against go came right used take three house garden river music number")
+
+    def __init__(self, server: str, model: str | None, api_key: str | None):
+        self.server, self.model = server.rstrip("/"), model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.all_special_ids: list[int] = []
+
+    @functools.cached_property
+    def token_pool(self) -> list[int]:
+        return sorted(set(self.encode(self.POOL_TEXT)))
+
+    def _post(self, path: str, body: dict) -> dict:
+        r = httpx.post(self.server + path, json={"model": self.model, **body}, headers=self.headers, timeout=60)
+        if r.status_code == 404:
+            raise ValueError(f"{self.server} has no {path}: pass --tokenizer")
+        r.raise_for_status()
+        return r.json()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["tokens"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._post("/detokenize", {"tokens": list(ids)})["prompt"]
 
 
 def floor_step_seconds(model: str, dtype: str, log=print) -> float:
@@ -115,7 +166,11 @@ def run_bench_serve(args) -> int:
         loads = parse_loads(args.concurrency, args.request_rate)
         model = args.model or first_model(args.base_url, args.api_key)
         tok_name = args.tokenizer or (args.model if args.model and os.path.isdir(args.model) else None)
-        sessions = workload_from_args(args).build_points(load_tokenizer(tok_name), len(loads))
+        # without a tokenizer here, the server's own (/tokenize, /detokenize) sizes the prompts
+        tokenizer = load_tokenizer(tok_name) if tok_name else RemoteTokenizer(args.base_url.removesuffix("/v1"), model, args.api_key)
+        sessions = workload_from_args(args).build_points(tokenizer, len(loads))
+        if args.endpoint is not None:
+            sessions = with_endpoint(sessions, args.endpoint)
     except (ValueError, httpx.HTTPError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -53,8 +53,9 @@ class TextMaker:
     def __init__(self, tokenizer, seed: int = 0):
         self.tok = tokenizer
         self.rng = random.Random(seed)
+        pool = getattr(tokenizer, "token_pool", None)  # a tokenizer that cannot list its vocabulary names some ids
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.ids = [i for i in range(len(tokenizer)) if i not in special]
+        self.ids = pool if pool is not None else [i for i in range(len(tokenizer)) if i not in special]
 
     def text(self, n_tokens: int) -> str:
         ids = [self.rng.choice(self.ids) for _ in range(n_tokens)]

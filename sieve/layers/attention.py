@@ -64,7 +64,7 @@ class QuantizedKVCacheLayer(KVCacheLayer):
 
     FP8 scales come from the checkpoint when it has them; otherwise they are calibrated on the first
     batch written (as vLLM's `calculate_kv_scales`): amax x FP8_MARGIN / 448, so later values up to
-    FP8_MARGIN times larger still fit before clamping."""
+    FP8_MARGIN times larger still fit before clamping. The engine writes fixed text first, at load."""
 
     FP8_MARGIN = 2.0
 

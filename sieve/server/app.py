@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -23,7 +24,7 @@ from sieve.engine import LLMEngine, RequestError
 from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
-from sieve.server.protocol import ChatCompletionRequest, CompletionRequest
+from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 log = logging.getLogger("sieve")
@@ -89,27 +90,34 @@ class BodyLimit:
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
-               max_body_bytes: int = 16 << 20) -> FastAPI:
+               max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
     `api_key`, /metrics needs it too unless `metrics_public`. Limits: `max_n` choices and `max_prompts`
-    prompts per request (400 past them), `max_body_bytes` per body (413). /health answers 503 when the engine thread
-    has died, or when work is queued and no step has finished for `health_stall_seconds`."""
+    prompts per request (400 past them), `max_body_bytes` per body (413), `max_prompt_tokens` per prompt (400; default:
+    the context length). /health answers 503 when the engine thread has died, or when work is queued and no step has
+    finished for `health_stall_seconds`. Tokenization and chat templates run on a pool of `tokenizer_workers`
+    threads, never on the event loop or the engine thread (a long prompt stalls neither other clients nor steps);
+    one by default, as vLLM's: a fast tokenizer used from two threads at once can fail ("Already borrowed")."""
     aengine = AsyncEngine(engine)
     engine = aengine.engine
     model_name = served_model_name or engine.model_name
     metrics = Metrics(engine, model_name)
     aengine.on_finished = metrics.record_finished
 
+    tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="sieve-tokenize")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         aengine.stop()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = engine.tokenizer
+    prompt_token_limit = max_prompt_tokens or engine.config.max_model_len
     app.state.async_engine = aengine
 
     @app.exception_handler(APIError)
@@ -180,6 +188,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if len(prompts) > max_prompts:
             raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
                                 "(--max-prompts-per-request)", param="prompt")
+        prompts = await asyncio.gather(*(off_loop(_encode_prompt, p) if isinstance(p, str) else _as_ready(_encode_prompt(p))
+                                         for p in prompts))
         return await _serve(raw, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -187,14 +197,67 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so no chat template")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs, body.prompt_logprobs)
-        return await _serve(raw, body, [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}], params, chat=True)
+        prompt = await off_loop(_render_chat, [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt)
+        return await _serve(raw, body, [prompt], params, chat=True)
+
+    async def off_loop(fn, *args):
+        """Run `fn` on the tokenizer pool: tokenizing a long prompt or rendering a template blocks no one."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+
+    async def _as_ready(value):
+        return value
+
+    def _check_length(ids: list[int]) -> None:
+        if len(ids) > prompt_token_limit:
+            raise APIError(400, f"the prompt is {len(ids)} tokens, over this server's limit of {prompt_token_limit} "
+                                f"({'--max-prompt-tokens' if max_prompt_tokens else 'the context length'})", param="prompt",
+                           code="context_length_exceeded")
+
+    def _encode_prompt(prompt):
+        """A text prompt becomes token ids here (the engine then only checks them); ids pass as they are."""
+        if isinstance(prompt, str) and tokenizer is not None:
+            prompt = {"prompt_token_ids": tokenizer.encode(prompt), "prompt": prompt}
+        if isinstance(prompt, dict):
+            _check_length(prompt["prompt_token_ids"])
+        return prompt
+
+    def _render_chat(messages: list[dict], add_generation_prompt: bool) -> dict:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        _check_length(ids)
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    @app.post("/tokenize", dependencies=[Depends(require_api_key)])
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt, or chat messages through the template, to token ids."""
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this server has no tokenizer")
+        if body.messages is not None:
+            prompt = await off_loop(_render_chat, [{"role": m.role, "content": m.text()} for m in body.messages],
+                                    body.add_generation_prompt)
+            ids = prompt["prompt_token_ids"]
+        else:
+            ids = await off_loop(lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
+                "token_strs": [tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=[Depends(require_api_key)])
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's /detokenize: token ids to text."""
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this server has no tokenizer")
+        vocab = engine.arch.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
+        return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
     def _params(body, max_tokens, logprobs, prompt_logprobs):
         field = body.unsupported()
