@@ -54,6 +54,14 @@ class RequestError(ValueError):
     """A request the engine refuses (bad prompt, too long, cannot ever fit)."""
 
 
+class StepFailed(RuntimeError):
+    """A step raised: the requests it held (`request_ids`) are aborted, every other request goes on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.model, self.model_name = resolve_default(config.model)  # model_name: what the server calls it by default
@@ -234,7 +242,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:  # the requests of this step are lost; the rest of the engine is intact
+            failed = list(dict.fromkeys(item.seq.request.request_id for item in sched.scheduled))
+            for rid in failed:
+                self.abort(rid)
+            raise StepFailed(failed, e) from e
         self.scheduler.postprocess(sched)
         self.num_steps += 1
         for seq, first, dicts in result.prompt_logprobs:

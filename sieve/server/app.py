@@ -24,6 +24,7 @@ from sieve.engine import LLMEngine, RequestError
 from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
+from sieve.server.openapi import document
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -111,8 +112,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        aengine.stop()
-        tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        aengine.stop()  # (the tokenizer pool lives as long as the app: its idle threads end with the process)
 
     app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -140,7 +140,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error",
+                              headers=getattr(e, "headers", None))  # a 405 keeps its Allow header
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, which would
     # hide client disconnects from the handlers (and disconnects must abort requests).
@@ -258,6 +259,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
         return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
+
+    keyed = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} | (set() if metrics_public else {"/metrics"})
+    document(app, protected=keyed if api_key else set())
 
     def _params(body, max_tokens, logprobs, prompt_logprobs):
         field = body.unsupported()

@@ -4,7 +4,7 @@ Requests and aborts cross into the engine thread through a lock-protected inbox;
 back to each request's asyncio.Queue with `call_soon_threadsafe`.
 
 Failures reach every affected client: a step that raises fails the requests it held (each gets an
-`EngineError`, and the engine goes on with new ones); anything else that raises in the engine thread
+`EngineError`, and the engine goes on with the others and new ones); anything else that raises in the engine thread
 kills it, fails every request in flight or waiting, and leaves `error` set, which /health reports as
 503 and `sieve serve` turns into a non-zero exit. `last_progress` is when the thread last finished a
 step or found nothing to do, for /health's stall check.
@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from sieve.engine import LLMEngine, Prompt
+from sieve.engine import LLMEngine, Prompt, StepFailed
 from sieve.outputs import RequestOutput
 from sieve.sampling_params import SamplingParams
 
@@ -151,8 +151,14 @@ class AsyncEngine:
                     time.sleep(self.step_delay)
                 try:
                     outputs = self.engine.step()
-                except Exception as e:  # a bug in a step must not hang every client: fail the requests it held
-                    log.exception("an engine step failed; failing the %d requests it held", len(self.engine.requests))
+                except StepFailed as e:  # a step that raised must not hang its clients: fail the requests it held
+                    log.error("an engine step failed (%s); failing the %d requests it held", e, len(e.request_ids),
+                              exc_info=e.__cause__)
+                    for rid in e.request_ids:
+                        self._deliver(rid, EngineError(f"engine step failed: {e}"), last=True)
+                    continue
+                except Exception as e:  # failed outside the model step: nothing the engine holds can be trusted
+                    log.exception("the engine failed between steps; failing the %d requests it held", len(self.engine.requests))
                     self._fail_all(e)
                     continue
                 self.last_progress = time.monotonic()
