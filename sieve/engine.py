@@ -261,7 +261,10 @@ class LLMEngine:
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self.output_processor.append_token(seq, token_id, logprobs)
+            if req.params.max_tokens == 0:  # it asked only for its prompt to be scored: done once the prompt is computed
+                seq.finish_reason = "length"
+            else:
+                self.output_processor.append_token(seq, token_id, logprobs)
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)
             touched[req.request_id] = req

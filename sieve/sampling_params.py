@@ -17,7 +17,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the context limit
+    max_tokens: int | None = 16  # None: up to the context limit; 0 (with prompt_logprobs): score the prompt only
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -65,8 +65,9 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            bad(f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: with prompt_logprobs, "
+                "or echo with logprobs)")
         if self.min_tokens < 0:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

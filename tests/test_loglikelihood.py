@@ -166,3 +166,26 @@ def test_prompt_logprobs_field_on_completions_and_chat(setup):
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[1:]) == 3
     too_many = httpx.post(url + "/v1/completions", headers=h, json={"prompt": ids, "prompt_logprobs": 21})
     assert too_many.status_code == 400 and "max-logprobs" in too_many.json()["error"]["message"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(setup):
+    """OpenAI's legacy prompt-only scoring: echo + logprobs + max_tokens 0 returns the prompt scored and
+    generates nothing; max_tokens 0 without asking for the prompt's logprobs stays a 400."""
+    url, tok, _, engine = setup
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    ids = tok.encode("Once upon a time, there was a little girl")
+    body = {"prompt": ids, "echo": True, "logprobs": 2, "temperature": 0}
+    zero = httpx.post(url + "/v1/completions", headers=h, json={**body, "max_tokens": 0}).json()
+    one = httpx.post(url + "/v1/completions", headers=h, json={**body, "max_tokens": 1}).json()
+    z, o = zero["choices"][0], one["choices"][0]
+    assert z["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0 and z["text"] == tok.decode(ids)
+    assert z["logprobs"]["token_logprobs"] == o["logprobs"]["token_logprobs"][:-1] and len(z["logprobs"]["tokens"]) == len(ids)
+    assert z["logprobs"]["top_logprobs"] == o["logprobs"]["top_logprobs"][:-1]
+    with httpx.stream("POST", url + "/v1/completions", headers=h, json={**body, "max_tokens": 0, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    import json
+
+    assert events[-1] == "[DONE]" and json.loads(events[0])["choices"][0]["logprobs"]["token_logprobs"] == z["logprobs"]["token_logprobs"]
+    refused = httpx.post(url + "/v1/completions", headers=h, json={"prompt": ids, "max_tokens": 0})
+    assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+    assert not engine.has_unfinished()

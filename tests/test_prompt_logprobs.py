@@ -113,3 +113,13 @@ def test_a_failed_step_leaves_the_llm_usable(llama_engine_factory, monkeypatch):
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
     outs = llm.generate([{"prompt_token_ids": PROMPT[:20]}] * 2, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+
+
+def test_max_tokens_0_scores_the_prompt_only(llama_llm, hf_logprobs):
+    out = llama_llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(n=2, max_tokens=0, prompt_logprobs=1))[0]
+    assert [c.token_ids for c in out.outputs] == [[], []] and {c.finish_reason for c in out.outputs} == {"length"}
+    check_against(out.prompt_logprobs, hf_logprobs, 1)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    bm = llama_llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -420,9 +420,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                     continue
                 prefix = _prompt_text(out) if echo else ""
                 lp = _logprobs(c, 0, chat, n_top, len(prefix)) if c.logprobs is not None else None
-                if echo and lp is not None:  # the prompt's tokens first, scored by the tokens before them
+                if echo and body.logprobs is not None:  # the prompt's tokens first, scored by the tokens before them
                     scored = _prompt_logprobs_openai(out, n_top)
-                    lp = {k: scored[k] + v for k, v in lp.items()}
+                    lp = {k: scored[k] + v for k, v in lp.items()} if lp is not None else scored  # max_tokens 0: the prompt alone
                 choice = {"index": p_idx * n + c.index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs_vllm(out)
