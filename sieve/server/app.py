@@ -189,8 +189,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if len(prompts) > max_prompts:
             raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
                                 "(--max-prompts-per-request)", param="prompt")
-        prompts = await asyncio.gather(*(off_loop(_encode_prompt, p) if isinstance(p, str) else _as_ready(_encode_prompt(p))
-                                         for p in prompts))
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]  # token ids need no tokenizer: checked here
+        prompts = [p if isinstance(p, str) else _encode_prompt(p) for p in prompts]
+        for i, encoded in zip(texts, await asyncio.gather(*(off_loop(_encode_prompt, prompts[i]) for i in texts))):
+            prompts[i] = encoded
         return await _serve(raw, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
@@ -206,9 +208,6 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     async def off_loop(fn, *args):
         """Run `fn` on the tokenizer pool: tokenizing a long prompt or rendering a template blocks no one."""
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
-
-    async def _as_ready(value):
-        return value
 
     def _check_length(ids: list[int]) -> None:
         if len(ids) > prompt_token_limit:
