@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or "auto" tokens; methods: ngram, suffix')
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -152,6 +155,12 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
     from sieve.bench.quant import run_quant_benchmark
 
     return _write_json_result(run_quant_benchmark, args)
+
+
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from sieve.bench.spec import run_bench_spec
+
+    return _write_json_result(run_bench_spec, args)
 
 
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
@@ -274,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     bq.add_argument("--kv-memory-gb", type=float, default=2.0)
     bq.add_argument("--output-json", default=None)
     bq.set_defaults(func=cmd_bench_quant)
+    bsp = bench.add_parser("spec", help="speculative decoding against speculation off: batch 1 and N users")
+    from sieve.bench.spec import add_bench_spec_args
+
+    add_bench_spec_args(bsp)
+    bsp.set_defaults(func=cmd_bench_spec)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")
@@ -283,12 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench_bandwidth)
 
     args = parser.parse_args(argv)
+    from sieve.config import ConfigError
     from sieve.models.arch import UnsupportedModelError
     from sieve.models.gguf import GGUFError
 
     try:
         return args.func(args)
-    except (GGUFError, UnsupportedModelError, FileNotFoundError) as e:  # a model that cannot load: one line, no traceback
+    except (GGUFError, UnsupportedModelError, FileNotFoundError, ConfigError) as e:  # a model that cannot load: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

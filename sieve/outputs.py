@@ -39,6 +39,15 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: drafts verified, tokens drafted, drafted tokens accepted (for this request).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verified draft, bonus included (vLLM's mean acceptance length); None: no draft verified."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 @dataclass

@@ -37,19 +37,26 @@ class SamplingMetadata:
     num_logprobs: int  # the largest top-N asked for in the batch; -1: none asked
 
     @staticmethod
-    def plain_greedy(seqs: list[Sequence]) -> bool:
+    def plain_greedy(seqs: list[Sequence], pending: list[list[int]] | None = None) -> bool:
         """Every row takes the argmax of its raw logits: greedy, no penalty, no ban, no logprobs. Such a
         batch needs no metadata at all (a decode step of a small model spent ~0.1 ms building it)."""
-        for s in seqs:
+        for i, s in enumerate(seqs):
             p = s.params
-            if (not p.greedy or p.logprobs is not None or s.num_output_tokens < p.min_tokens or p.presence_penalty
+            n_out = s.num_output_tokens + (len(pending[i]) if pending else 0)
+            if (not p.greedy or p.logprobs is not None or n_out < p.min_tokens or p.presence_penalty
                     or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias):
                 return False
         return True
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, device: torch.device) -> "SamplingMetadata":
+    def from_seqs(cls, seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, device: torch.device,
+                  pending: list[list[int]] | None = None) -> "SamplingMetadata":
+        """One row per entry of `seqs`. `pending[i]`: tokens taken as already appended to row i's sequence (the
+        draft tokens before a verified position), so its penalties, min_tokens ban and seed are those of the
+        position the row samples, exactly as without speculation."""
         ps = [s.params for s in seqs]
+        pending = pending or [[] for _ in seqs]
+        outs = [s.output_token_ids + extra if extra else s.output_token_ids for s, extra in zip(seqs, pending)]
         f32 = dict(dtype=torch.float32, device=device)
 
         def column(values: list, default, **kw) -> torch.Tensor | None:
@@ -62,16 +69,16 @@ class SamplingMetadata:
         repetition = column([p.repetition_penalty for p in ps], 1.0, **f32)
         output_ids = prompt_ids = None
         if presence is not None or frequency is not None or repetition is not None:
-            output_ids = _pad([s.output_token_ids for s in seqs], vocab, device)
+            output_ids = _pad(outs, vocab, device)
             if repetition is not None:
                 prompt_ids = _pad([s.request.prompt_token_ids for s in seqs], vocab, device)
         banned = []
-        for s, p in zip(seqs, ps):
+        for out, p in zip(outs, ps):
             ban: list[int] = []
-            if s.num_output_tokens < p.min_tokens:
+            if len(out) < p.min_tokens:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             banned.append(ban)
-        seeds = [None if s.seed is None else draw_seed(s.seed, s.index, s.num_output_tokens) for s in seqs]
+        seeds = [None if s.seed is None else draw_seed(s.seed, s.index, len(out)) for s, out in zip(seqs, outs)]
         entries = [(row, tok, v) for row, p in enumerate(ps) for tok, v in (p.logit_bias or {}).items() if tok < vocab]
         bias = None
         if entries:
@@ -103,6 +110,10 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [B] int64: 1-based rank of the chosen token
     top_ids: torch.Tensor | None  # [B, N] int64
     top_logprobs: torch.Tensor | None  # [B, N] float32
+    # With keep_probs: the distribution each row sampled from, after every processor ([B, V]; one-hot on
+    # greedy rows), and the raw logprobs (for reporting a token other than the one sampled).
+    probs: torch.Tensor | None = None
+    raw_logprobs: torch.Tensor | None = None
 
 
 def sample_greedy(logits: torch.Tensor) -> SamplerOutput:
@@ -110,11 +121,12 @@ def sample_greedy(logits: torch.Tensor) -> SamplerOutput:
     return SamplerOutput(logits.max(dim=-1).indices, None, None, None, None)
 
 
-def sample(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator | None = None,
+           keep_probs: bool = False) -> SamplerOutput:
     """logits [B, V] float32 -> SamplerOutput. `logits` is modified in place."""
     B, V = logits.shape
     raw_logprobs = None
-    if m.num_logprobs >= 0:
+    if m.num_logprobs >= 0 or keep_probs:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
     _apply_penalties(logits, m)
@@ -125,14 +137,26 @@ def sample(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator
             logits[row, [t for t in ban if t < V]] = _NEG_INF
 
     token_ids = logits.max(dim=-1).indices  # first index of the max, like argmax, and 2x faster on CPU
+    probs = None
     if not bool(m.greedy.all()):
-        token_ids = torch.where(m.greedy, token_ids, _sample_random(logits, m, generator))
+        probs = target_probs(logits, m)
+        token_ids = torch.where(m.greedy, token_ids, draw(probs, m.seeds, generator))
+    if keep_probs:
+        onehot = torch.zeros_like(logits).scatter_(1, token_ids[:, None], 1.0)
+        probs = onehot if probs is None else torch.where(m.greedy[:, None], onehot, probs)
 
-    if raw_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None, None)
+    if m.num_logprobs < 0:
+        return SamplerOutput(token_ids, None, None, None, None, probs, raw_logprobs)
+    out = logprobs_of(raw_logprobs, token_ids, m.num_logprobs)
+    out.probs, out.raw_logprobs = probs, raw_logprobs
+    return out
+
+
+def logprobs_of(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+    """What a row reports for `token_ids`: its logprob, its rank, and the row's top `num_logprobs`."""
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = raw_logprobs.topk(m.num_logprobs, dim=-1) if m.num_logprobs > 0 else (None, None)
+    top_lp, top_ids = raw_logprobs.topk(num_logprobs, dim=-1) if num_logprobs > 0 else (None, None)
     return SamplerOutput(token_ids, chosen, ranks, top_ids, top_lp)
 
 
@@ -156,7 +180,8 @@ def _apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> None:
         logits -= m.presence[:, None] * (counts > 0).to(logits.dtype)
 
 
-def _sample_random(logits: torch.Tensor, m: SamplingMetadata, generator: torch.Generator | None) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, then top-k, top-p, min-p ([B, V], rows sum to 1)."""
     B, V = logits.shape
     logits = logits / m.temperature.clamp_min(1e-5)[:, None]
     if m.top_k is not None or m.top_p is not None:
@@ -173,14 +198,22 @@ def _sample_random(logits: torch.Tensor, m: SamplingMetadata, generator: torch.G
     probs = logits.softmax(dim=-1)
     if m.min_p is not None:
         probs = probs.masked_fill(probs < m.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, seeds: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from `probs` (any non-negative weights): argmax p / q with q ~ Exp(1)."""
+    B, V = probs.shape
     q = torch.empty_like(probs)
-    unseeded = [i for i, s in enumerate(m.seeds) if s is None]
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
     if unseeded:
         q[unseeded] = _exponential((len(unseeded), V), probs.device, generator)
-    for i, seed in enumerate(m.seeds):
+    for i, seed in enumerate(seeds):
         if seed is not None:
             q[i] = _exponential((V,), probs.device, torch.Generator(device=probs.device).manual_seed(seed))
     return (probs / q).argmax(dim=-1)
+
 
 
 def _exponential(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sieve.block_manager import BlockManager
 from sieve.config import EngineConfig
@@ -24,15 +25,30 @@ from sieve.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed for it this step (1 for a decode)
+    num_new_tokens: int  # tokens computed for it this step, drafts included (1 + k for a decode with k drafts)
+    # Speculative decoding: tokens drafted after the sequence's end, computed and verified this step. Their rows
+    # follow the sequence's last token; how many were accepted (`num_accepted`) is known after sampling.
+    draft: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    num_accepted: int = 0
     # Sibling choices forked from `seq` at the end of its prompt: they take its K/V and sample their first
     # token from the same logits (n > 1 prefills the prompt once).
     forks: list[Sequence] = field(default_factory=list)
 
     @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the sequence itself computed this step (without the drafts)."""
+        return self.num_new_tokens - len(self.draft)
+
+    @property
     def samples(self) -> bool:
-        """True if this step reaches the end of the sequence, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True if this step reaches the end of the sequence, so a token is sampled (1 + k with k drafts)."""
+        return self.seq.num_computed_tokens + self.num_real_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Computes only the sequence's last token (and its drafts): every row attends through the block table."""
+        return self.num_real_tokens == 1 and self.samples
 
 
 @dataclass
@@ -80,22 +96,32 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # 1. Running sequences, in order of service: decodes and unfinished prefill chunks.
+        # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < seq.num_tokens - seq.num_computed_tokens:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
                 i += 1
                 continue
-            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+            # Drafts are optional: trimmed to the budget and the context, and dropped before anyone is preempted.
+            k = min(len(seq.draft_token_ids), budget - 1, self.config.max_model_len - seq.num_tokens) if remaining == 1 else 0
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new + k):
+                if k:
+                    k = 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
+                item = ScheduledSeq(seq, num_new + k)
+                if k:
+                    item.draft = seq.draft_token_ids[:k]
+                    item.draft_probs = seq.draft_probs[:k] if seq.draft_probs is not None else None
+                out.scheduled.append(item)
+                budget -= item.num_new_tokens
                 i += 1
                 continue
             break  # `seq` itself was preempted: nothing after it can run either
@@ -131,7 +157,7 @@ class Scheduler:
 
     def _fork(self, item: ScheduledSeq, out: SchedulerOutput) -> None:
         parent, unforked = item.seq, item.seq.request.unforked
-        end = parent.num_computed_tokens + item.num_new_tokens
+        end = parent.num_computed_tokens + item.num_real_tokens
         while unforked and len(self.running) < self.config.max_num_seqs:
             block = self.blocks.reserve_fork(unforked[0], end)
             if block is False:
@@ -167,15 +193,21 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.blocks.free(seq)
+        seq.draft_token_ids, seq.draft_probs = [], None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
         out.preempted.append(seq)
 
     def postprocess(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance each scheduled sequence's computed-token count."""
+        """After the model ran and its tokens were appended: advance each scheduled sequence's computed-token
+        count by its own tokens and the drafts it accepted (`num_accepted`, now part of its tokens), and give
+        back the blocks that only rejected drafts reached. Only then are full blocks entered in the prefix
+        cache, so a rejected draft never is."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_real_tokens + s.num_accepted
+            if s.draft:
+                self.blocks.truncate(s.seq, s.seq.num_tokens)
             self.blocks.commit(s.seq)
             for child in s.forks:
                 self.blocks.fork(s.seq, child, s.seq.num_computed_tokens)

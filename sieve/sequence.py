@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from sieve.outputs import Logprob, RequestMetrics
 from sieve.sampling_params import SamplingParams
@@ -51,6 +52,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (block manager's memo)
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
+    # Speculative decoding: tokens drafted to follow token_ids, verified next step (never part of token_ids
+    # until accepted), and the distribution each was drawn from (None: deterministic drafts).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None
 
     # Output side (written by the output processor).
     output_text: str = ""

@@ -34,6 +34,8 @@ class Metrics:
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**label).set_function(fn)
         r.register(_PrefixCacheCollector(engine.block_manager, model_name))
+        if getattr(engine, "speculator", None) is not None:
+            r.register(_SpecDecodeCollector(engine.speculator.stats, model_name))
         self.model_name = model_name
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -72,3 +74,27 @@ class _PrefixCacheCollector:
         cached = GaugeMetricFamily("sieve:prefix_cache_blocks", "KV blocks held by the prefix cache", labels=["model_name"])
         cached.add_metric(label, b.num_cached_blocks)
         yield from (queries, hits, rate, cached)
+
+
+class _SpecDecodeCollector:
+    """Speculative-decoding counters (vLLM's names): drafts verified, tokens drafted, tokens accepted, and
+    accepted tokens per draft position."""
+
+    def __init__(self, stats, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s, label = self.stats, [self.model_name]
+        for name, doc, value in (
+            ("num_drafts", "Drafts verified", s.num_drafts),
+            ("num_draft_tokens", "Tokens drafted", s.num_draft_tokens),
+            ("num_accepted_tokens", "Drafted tokens accepted", s.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(f"sieve:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+        per_pos = CounterMetricFamily("sieve:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, per draft position",
+                                      labels=["model_name", "position"])
+        for pos, value in enumerate(s.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], value)
+        yield per_pos

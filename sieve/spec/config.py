@@ -1,0 +1,86 @@
+"""`speculative_config`: vLLM's shape (a dict, or JSON on the command line), validated once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    # Draft tokens per sequence per step, or "auto": chosen each step per sequence from acceptance and
+    # the measured cost of the step (sieve/spec/controller.py), up to `max_num_speculative_tokens`.
+    num_speculative_tokens: int | str = 4
+    max_num_speculative_tokens: int = 8  # the ceiling of "auto"
+    model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
+    # ngram (prompt lookup): the longest match of the sequence's last n tokens, n from max down to min.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # suffix (Arctic Inference's suffix decoding; vLLM's names)
+    suffix_decoding_max_tree_depth: int = 24  # longest context matched
+    suffix_decoding_max_cached_requests: int = 1000  # past outputs kept in the global index
+    suffix_decoding_min_token_prob: float = 0.1  # stop drafting when the path's estimated probability drops below
+    # Draft model sampling: 0 drafts its argmax (q one-hot); > 0 samples drafts at this temperature (q its distribution).
+    draft_temperature: float = 0.0
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs a 'method': one of {', '.join(METHODS)}")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def max_k(self) -> int:
+        """The most draft tokens one sequence may be given in a step."""
+        return self.max_num_speculative_tokens if self.auto else int(self.num_speculative_tokens)
+
+    def validate(self) -> None:
+        def positive_int(name: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not self.auto:
+            positive_int("num_speculative_tokens (or \"auto\")", self.num_speculative_tokens)
+        positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)
+        positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
+        positive_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
+                             f"got {self.suffix_decoding_min_token_prob!r}")
+        if isinstance(self.draft_temperature, bool) or not isinstance(self.draft_temperature, (int, float)) \
+                or not 0 <= self.draft_temperature <= 10:
+            raise ValueError(f"speculative_config.draft_temperature must be a number in [0, 10], got {self.draft_temperature!r}")
+        if self.method in ("draft_model", "eagle", "medusa") and not self.model:
+            raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the path of the "
+                             f"{'draft checkpoint' if self.method == 'draft_model' else 'trained heads'}")
+        if self.method in ("ngram", "suffix") and self.model:
+            raise ValueError(f"speculative_config: method {self.method!r} takes no \"model\"")

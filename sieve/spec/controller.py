@@ -1,0 +1,135 @@
+"""How many tokens each sequence drafts next step.
+
+Fixed depth: `num_speculative_tokens` for every sequence. "auto": the depth that maximises expected tokens
+per second of the next step, from two measured things:
+
+- `StepCostModel`: seconds per engine step as a function of the tokens it computes, measured on this machine
+  (a calibration at load, then every step, as exponential moving averages per geometric bucket of token
+  counts, interpolated). Decode on a small batch is bound by the weights' bytes, so extra rows are nearly free;
+  on a large batch, or on a CPU where compute is the limit, every row costs — the model sees which.
+- Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
+  before it were (counts per sequence, smoothed towards the running global rate of the method).
+
+With a_s,j those rates, drafting k tokens for sequence s yields 1 + sum_{j<=k} prod_{i<=j} a_s,i tokens in
+expectation. Each sequence's marginal gains decrease with depth, so the best set of M extra rows is the M
+largest marginal gains over all sequences; the controller takes the M (0 included) that maximises
+(expected tokens) / t(base rows + M), and wants a `MARGIN` better rate than not speculating at all, so a
+noisy estimate never makes a step slower. Depth is therefore per sequence, and k = 0 is a choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sieve.sequence import Sequence
+from sieve.spec.config import SpeculativeConfig
+
+MARGIN = 0.03  # speculation must promise at least this much more throughput than none
+PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate
+GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
+
+
+class StepCostModel:
+    BASE = 1.25  # bucket width: token counts within 25% share a bucket
+    DECAY = 0.8
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 1 or not seconds > 0:
+            return
+        b = round(math.log(num_tokens, self.BASE))
+        point = self.buckets.get(b)
+        if point is None:
+            self.buckets[b] = [float(num_tokens), seconds]
+        else:
+            d = self.DECAY
+            point[0] = d * point[0] + (1 - d) * num_tokens
+            point[1] = d * point[1] + (1 - d) * seconds
+
+    @property
+    def ready(self) -> bool:
+        return len(self.buckets) >= 2
+
+    def predict(self, num_tokens: float) -> float:
+        """Seconds for a step of `num_tokens` tokens: piecewise linear through the bucket means (made
+        non-decreasing), extended beyond them along the nearest segment (never decreasing)."""
+        pts = sorted(self.buckets.values())
+        xs, ys = [p[0] for p in pts], []
+        for p in pts:
+            ys.append(max(p[1], ys[-1]) if ys else p[1])
+        if len(xs) == 1:
+            return ys[0] * max(1.0, num_tokens / xs[0])
+        if num_tokens <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if num_tokens <= xs[i]:
+                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
+        x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]
+        return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (num_tokens - x1)
+
+
+class DepthController:
+    def __init__(self, config: SpeculativeConfig, cost: StepCostModel):
+        self.auto, self.K, self.cost = config.auto, config.max_k, cost
+        self.global_tried = [0.0] * self.K
+        self.global_accepted = [0.0] * self.K
+        self.per_seq: dict[int, tuple[list[int], list[int]]] = {}  # id(seq) -> (tried, accepted) per position
+
+    def rates(self, seq: Sequence) -> list[float]:
+        """Estimated acceptance of each draft position given the previous ones were accepted."""
+        tried, accepted = self.per_seq.get(id(seq), (None, None))
+        out = []
+        for j in range(self.K):
+            g = (self.global_accepted[j] + 1.0) / (self.global_tried[j] + 2.0)
+            if tried is None:
+                out.append(g)
+            else:
+                out.append((accepted[j] + PRIOR_WEIGHT * g) / (tried[j] + PRIOR_WEIGHT))
+        return out
+
+    def choose(self, seqs: list[Sequence], caps: list[int], extra_tokens: int = 0, budget: int | None = None) -> list[int]:
+        """Draft depth per sequence (each at most its cap); `extra_tokens`: other tokens expected next step."""
+        if not self.auto:
+            return [min(self.K, c) for c in caps]
+        n = len(seqs)
+        if not n or not self.cost.ready:
+            return [0] * n
+        gains = []
+        for i, (seq, cap) in enumerate(zip(seqs, caps)):
+            g = 1.0
+            for a in self.rates(seq)[:cap]:
+                g *= a
+                gains.append((g, i))
+        gains.sort(key=lambda x: -x[0])
+        if budget is not None:
+            del gains[max(0, budget - n - extra_tokens):]
+        base = n + extra_tokens
+        best_rate, best_m = n / self.cost.predict(base) * (1 + MARGIN), 0
+        expected = float(n)
+        for m, (g, _) in enumerate(gains, 1):
+            expected += g
+            rate = expected / self.cost.predict(base + m)
+            if rate > best_rate:
+                best_rate, best_m = rate, m
+        ks = [0] * n
+        for _, i in gains[:best_m]:
+            ks[i] += 1
+        return ks
+
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        tried, accepted = self.per_seq.setdefault(id(seq), ([0] * self.K, [0] * self.K))
+        for j in range(self.K):
+            self.global_tried[j] *= GLOBAL_DECAY
+            self.global_accepted[j] *= GLOBAL_DECAY
+        for j in range(min(num_draft, num_accepted + 1)):  # positions reached: all accepted, then the first rejected
+            hit = j < num_accepted
+            tried[j] += 1
+            accepted[j] += hit
+            self.global_tried[j] += 1
+            self.global_accepted[j] += hit
+
+    def forget(self, seq: Sequence) -> None:
+        self.per_seq.pop(id(seq), None)

@@ -1,0 +1,98 @@
+"""What the engine sees of speculative decoding: after each step, `prepare` gives every sequence that decodes
+next a draft (or none); after verification, `record` counts what was accepted; `finish` when a sequence leaves.
+
+Drafts ride in the ordinary batch: the scheduler budgets 1 + k tokens for a drafting sequence and reserves
+their KV slots, the runner verifies every sequence in one target pass (sieve/spec/rejection.py), and the
+scheduler rolls back the slots of rejected tokens (they never enter the prefix cache).
+"""
+
+from __future__ import annotations
+
+from sieve.sequence import Sequence
+from sieve.spec.config import SpeculativeConfig
+from sieve.spec.controller import DepthController, StepCostModel
+from sieve.spec.proposer import Proposer
+
+
+def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
+    """The proposer of `config.method`. `context`: what model-based proposers need (the target engine's pieces)."""
+    if config.method == "ngram":
+        from sieve.spec.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from sieve.spec.suffix import SuffixProposer
+
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_min_token_prob)
+    raise ValueError(f"speculative_config.method {config.method!r} is not available in this build yet "
+                     "(available: ngram, suffix)")
+
+
+class SpecStats:
+    """Counters named after vLLM's spec-decode metrics."""
+
+    def __init__(self, max_k: int):
+        self.num_drafts = 0  # verifications of a non-empty draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * max_k
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft, the bonus token included (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, max_num_batched_tokens: int):
+        self.config, self.proposer = config, proposer
+        self.max_model_len, self.budget = max_model_len, max_num_batched_tokens
+        self.cost = StepCostModel()
+        self.controller = DepthController(config, self.cost)
+        self.stats = SpecStats(config.max_k)
+
+    def prepare(self, running: list[Sequence], extra_tokens: int = 0) -> None:
+        """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
+        ready, caps = [], []
+        for seq in running:
+            seq.draft_token_ids, seq.draft_probs = [], None
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.request.unforked:
+                continue
+            # Drafted tokens must fit in the context, and the step emits at most k + 1 tokens.
+            cap = min(self.max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if cap > 0:
+                ready.append(seq)
+                caps.append(cap)
+        if not ready:
+            return
+        ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
+        chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
+        if not chosen:
+            return
+        drafts = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
+        for (seq, k), d in zip(chosen, drafts):
+            seq.draft_token_ids = d.token_ids[:k]
+            seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
+
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        """A draft of `num_draft` tokens was verified and its first `num_accepted` kept."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_draft
+        s.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            s.accepted_per_pos[j] += 1
+        m = seq.request.metrics
+        m.spec_num_drafts += 1
+        m.spec_num_draft_tokens += num_draft
+        m.spec_num_accepted_tokens += num_accepted
+        self.controller.record(seq, num_draft, num_accepted)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.draft_token_ids, seq.draft_probs = [], None
+        self.proposer.finish(seq)
+        self.controller.forget(seq)

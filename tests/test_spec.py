@@ -1,0 +1,396 @@
+"""Speculative decoding is lossless: every method, fixed and adaptive depth, gives the tokens the plain engine
+gives (greedy, and seeded sampling, with every sampling option), alone and in a crowd, with chunked prefill,
+preemption and prefix caching; the KV pool's accounting stays exact through rejections, aborts and failed steps;
+and unseeded sampling keeps the target's distribution (tested statistically on stories260K).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from sieve import LLM, SamplingParams
+from sieve.spec.config import SpeculativeConfig
+from sieve.spec.controller import DepthController, StepCostModel
+from sieve.spec.proposer import Draft
+from sieve.spec.rejection import verify_with_q
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+VOCAB = 4096
+
+
+def grounded_workload(n: int, seed: int = 0):
+    """Prompts that repeat spans (so prompt lookup finds matches) mixed with random ones; greedy."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        span = [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 30))]
+        ids = span * rng.randint(2, 4) if i % 3 else [rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 90))]
+        prompts.append({"prompt_token_ids": ids})
+    params = [SamplingParams(max_tokens=rng.randint(8, 48), temperature=0, ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_pool_clean(engine):
+    bm = engine.block_manager
+    assert not engine.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks and sum(bm.ref_counts) == 0
+    assert sorted([*bm.free_blocks, *bm.evictable]) == list(range(bm.num_blocks))
+
+
+@pytest.fixture(scope="module")
+def plain(llama_engine_factory):
+    return llama_engine_factory()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_greedy_tokens_identical_alone_and_in_a_crowd(llama_engine_factory, plain, method, k):
+    prompts, params = grounded_workload(33)
+    reference = ids(plain.generate(prompts, params))
+    llm = llama_engine_factory(speculative_config={"method": method, "num_speculative_tokens": k})
+    engine = llm.llm_engine
+    alone = [llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts[:4], params[:4])]
+    assert alone == reference[:4]
+    assert ids(llm.generate(prompts, params)) == reference  # 33 at once
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0  # drafts were verified and kept: the test bites
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and some were rejected
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert_pool_clean(engine)
+
+
+class OracleProposer:
+    """Drafts the reference continuation of each choice, corrupted at random positions (deterministically), so
+    verification meets long accepted runs, early rejections and everything between."""
+
+    def __init__(self, refs: dict, error: float = 0.25, seed: int = 0):
+        self.refs, self.error, self.rng = refs, error, random.Random(seed)
+        self.finished = 0
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            ref = self.refs[(tuple(seq.request.prompt_token_ids), seq.index)]
+            n = seq.num_output_tokens
+            d = [t if self.rng.random() > self.error else self.rng.randrange(3, VOCAB) for t in ref[n : n + k]]
+            drafts.append(Draft(d))
+        return drafts
+
+    def finish(self, seq):
+        self.finished += 1
+
+
+def option_workload(n: int, seed: int = 1):
+    """Every sampling option that depends on the generated history or position, seeded where random."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    shared = [rng.randrange(3, VOCAB) for _ in range(40)]  # a shared prefix (prefix caching in the mix)
+    for i in range(n):
+        tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]
+        prompts.append({"prompt_token_ids": (shared + tail) if i % 2 else tail})
+        kind = i % 6
+        common = dict(max_tokens=rng.randint(6, 40), ignore_eos=True)
+        params.append([
+            SamplingParams(temperature=0, logprobs=3, **common),
+            SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4, **common),
+            SamplingParams(temperature=0.9, top_p=0.8, seed=100 + i, logprobs=2, **common),
+            SamplingParams(temperature=1.1, top_k=40, min_p=0.02, seed=200 + i, frequency_penalty=0.7, **common),
+            SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[7, 9], logit_bias={11: 3.0}, max_tokens=30),
+            SamplingParams(n=2, temperature=1.0, seed=300 + i, **common),
+        ][kind])
+    return prompts, params
+
+
+def test_every_sampling_option_and_seed_behaves_as_without_speculation(llama_engine_factory, plain):
+    """Oracle drafts (partly wrong) through chunked prefill, preemption, prefix caching and n = 2 forks: every
+    choice's tokens are the plain engine's, logprobs agree, and the pool is clean afterwards."""
+    prompts, params = option_workload(24)
+    reference = plain.generate(prompts, params)
+    refs = {(tuple(p["prompt_token_ids"]), c.index): c.token_ids for p, r in zip(prompts, reference) for c in r.outputs}
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+                               num_gpu_blocks_override=48, block_size=4, max_num_batched_tokens=48)
+    engine = llm.llm_engine
+    engine.speculator.proposer = oracle = OracleProposer(refs)
+    outs = llm.generate(prompts, params)
+    for r, o in zip(reference, outs):
+        for a, b in zip(r.outputs, o.outputs):
+            assert b.token_ids == a.token_ids, (r.request_id, a.index)
+            assert b.finish_reason == a.finish_reason
+            if a.logprobs is not None:
+                for da, db in zip(a.logprobs, b.logprobs):
+                    assert da.keys() == db.keys()
+                    for tok in da:
+                        assert db[tok].logprob == pytest.approx(da[tok].logprob, abs=1e-4)
+                        assert db[tok].rank == da[tok].rank
+    s = engine.speculator.stats
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert s.num_accepted_tokens > 50 and s.num_draft_tokens - s.num_accepted_tokens > 50
+    assert engine.block_manager.num_hit_tokens > 0
+    assert oracle.finished == sum(sp.n for sp in params)
+    for o in outs:  # per-request acceptance figures
+        m = o.metrics
+        assert m.spec_num_accepted_tokens <= m.spec_num_draft_tokens
+        if m.spec_num_drafts:
+            assert 1 <= m.spec_mean_acceptance_length <= 5
+    assert_pool_clean(engine)
+
+
+def test_stop_inside_accepted_drafts_drops_the_rest(llama_engine_factory, plain):
+    """A stop token or max_tokens reached in the middle of an accepted run ends the sequence there."""
+    prompts, params = grounded_workload(6, seed=3)
+    reference = plain.generate(prompts, params)
+    refs = {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)}
+    stops = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=len(refs[k]), stop_token_ids=[refs[k][5]])
+             for k in refs]
+    expected = plain.generate(prompts, stops)
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    llm.llm_engine.speculator.proposer = OracleProposer(refs, error=0.0)
+    got = llm.generate(prompts, stops)
+    assert ids(got) == ids(expected)
+    assert all(o.outputs[0].finish_reason == "stop" for o in got)
+    assert_pool_clean(llm.llm_engine)
+
+
+def test_kv_accounting_through_rejections_aborts_and_failed_steps(llama_engine_factory, plain):
+    prompts, params = grounded_workload(14, seed=7)
+    reference = plain.generate(prompts, params)
+    refs = {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)}
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+                               num_gpu_blocks_override=48, block_size=4, max_num_batched_tokens=40)
+    engine = llm.llm_engine
+    engine.speculator.proposer = OracleProposer(refs, error=0.4)
+    bm = engine.block_manager
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    real_execute, failed, aborted, step = engine.runner.execute, [], [], 0
+
+    def flaky(sched):  # one failure, in a step that verifies drafts
+        if step == 6 and not failed and any(item.draft for item in sched.scheduled):
+            failed.append(True)
+            raise RuntimeError("injected fault")
+        return real_execute(sched)
+
+    engine.runner.execute = flaky
+    from sieve.engine import StepFailed
+
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except StepFailed as e:
+            aborted += e.request_ids
+        step += 1
+        held = [b for s in engine.scheduler.running + engine.scheduler.waiting for b in s.block_table]
+        assert all(bm.ref_counts[b] == held.count(b) for b in set(held))
+        assert len(set(held)) + bm.num_free_blocks == bm.num_blocks
+        for s in engine.scheduler.running:  # a table never covers more than the tokens (drafts are rolled back)
+            assert len(s.block_table) <= bm.blocks_needed(s.num_tokens)
+        if step == 4:  # abort sequences holding drafts for the next verification
+            for s in [s for s in engine.scheduler.running if s.draft_token_ids][:2]:
+                aborted.append(s.request.request_id)
+                engine.abort(s.request.request_id)
+    assert failed and len(aborted) >= 3
+    # Only real tokens ever entered the prefix cache: every cached hash is a block of some request's tokens.
+    from sieve.block_manager import chain_hash
+
+    real = set()
+    for p, r in zip(prompts, reference):
+        toks, h = p["prompt_token_ids"] + r.outputs[0].token_ids, bm.root_hash
+        for j in range(len(toks) // bm.block_size):
+            h = chain_hash(h, toks[j * bm.block_size : (j + 1) * bm.block_size])
+            real.add(h)
+    assert bm.cached and set(bm.cached) <= real
+    assert_pool_clean(engine)
+
+
+def test_verify_with_q_keeps_the_target_distribution():
+    """Rejection sampling with a draft distribution: over 40,000 trials the first emitted token's frequencies
+    match p within 4.5 standard errors (< 1.1 points here; a 2-point bias fails), and so does the bonus."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 6, 40_000
+    p = torch.tensor([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04], [0.1, 0.1, 0.5, 0.1, 0.1, 0.1]])
+    q = torch.tensor([[0.05, 0.4, 0.05, 0.3, 0.1, 0.1]])
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    for _ in range(N):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        bonus = int(torch.multinomial(p[1], 1, generator=g))
+        out = verify_with_q([d], q, p, [-1, bonus], [None, None], g)
+        first[out[0]] += 1
+        if len(out) == 2:
+            second[out[1]] += 1
+    freq = first / N
+    se = (p[0] * (1 - p[0]) / N).sqrt()
+    assert ((freq - p[0]).abs() <= 4.5 * se).all(), (freq, p[0])
+    accepted = second.sum()
+    assert accepted / N == pytest.approx(float(torch.minimum(p[0], q[0]).sum()), abs=0.01)
+    se2 = (p[1] * (1 - p[1]) / accepted).sqrt()
+    assert ((second / accepted - p[1]).abs() <= 4.5 * se2).all()
+
+
+@pytest.fixture(scope="module")
+def stories_spec():
+    return LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=2048, max_num_seqs=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+class FixedDraft:
+    """Drafts the same two tokens after every first token: accepted when the target agrees, else rejected."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, seqs, ks):
+        return [Draft(self.tokens[:k]) for k in ks]
+
+    def finish(self, seq):
+        pass
+
+
+class SampledDraft:
+    """Draws each draft token from a fixed distribution q and says so: verification by rejection sampling."""
+
+    def __init__(self, q, seed=0):
+        self.q, self.g = q, torch.Generator().manual_seed(seed)
+
+    def propose(self, seqs, ks):
+        out = []
+        for k in ks:
+            d = torch.multinomial(self.q, k, replacement=True, generator=self.g).tolist()
+            out.append(Draft(d, self.q.expand(k, -1).clone()))
+        return out
+
+    def finish(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("proposer", ["fixed", "sampled"])
+def test_sampling_distribution_equals_the_target(stories_spec, proposer):
+    """stories260K, temperature 0.9: 12,000 unseeded samples of tokens after a prompt. Every second token is
+    verified against a draft (a fixed guess with q one-hot, or a draw from a distribution q by rejection
+    sampling); its frequencies must match the exact marginal sum_x p(x) p(y | x) within 4.5 standard errors
+    for every token over 1% (under 2 points for all of them, so a 2-point bias fails)."""
+    engine = stories_spec.llm_engine
+    tok = engine.tokenizer
+    prompt = tok.encode("Once upon a time, there was a little girl. She saw a big dog. The little girl saw a big")
+    temp, N = 0.9, 12_000
+    with torch.no_grad():
+        p0 = torch.softmax(engine.score(prompt)[-1] / temp, -1)
+        marginal = torch.zeros_like(p0)
+        for x in torch.nonzero(p0 > 1e-6).flatten().tolist():
+            marginal += p0[x] * torch.softmax(engine.score(prompt + [x])[-1] / temp, -1)
+    if proposer == "fixed":
+        engine.speculator.proposer = FixedDraft([int(marginal.argmax())] * 2)
+    else:  # a q that overweights some tokens and underweights others
+        q = (marginal + 0.02) ** 0.5
+        engine.speculator.proposer = SampledDraft(q / q.sum())
+    sp = SamplingParams(n=250, max_tokens=3, temperature=temp, ignore_eos=True)  # 3: room to draft the second
+    stats = engine.speculator.stats
+    before, accepted_before = stats.num_drafts, stats.accepted_per_pos[0]
+    seconds = torch.zeros(engine.arch.vocab_size)
+    for _ in range(N // 250):
+        for c in stories_spec.generate([{"prompt_token_ids": prompt}], sp)[0].outputs:
+            seconds[c.token_ids[1]] += 1
+    assert stats.num_drafts - before == N  # every second token went through verification
+    assert 0.05 * N < stats.accepted_per_pos[0] - accepted_before < 0.95 * N  # accepted and rejected
+    freq = seconds / N
+    se = (marginal * (1 - marginal) / N).sqrt()
+    big = marginal > 0.01
+    assert big.sum() >= 3 and (4.5 * se[big] < 0.02).all()
+    assert ((freq - marginal).abs()[big] <= 4.5 * se[big]).all(), (freq[big], marginal[big])
+    assert_pool_clean(engine)
+
+
+def test_adaptive_depth_follows_the_cost_of_a_step():
+    """With a step cost that is nearly flat (bandwidth-bound) the controller drafts deep; when every extra row costs as
+    much as a decode (compute-bound, many users) it drafts nothing; it drafts more for sequences whose drafts
+    are accepted more often."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 6})
+
+    class S:  # a sequence stand-in: the controller only keys on identity
+        pass
+
+    flat, steep = StepCostModel(), StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        flat.observe(n, 0.010 + 0.0005 * n)
+        steep.observe(n, 0.001 + 0.003 * n)
+    good, bad = S(), S()
+    for cost, expect_deep in ((flat, True), (steep, False)):
+        c = DepthController(config, cost)
+        for _ in range(40):
+            c.record(good, 6, 5)  # accepted 5 of 6, every time
+            c.record(bad, 6, 0)
+        ks = c.choose([good, bad], [6, 6])
+        if expect_deep:
+            assert ks == [5, 0]  # the sixth draft of `good` was never accepted either
+        else:
+            users = [S() for _ in range(32)]
+            assert c.choose(users, [6] * 32) == [0] * 32
+    fixed = DepthController(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}), flat)
+    assert fixed.choose([good, bad], [6, 2]) == [3, 2]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "lookahead"}, "method must be one of"),
+    ({"num_speculative_tokens": 3}, "needs a 'method'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": "deep"}, "positive integer"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+    ({"method": "ngram", "speculative_tokens": 3}, "unknown field"),
+    ({"method": "draft_model"}, "needs \"model\""),
+    ({"method": "ngram", "model": "x"}, "takes no"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_config_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(bad)
+
+
+def test_server_speculates_and_exports_vllm_spec_metrics(llama_dir, plain):
+    """Through the server (the openai client): the same tokens as without speculation, streamed or not, and the
+    spec-decode counters on /metrics."""
+    import openai
+    from live_server import API_KEY, MODEL, metrics_page, start_server
+
+    from sieve import EngineConfig, LLMEngine
+
+    prompts, params = grounded_workload(3, seed=11)
+    reference = plain.generate(prompts, params)
+    expected = [o.outputs[0].text for o in reference]
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512,
+                                    speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'))
+    engine.speculator.proposer = OracleProposer(
+        {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)})
+    url, stop = start_server(engine)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        for p, sp, want in zip(prompts, params, expected):
+            body = dict(model=MODEL, prompt=p["prompt_token_ids"], max_tokens=sp.max_tokens, temperature=0,
+                        extra_body={"ignore_eos": True})
+            r = client.completions.create(**body)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body))
+            assert r.choices[0].text == streamed == want
+            assert r.usage.completion_tokens == sp.max_tokens
+        page = metrics_page(url)
+        value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in page.splitlines() if line.startswith("sieve:spec_decode")}
+        drafts = value[f'sieve:spec_decode_num_drafts_total{{model_name="{MODEL}"}}']
+        accepted = value[f'sieve:spec_decode_num_accepted_tokens_total{{model_name="{MODEL}"}}']
+        assert drafts > 0 and accepted > 0
+        assert value[f'sieve:spec_decode_num_draft_tokens_total{{model_name="{MODEL}"}}'] >= accepted
+        assert sum(v for k, v in value.items() if "per_pos" in k) == accepted
+    finally:
+        stop()
+
+
+def test_cli_refuses_a_bad_speculative_config_in_one_line(llama_dir):
+    from test_cli import run_cli
+
+    r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--speculative-config", '{"method": "ngram", "k": 2}')
+    assert r.returncode == 2 and "unknown field(s) k" in r.stderr and "Traceback" not in r.stderr
