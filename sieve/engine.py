@@ -18,7 +18,7 @@ import time
 import torch
 
 from sieve.block_manager import BlockManager
-from sieve.config import EngineConfig
+from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
 from sieve.model_runner import ModelRunner
@@ -112,7 +112,8 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             sc = config.speculative_config
-            self.speculator = Speculator(sc, build_proposer(sc), max_len, config.max_num_batched_tokens)
+            self.speculator = Speculator(sc, build_proposer(sc, make_engine=self._draft_engine), max_len,
+                                         config.max_num_batched_tokens)
             if sc.auto:
                 self._calibrate_step_cost()
             log.info("speculative decoding: %s, %s draft tokens", sc.method,
@@ -134,6 +135,19 @@ class LLMEngine:
         ids = ids[: max(1, min(len(ids), self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size))]
         self.score(ids)
         log.info("FP8 KV scales calibrated at load on %d tokens of fixed text", len(ids))
+
+    def _draft_engine(self, model: str) -> "LLMEngine":
+        """The engine a draft model runs in: same device, dtype and context, its own KV pool and prefix cache."""
+        c = self.config
+        draft = LLMEngine(EngineConfig(
+            model=model, dtype=c.dtype, device=c.device, max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size, kv_cache_memory_gb=c.kv_cache_memory_gb,
+            kv_cache_memory_fraction=c.kv_cache_memory_fraction / 2, num_gpu_blocks_override=c.num_gpu_blocks_override,
+            num_threads=c.num_threads, seed=c.seed, skip_tokenizer_init=True))
+        if draft.arch.vocab_size != self.arch.vocab_size:
+            raise ConfigError(f"draft model {model!r} has a vocabulary of {draft.arch.vocab_size} tokens, the target "
+                              f"{self.arch.vocab_size}: a draft model must share the target's tokenizer")
+        return draft
 
     def _calibrate_step_cost(self, reps: int = 3) -> None:
         """Seed the step-cost model of adaptive speculation: time decode steps of 1, 2, 4, ... rows (the shape
@@ -171,6 +185,8 @@ class LLMEngine:
             raise RequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not ids:
             raise RequestError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError("prompt_token_ids must be a list of integer token ids")
         bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.arch.vocab_size}")

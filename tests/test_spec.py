@@ -67,6 +67,31 @@ def test_greedy_tokens_identical_alone_and_in_a_crowd(llama_engine_factory, plai
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("draft", ["llama", "qwen2"])
+def test_draft_model_greedy_tokens_identical(llama_engine_factory, plain, checkpoints, draft):
+    """A draft checkpoint with the same tokenizer: the target itself (every draft accepted) or another model
+    (most rejected); the tokens are the plain engine's either way, and both pools end clean."""
+    prompts, params = grounded_workload(12, seed=5)
+    reference = ids(plain.generate(prompts, params))
+    llm = llama_engine_factory(speculative_config={"method": "draft_model", "model": str(checkpoints[draft]),
+                                                   "num_speculative_tokens": 3})
+    assert ids(llm.generate(prompts, params)) == reference
+    stats = llm.llm_engine.speculator.stats
+    if draft == "llama":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2
+    assert_pool_clean(llm.llm_engine)
+    assert_pool_clean(llm.llm_engine.speculator.proposer.engine)
+
+
+def test_draft_model_must_share_the_vocabulary(llama_engine_factory):
+    from sieve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="must share the target's tokenizer"):
+        llama_engine_factory(speculative_config={"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 2})
+
+
 class OracleProposer:
     """Drafts the reference continuation of each choice, corrupted at random positions (deterministically), so
     verification meets long accepted runs, early rejections and everything between."""

@@ -7,7 +7,8 @@ Two workloads, both chat-templated for an instruct model:
   chat      open questions with no input to copy from.
 
 For each configuration (off, then each `--configs` entry) it reports, in one run:
-  batch 1   tokens/s over the prompts run one at a time, its ratio to off, the mean acceptance length
+  batch 1   decode tokens/s (after the first token: prefill is the same work either way) over the prompts run
+            one at a time, and end to end (prefill included), their ratios to off, the mean acceptance length
             (1 + accepted / drafts per verified draft, vLLM's definition) and whether the tokens equal off's
             (temperature 0: they must);
   users N   throughput with N requests in flight (each of N users sends its next request when the previous one
@@ -99,6 +100,9 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-user", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--keep-history", action="store_true",
+                   help="keep suffix decoding's index of past outputs across repeats (by default each repeat starts "
+                        "without it: the same prompts again would otherwise be drafted from their own earlier answers)")
     p.add_argument("--output-json", default=None)
 
 
@@ -113,7 +117,8 @@ def _engine(args, spec: dict | None, max_num_seqs: int):
 
 def _prompt_ids(llm, messages: list[list[dict]]) -> list[dict]:
     tok = llm.get_tokenizer()
-    return [{"prompt_token_ids": tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True)} for m in messages]
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    return [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
 
 
 def _params(args, seed: int | None = None) -> SamplingParams:
@@ -122,18 +127,23 @@ def _params(args, seed: int | None = None) -> SamplingParams:
 
 def _batch1(llm, prompts, args) -> dict:
     engine = llm.llm_engine
-    tokens = seconds = 0.0
+    tokens = seconds = decode_tokens = decode_seconds = 0.0
     outs = []
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
         out = llm.generate([p], _params(args, seed=None if args.temperature == 0 else 1000 + i))[0]
         seconds += time.perf_counter() - t0
-        tokens += len(out.outputs[0].token_ids)
+        n = len(out.outputs[0].token_ids)
+        tokens += n
+        m = out.metrics  # decode: after the first token (prefill is the same work with or without speculation)
+        decode_tokens += n - 1
+        decode_seconds += m.finished_time - m.first_token_time
         outs.append(out)
     drafts = sum(o.metrics.spec_num_drafts for o in outs)
     accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
     per_request = [o.metrics.spec_mean_acceptance_length for o in outs if o.metrics.spec_num_drafts]
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "token_ids": [o.outputs[0].token_ids for o in outs],
+    return {"tokens": tokens, "seconds": seconds, "e2e_tok_s": tokens / seconds, "tok_s": decode_tokens / decode_seconds,
+            "token_ids": [o.outputs[0].token_ids for o in outs],
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None,
             "engine_steps": engine.num_steps}
@@ -181,22 +191,29 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
         runs: dict = {name: [] for name in names}
         for _ in range(args.repeats):
             for name, llm in zip(names, engines):
+                proposer = getattr(llm.llm_engine.speculator, "proposer", None)
+                if not args.keep_history and hasattr(proposer, "reset"):
+                    proposer.reset()
                 runs[name].append(_batch1(llm, prompts[: args.prompts], args) if u == 1 else _concurrent(llm, prompts, u, args))
         for name in names:
             rs = runs[name]
             med = statistics.median(r["tok_s"] for r in rs)
             entry = {"tok_s": med, "runs_tok_s": [r["tok_s"] for r in rs]}
             if u == 1:
+                entry["e2e_tok_s"] = statistics.median(r["e2e_tok_s"] for r in rs)
                 entry["mean_acceptance_length"] = rs[0]["mean_acceptance_length"]
                 entry["mean_acceptance_length_per_request"] = rs[0]["mean_acceptance_length_per_request"]
                 entry["identical_to_off"] = rs[0]["token_ids"] == runs["off"][0]["token_ids"]
             results[name][f"users_{u}"] = entry
-        base = results["off"][f"users_{u}"]["tok_s"]
-        print(f"\n{'batch 1' if u == 1 else f'{u} users'}:")
+        base = results["off"][f"users_{u}"]
+        print(f"\n{'batch 1: decode tokens/s after the first token (end to end, prefill included)' if u == 1 else f'{u} users: output tokens/s'}:")
         for name in names:
             e = results[name][f"users_{u}"]
-            e["speedup"] = e["tok_s"] / base
+            e["speedup"] = e["tok_s"] / base["tok_s"]
             extra = ""
+            if u == 1:
+                e["e2e_speedup"] = e["e2e_tok_s"] / base["e2e_tok_s"]
+                extra = f"  ({e['e2e_tok_s']:.1f} tok/s, {e['e2e_speedup']:.2f}x)"
             if u == 1 and name != "off":
                 mal = e["mean_acceptance_length"]
                 extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"

@@ -10,7 +10,9 @@
 //   returns       [num_seqs, num_heads, head_dim] in q's dtype
 //
 // Work is split over (sequence, kv head): each item holds its G = num_heads / num_kv_heads query heads
-// (grouped-query attention: they share every K/V row read) and walks the sequence's blocks once. Per
+// (grouped-query attention: they share every K/V row read) and walks the sequence's blocks once. With
+// AVX-512, consecutive rows of one sequence (a decode and its speculative drafts: context lengths L, L + 1,
+// ... through one table) form one item, so the drafts' rows add no K/V reads. Per
 // block: the block's keys become float32 (once, in a small scratch) and give G x block_size scores, 16
 // tokens' dot products summed by one transpose-and-add tree; an online
 // softmax (running max and sum per head, flash-decoding style) rescales the accumulators; the block's
@@ -71,6 +73,22 @@ inline float element(const Pool& p, int64_t row, int64_t head_dim, int64_t i) {
     case at::kFloat8_e4m3fn: return fp8_to_f32(static_cast<const uint8_t*>(p.data)[at]) * p.scale;
     default: return static_cast<float>(static_cast<const int8_t*>(p.data)[at]) * static_cast<float>(p.token_scales[row]);
   }
+}
+
+// Rows that are consecutive positions of one sequence (a decode and the tokens drafted after it, verified in
+// the same step): context lengths L, L + 1, ... through the same block table. Such a group walks its K/V once
+// for all its rows; each row still sees exactly its own context, so its result is the one it would get alone.
+// Returns the first row of each group, then num_seqs.
+inline std::vector<int64_t> row_groups(const int64_t* tables, const int64_t* lens, int64_t num_seqs, const Layout& lay) {
+  std::vector<int64_t> starts{0};
+  for (int64_t s = 1; s < num_seqs; ++s) {
+    const int64_t nb = (lens[s] + lay.block_size - 1) / lay.block_size;
+    const bool same = lens[s] == lens[s - 1] + 1 &&
+                      std::memcmp(tables + s * lay.max_blocks, tables + (s - 1) * lay.max_blocks, nb * sizeof(int64_t)) == 0;
+    if (!same) starts.push_back(s);
+  }
+  starts.push_back(num_seqs);
+  return starts;
 }
 
 // ---- scalar path ------------------------------------------------------------------------------------------
@@ -185,30 +203,44 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
                 int64_t num_seqs, const Layout& lay, float scale) {
   constexpr int D = 16 * V;
   const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
-  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores(G * bs), kf(bs * D), vf(bs * D), m(G), l(G);
+  const std::vector<int64_t> starts = row_groups(tables, lens, num_seqs, lay);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, groups * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, kf(bs * D), vf(bs * D), m, l;
+    std::vector<int64_t> qlen;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
-      const int64_t* table = tables + s * lay.max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -1e30f);  // finite: the build uses -ffast-math
-      std::fill(l.begin(), l.end(), 0.f);
+      // One item: the rows of a group (R consecutive positions of one sequence) times the G query heads of kv
+      // head kh; query i is row i / G, head i % G, and sees the first qlen[i] tokens.
+      const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
+      const int64_t L = lens[s0 + R - 1];
+      const int64_t* table = tables + s0 * lay.max_blocks;
+      qf.resize(Q * D);
+      acc.assign(Q * D, 0.f);
+      scores.resize(Q * bs);
+      m.assign(Q, -1e30f);  // finite: the build uses -ffast-math
+      l.assign(Q, 0.f);
+      qlen.resize(Q);
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t r = i / G, g = i % G;
+        qlen[i] = lens[s0 + r];
+        for (int d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(q[(s0 + r) * lay.q_stride + (kh * G + g) * D + d]) * scale;
+      }
       for (int64_t j = 0; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;  // row of token 0 of this block; token t is row0 + t * KVH
-        // keys of the block as float32, once for all heads; then scores[g, t] = q_g . k_t, 16 tokens at a time
+        // keys of the block as float32, once for all queries; then scores[i, t] = q_i . k_t, 16 tokens at a time
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = row0 + t * KVH;
           const float rs = row_scale<kKV>(k, row);
           for (int i = 0; i < V; ++i) _mm512_storeu_ps(&kf[t * D + 16 * i], load16<kKV>(k.data, row * D + 16 * i, rs));
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < Q; ++g) {
+          const int64_t ng = std::min(n, qlen[g] - j * bs);  // tokens of this block query g sees
+          if (ng <= 0) continue;
           __m512 qv[V];
           for (int i = 0; i < V; ++i) qv[i] = _mm512_loadu_ps(&qf[g * D + 16 * i]);
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t cnt = std::min<int64_t>(16, n - t0);
+          for (int64_t t0 = 0; t0 < ng; t0 += 16) {
+            const int64_t cnt = std::min<int64_t>(16, ng - t0);
             __m512 dots[16];
             for (int t = 0; t < 16; ++t) {
               if (t >= cnt) {
@@ -223,20 +255,22 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
             _mm512_mask_storeu_ps(&scores[g * bs + t0], cnt >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1), hsum16(dots));
           }
         }
-        // values of the block as float32, once for all heads
+        // values of the block as float32, once for all queries
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = row0 + t * KVH;
           const float rs = row_scale<kKV>(v, row);
           for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < Q; ++g) {
+          const int64_t ng = std::min(n, qlen[g] - j * bs);
+          if (ng <= 0) continue;
           float* sg = &scores[g * bs];
           float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = 0; t < ng; ++t) mx = std::max(mx, sg[t]);
           const float alpha = std::exp(m[g] - mx);  // rescales what came before (0 on the first block)
           float sum = 0.f;
-          for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 mask = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+          for (int64_t t = 0; t < ng; t += 16) {
+            const __mmask16 mask = ng - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - t)) - 1);
             const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), _mm512_set1_ps(mx)));
             _mm512_mask_storeu_ps(sg + t, mask, p);
             sum += _mm512_mask_reduce_add_ps(mask, p);
@@ -245,16 +279,17 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           m[g] = mx;
           __m512 a[V];
           for (int i = 0; i < V; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * i]), _mm512_set1_ps(alpha));
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = 0; t < ng; ++t) {
             const __m512 p = _mm512_set1_ps(sg[t]);
             for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[t * D + 16 * i]), a[i]);
           }
           for (int i = 0; i < V; ++i) _mm512_storeu_ps(&acc[g * D + 16 * i], a[i]);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) out[s * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t r = i / G, g = i % G;
+        const float inv = 1.f / l[i];
+        for (int d = 0; d < D; ++d) out[(s0 + r) * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[i * D + d] * inv);
       }
     }
   });

@@ -313,6 +313,7 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
     sweep<kMR, NB>(M, blocks, tile);
   };
   if (fp8) body.template operator()<kRows, 3>(Fp8Decode{});
+  else if (gscale && M > kRows / 2 && M <= kRows) body.template operator()<kRows, 1>(Int8Decode{});  // see qmatmul_int4_into
   else if (gscale) body.template operator()<kRows / 2, 3>(Int8Decode{});  // per-group accumulators take registers too
   else body.template operator()<kRows, 3>(Int8Decode{});
 }
@@ -328,8 +329,12 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   // two accumulators per block at every batch size: one order of summation, so a row's result does not
   // depend on how many rows share the call (see the top of this file)
   auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); };
+  // 5 to 8 rows (a decode verifying 4 to 7 drafted tokens): one pass of 8-row tiles over one stream per thread,
+  // instead of a 4-row pass and a second pass that decodes every weight again for the rest (measured on
+  // SmolLM2-135M Q4_1, 5 rows: 11.4 -> see docs/benchmarks.md). The order of summation within a row is the same.
   if (M <= 2) sweep<2, 3>(M, blocks, tile);
-  else sweep<4, 2>(M, blocks, tile);
+  else if (M <= 4 || M > kRows) sweep<4, 2>(M, blocks, tile);
+  else sweep<kRows, 1>(M, blocks, tile);
 }
 
 }  // namespace sieve

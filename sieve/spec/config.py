@@ -23,8 +23,6 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24  # longest context matched
     suffix_decoding_max_cached_requests: int = 1000  # past outputs kept in the global index
     suffix_decoding_min_token_prob: float = 0.1  # stop drafting when the path's estimated probability drops below
-    # Draft model sampling: 0 drafts its argmax (q one-hot); > 0 samples drafts at this temperature (q its distribution).
-    draft_temperature: float = 0.0
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -76,9 +74,6 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
                              f"got {self.suffix_decoding_min_token_prob!r}")
-        if isinstance(self.draft_temperature, bool) or not isinstance(self.draft_temperature, (int, float)) \
-                or not 0 <= self.draft_temperature <= 10:
-            raise ValueError(f"speculative_config.draft_temperature must be a number in [0, 10], got {self.draft_temperature!r}")
         if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the path of the "
                              f"{'draft checkpoint' if self.method == 'draft_model' else 'trained heads'}")

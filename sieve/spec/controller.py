@@ -8,7 +8,10 @@ per second of the next step, from two measured things:
   counts, interpolated). Decode on a small batch is bound by the weights' bytes, so extra rows are nearly free;
   on a large batch, or on a CPU where compute is the limit, every row costs — the model sees which.
 - Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
-  before it were (counts per sequence, smoothed towards the running global rate of the method).
+  before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
+  method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every
+  step from a full-depth probe, whatever depth was verified, so a sequence given k = 0 still shows when its
+  drafts start to be right.
 
 With a_s,j those rates, drafting k tokens for sequence s yields 1 + sum_{j<=k} prod_{i<=j} a_s,i tokens in
 expectation. Each sequence's marginal gains decrease with depth, so the best set of M extra rows is the M
@@ -27,6 +30,7 @@ from sieve.spec.config import SpeculativeConfig
 MARGIN = 0.03  # speculation must promise at least this much more throughput than none
 PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate
 GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
+SEQ_DECAY = 0.7  # per recorded draft: a sequence's estimate follows its recent drafts (copying starts and stops)
 
 
 class StepCostModel:
@@ -120,10 +124,14 @@ class DepthController:
         return ks
 
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
-        tried, accepted = self.per_seq.setdefault(id(seq), ([0] * self.K, [0] * self.K))
+        """A draft of `num_draft` tokens for `seq` had its first `num_accepted` right (and the next one wrong,
+        if num_accepted < num_draft)."""
+        tried, accepted = self.per_seq.setdefault(id(seq), ([0.0] * self.K, [0.0] * self.K))
         for j in range(self.K):
             self.global_tried[j] *= GLOBAL_DECAY
             self.global_accepted[j] *= GLOBAL_DECAY
+            tried[j] *= SEQ_DECAY
+            accepted[j] *= SEQ_DECAY
         for j in range(min(num_draft, num_accepted + 1)):  # positions reached: all accepted, then the first rejected
             hit = j < num_accepted
             tried[j] += 1

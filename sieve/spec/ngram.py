@@ -48,6 +48,8 @@ def lookup(buf: TokenBuffer, tokens: list[int], k: int, n_min: int, n_max: int) 
 
 
 class NgramProposer:
+    free = True  # asking costs next to nothing: "auto" may probe it at full depth every step
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self.buffers: dict[int, TokenBuffer] = {}

@@ -25,8 +25,12 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
+    if config.method == "draft_model":
+        from sieve.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(context["make_engine"](config.model))
     raise ValueError(f"speculative_config.method {config.method!r} is not available in this build yet "
-                     "(available: ngram, suffix)")
+                     "(available: ngram, suffix, draft_model)")
 
 
 class SpecStats:
@@ -51,6 +55,10 @@ class Speculator:
         self.cost = StepCostModel()
         self.controller = DepthController(config, self.cost)
         self.stats = SpecStats(config.max_k)
+        # "auto" with a proposer that costs nothing to ask: draft full depth every step (a probe), verify the
+        # chosen prefix, and learn acceptance from the whole probe once the tokens it guessed are known.
+        self.probing = config.auto and getattr(proposer, "free", False)
+        self.probes: dict[int, tuple[int, list[int]]] = {}  # id(seq) -> (index of the first guessed token, guess)
 
     def prepare(self, running: list[Sequence], extra_tokens: int = 0) -> None:
         """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
@@ -60,11 +68,22 @@ class Speculator:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.request.unforked:
                 continue
             # Drafted tokens must fit in the context, and the step emits at most k + 1 tokens.
-            cap = min(self.max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            cap = min(self.max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1, self.config.max_k)
             if cap > 0:
                 ready.append(seq)
                 caps.append(cap)
         if not ready:
+            return
+        if self.probing:
+            self._resolve_probes(ready)
+            drafts = self.proposer.propose(ready, caps)
+            for seq, d in zip(ready, drafts):
+                if d.token_ids:
+                    self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
+            caps = [len(d.token_ids) for d in drafts]  # nothing to verify beyond what was drafted
+            ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
+            for seq, k, d in zip(ready, ks, drafts):
+                seq.draft_token_ids = d.token_ids[:k]
             return
         ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
         chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
@@ -74,6 +93,21 @@ class Speculator:
         for (seq, k), d in zip(chosen, drafts):
             seq.draft_token_ids = d.token_ids[:k]
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
+
+    def _resolve_probes(self, seqs: list[Sequence]) -> None:
+        """Score each sequence's last probe against the tokens generated since: leading matches, and whether
+        the first guess after them is known wrong."""
+        for seq in seqs:
+            probe = self.probes.pop(id(seq), None)
+            if probe is None:
+                continue
+            start, guess = probe
+            known = seq.token_ids[start : start + len(guess)]
+            a = 0
+            while a < len(known) and known[a] == guess[a]:
+                a += 1
+            # positions 0..a-1 right; position a wrong if it is known, else not yet tried
+            self.controller.record(seq, a + 1 if a < len(known) else a, a)
 
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `num_draft` tokens was verified and its first `num_accepted` kept."""
@@ -87,7 +121,8 @@ class Speculator:
         m.spec_num_drafts += 1
         m.spec_num_draft_tokens += num_draft
         m.spec_num_accepted_tokens += num_accepted
-        self.controller.record(seq, num_draft, num_accepted)
+        if not self.probing:
+            self.controller.record(seq, num_draft, num_accepted)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
@@ -96,3 +131,4 @@ class Speculator:
         seq.draft_token_ids, seq.draft_probs = [], None
         self.proposer.finish(seq)
         self.controller.forget(seq)
+        self.probes.pop(id(seq), None)

@@ -51,6 +51,8 @@ class BigramIndex:
 
 
 class SuffixProposer:
+    free = True  # asking costs next to nothing: "auto" may probe it at full depth every step
+
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, min_token_prob: float = 0.1):
         self.max_depth, self.max_cached, self.min_prob = max_tree_depth, max_cached_requests, min_token_prob
         self.global_index = BigramIndex()
@@ -108,6 +110,10 @@ class SuffixProposer:
         while m < limit and t[i - m] == ctx[-1 - m]:
             m += 1
         return m
+
+    def reset(self) -> None:
+        """Forget every past output (the global index); sequences in flight keep their own."""
+        self.global_index, self.global_docs, self._evicted = BigramIndex(), OrderedDict(), 0
 
     def finish(self, seq: Sequence) -> None:
         """Index the finished sequence's output (with the context just before it) for later requests."""
