@@ -9,11 +9,13 @@ The interface the offline API and the server drive:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import itertools
 import logging
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -154,18 +156,21 @@ class LLMEngine:
         speculation adds) on this machine, before any request. Every real step refines it afterwards."""
         from sieve.model_runner import time_decode_rows
 
-        block = self.block_manager.allocate  # borrow one block, as score() does
-        from types import SimpleNamespace
-
-        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
-        if not block(holder, 1):
-            return
-        try:
+        with self._borrowed_blocks(1) as table:
             n, cap = 1, min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
             while n <= cap:
-                times = sorted(time_decode_rows(self.runner, n, holder.block_table[0]) for _ in range(reps))
+                times = sorted(time_decode_rows(self.runner, n, table[0]) for _ in range(reps))
                 self.speculator.observe_step(n, times[len(times) // 2])
                 n *= 2
+
+    @contextlib.contextmanager
+    def _borrowed_blocks(self, num_tokens: int):
+        """A block table for `num_tokens` tokens taken from the free pool between steps, given back after."""
+        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
+        if not self.block_manager.allocate(holder, num_tokens):
+            raise RequestError(f"{num_tokens} tokens do not fit in the free KV blocks")
+        try:
+            yield holder.block_table
         finally:
             self.block_manager.free(holder)
 
@@ -270,19 +275,12 @@ class LLMEngine:
         """Logits [T, vocab] (float32) at every position of `token_ids`, for evaluation. Runs between
         steps on blocks borrowed from the pool; `chunk` splits the prefill so later chunks read the
         earlier ones through the (possibly quantized) KV cache, as serving does."""
-        from types import SimpleNamespace
-
         from sieve.model_runner import score_logits
 
-        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
-        if not self.block_manager.allocate(holder, len(token_ids)):
-            raise RequestError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
-        try:
+        with self._borrowed_blocks(len(token_ids)) as table:
             step = chunk or len(token_ids)
-            return torch.cat([score_logits(self.runner, token_ids, s, min(s + step, len(token_ids)), holder.block_table)
+            return torch.cat([score_logits(self.runner, token_ids, s, min(s + step, len(token_ids)), table)
                               for s in range(0, len(token_ids), step)])
-        finally:
-            self.block_manager.free(holder)
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -304,6 +302,7 @@ class LLMEngine:
                 scored += dicts
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        finished: list[Sequence] = []
         drafted = {id(item.seq): item for item in sched.scheduled if item.draft}
         for seq, tokens, logprobs in result.sampled:
             req = seq.request
@@ -323,14 +322,14 @@ class LLMEngine:
                     # Drafts accepted by verification (the metric), and those now part of the sequence (their K/V stays).
                     self.speculator.record(seq, len(item.draft), len(tokens) - 1)
                     item.num_accepted = appended - 1
+            if seq.finish_reason is not None:
+                finished.append(seq)
             touched[req.request_id] = req
-        self.scheduler.postprocess(sched)
-        for req in touched.values():
-            for seq in req.seqs:
-                if seq.finish_reason is not None and not seq.is_finished:
-                    self.scheduler.remove(seq)
-                    if self.speculator is not None:
-                        self.speculator.finish(seq)
+        self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
+        for seq in finished:
+            self.scheduler.remove(seq)
+            if self.speculator is not None:
+                self.speculator.finish(seq)
         outputs = []
         for req in touched.values():
             out = self.output_processor.make_output(req)
@@ -338,8 +337,10 @@ class LLMEngine:
                 del self.requests[req.request_id]
             outputs.append(out)
         if self.speculator is not None:
-            self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
-            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next())
+            auto = self.speculator.config.auto  # only the adaptive depth uses step times and the coming prefill
+            if auto:
+                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
         return outputs
 
     def _prefill_tokens_next(self) -> int:

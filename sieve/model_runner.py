@@ -11,6 +11,7 @@ every sequence in the batch.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -189,10 +190,11 @@ class ModelRunner:
             if item.draft_probs is not None and not seq.params.greedy:
                 emitted = verify_with_q(item.draft, item.draft_probs, out.probs[first : first + k + 1], target,
                                         meta_s.seeds[first : first + k + 1], self.generator)
-                if emitted[-1] != target[len(emitted) - 1] and seq.params.logprobs is not None:  # a residual draw
+                n = seq.params.logprobs
+                if emitted[-1] != target[len(emitted) - 1] and n is not None:  # a residual draw: report it, not the target's
                     i = first + len(emitted) - 1
-                    lp_dicts[i] = _logprob_dicts(logprobs_of(out.raw_logprobs[i : i + 1], torch.tensor([emitted[-1]], device=self.device),
-                                                             max(meta_s.num_logprobs, 0)), [seq.params.logprobs])[0]
+                    chosen = torch.tensor([emitted[-1]], device=self.device)
+                    lp_dicts[i] = _logprob_dicts(logprobs_of(out.raw_logprobs[i : i + 1], chosen, n), [n])[0]
             else:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
@@ -220,10 +222,7 @@ class ModelRunner:
             b = min(a + rows_per_pass, hi)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + a - start : row + b - start]), dim=-1)
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
-            chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-            ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-            top_lp, top_ids = logprobs.topk(n, dim=-1) if n > 0 else (None, None)
-            dicts += _logprob_dicts(SamplerOutput(targets, chosen, ranks, top_ids, top_lp), [n] * (b - a))
+            dicts += _logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
         return [(seq, lo + 1, dicts)] if dicts else []
 
 
@@ -246,8 +245,6 @@ def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int
 def time_decode_rows(runner: ModelRunner, num_rows: int, block: int) -> float:
     """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the borrowed
     `block` at position 0: the shape of the rows speculation adds, for the step-cost model."""
-    import time
-
     dev = runner.device
     slot = torch.full((num_rows,), block * runner.block_size, dtype=torch.int64, device=dev)
     meta = AttentionMetadata(slot, num_rows, torch.full((num_rows, 1), block, device=dev),

@@ -49,6 +49,30 @@ def test_native_decode_attention_matches_reference(dtype, tol, block_size, kv_he
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_size, L", [(16, 40), (4, 15), (8, 1)])
+def test_native_decode_attention_rows_of_one_sequence_equal_each_row_alone(block_size, L):
+    """A decode and its drafts are rows with context L, L + 1, ... through one block table, which the kernel walks
+    once for all of them: each row's result is bit for bit what it gets alone, and matches the reference."""
+    ops = cpu_ops()
+    rows, heads, kv_heads, head_dim = 5, 6, 2, 64
+    need = -(-(L + rows) // block_size)
+    num_blocks = 2 * need + 1
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(rows + 1, heads, head_dim, generator=g)
+    table, other = list(range(need))[::-1], list(range(need, 2 * need))
+    tables = torch.tensor([table] * rows + [other])  # the last row: another sequence at the same length as row 0
+    lens = torch.tensor([L + i for i in range(rows)] + [L])
+    scale = head_dim**-0.5
+    got = ops.paged_decode_attention(q, k, v, tables, lens, scale)
+    for r in range(rows + 1):
+        alone = ops.paged_decode_attention(q[r : r + 1].contiguous(), k, v, tables[r : r + 1], lens[r : r + 1], scale)
+        assert torch.equal(got[r], alone[0]), r
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), rows + 1, tables, lens, [])
+    torch.testing.assert_close(got, decode_attention_reference(q, KVCacheLayer(k, v), meta, scale), atol=1e-5, rtol=1e-5)
+
+
 def test_engine_outputs_equal_with_and_without_native_kernel(llama_engine_factory, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17, 90)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)

@@ -126,7 +126,6 @@ def _params(args, seed: int | None = None) -> SamplingParams:
 
 
 def _batch1(llm, prompts, args) -> dict:
-    engine = llm.llm_engine
     tokens = seconds = decode_tokens = decode_seconds = 0.0
     outs = []
     for i, p in enumerate(prompts):
@@ -145,8 +144,7 @@ def _batch1(llm, prompts, args) -> dict:
     return {"tokens": tokens, "seconds": seconds, "e2e_tok_s": tokens / seconds, "tok_s": decode_tokens / decode_seconds,
             "token_ids": [o.outputs[0].token_ids for o in outs],
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None,
-            "engine_steps": engine.num_steps}
+            "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None}
 
 
 def _concurrent(llm, prompts, users: int, args) -> dict:

@@ -2,8 +2,8 @@
 
     SpeculativeConfig   the `speculative_config` (vLLM's fields)
     Speculator          what the engine drives: prepare drafts, record acceptance, finish a sequence
-    build_proposer      one module per method: ngram.py, suffix.py (behind proposer.Proposer)
-    rejection.verify    greedy and random verification (lossless)
+    build_proposer      one module per method: ngram.py, suffix.py, draft_model.py (behind proposer.Proposer)
+    rejection           lossless verification: verify_deterministic (one-hot q), verify_with_q (rejection sampling)
     controller          the adaptive depth ("auto") and the measured step-cost model
 """
 

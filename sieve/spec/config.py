@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+BUILT = ("ngram", "suffix", "draft_model")  # eagle and medusa need trained heads (`sieve distill`), not built yet
 
 
 @dataclass
@@ -61,6 +62,9 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in BUILT:
+            raise ValueError(f"speculative_config.method {self.method!r} is not built yet in sieve "
+                             f"(available: {', '.join(BUILT)})")
         if not self.auto:
             positive_int("num_speculative_tokens (or \"auto\")", self.num_speculative_tokens)
         positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)

@@ -12,6 +12,7 @@ from sieve.sequence import Sequence
 from sieve.spec.config import SpeculativeConfig
 from sieve.spec.controller import DepthController, StepCostModel
 from sieve.spec.proposer import Proposer
+from sieve.spec.rejection import accepted_prefix
 
 
 def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
@@ -25,12 +26,10 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
-    if config.method == "draft_model":
-        from sieve.spec.draft_model import DraftModelProposer
+    assert config.method == "draft_model", config.method  # SpeculativeConfig.validate refuses the rest
+    from sieve.spec.draft_model import DraftModelProposer
 
-        return DraftModelProposer(context["make_engine"](config.model))
-    raise ValueError(f"speculative_config.method {config.method!r} is not available in this build yet "
-                     "(available: ngram, suffix, draft_model)")
+    return DraftModelProposer(context["make_engine"](config.model))
 
 
 class SpecStats:
@@ -41,11 +40,6 @@ class SpecStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * max_k
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verified draft, the bonus token included (vLLM's definition)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 class Speculator:
@@ -103,9 +97,7 @@ class Speculator:
                 continue
             start, guess = probe
             known = seq.token_ids[start : start + len(guess)]
-            a = 0
-            while a < len(known) and known[a] == guess[a]:
-                a += 1
+            a = accepted_prefix(known, guess)
             # positions 0..a-1 right; position a wrong if it is known, else not yet tried
             self.controller.record(seq, a + 1 if a < len(known) else a, a)
 

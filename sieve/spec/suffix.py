@@ -68,8 +68,7 @@ class SuffixProposer:
         state = self.local.get(id(seq))
         if state is None:
             state = self.local[id(seq)] = (BigramIndex(), _Doc(seq.token_ids), [0])
-        index, doc, done = state
-        doc.tokens = seq.token_ids
+        index, doc, done = state  # doc.tokens is seq.token_ids itself: it grows in place
         ctx = seq.token_ids
         L = len(ctx)
         if L < 2:
