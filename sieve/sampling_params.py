@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sieve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token (the first has none): its logprob plus the top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained to a schema, regex, choice or grammar
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,11 @@ class SamplingParams:
                 bad(f"{name} must be a non-negative integer, got {value!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams")
+            if self.min_tokens:
+                bad("min_tokens cannot be combined with structured outputs: the grammar decides where the output ends")
         if any(not s for s in self.stop_strings):
             bad("stop strings must not be empty")
         for tok, value in (self.logit_bias or {}).items():

@@ -56,6 +56,7 @@ class Sequence:
     # until accepted), and the distribution each was drawn from (None: deterministic drafts).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None
+    grammar: Any = None  # structured outputs: this sequence's GrammarMatcher (sieve/structured), or None
 
     # Output side (written by the output processor).
     output_text: str = ""

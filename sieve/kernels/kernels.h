@@ -45,6 +45,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
                                         double eps);
 void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// Structured outputs: -inf in logits[rows[i]] wherever bit v of mask[i] (int32 words, LSB first) is 0.
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor mask, torch::Tensor rows);
 // rows `ids` of an int8 table with float16 scales per group (GGUF Q8_0), dequantized: an embedding lookup
 torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Tensor ids, at::ScalarType dtype);
 

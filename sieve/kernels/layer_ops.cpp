@@ -9,10 +9,15 @@
 //   rotary_       in place on q/k heads: (a, b) = halves of a head, c = bf16(cos), s = bf16(sin):
 //                 a' = bf16(bf16(a c) - bf16(b s)), b' = bf16(bf16(b c) + bf16(a s)).
 //   silu_mul      [T, 2I] (gate | up) -> bf16(bf16(silu(gate)) * up), silu in float32.
+//   apply_token_bitmask_  structured outputs: forbidden tokens' logits to -inf (float32), a word of 32 at a time.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 
@@ -168,6 +173,45 @@ torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Te
     }
   }
   return out;
+}
+
+void apply_token_bitmask_(torch::Tensor logits, torch::Tensor mask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2 && logits.is_contiguous(), "logits must be contiguous float32 [B, V]");
+  TORCH_CHECK(mask.dtype() == torch::kInt32 && mask.dim() == 2 && mask.is_contiguous(), "mask must be contiguous int32 [R, W]");
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1 && rows.size(0) == mask.size(0), "rows must be int64 [R]");
+  const int64_t B = logits.size(0), V = logits.size(1), W = mask.size(1), R = rows.size(0);
+  float* L = logits.data_ptr<float>();
+  const uint32_t* M = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
+  const int64_t* idx = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(idx[i] >= 0 && idx[i] < B, "row index out of range");
+  const float neg = -INFINITY;
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = L + idx[i] * V;
+      const uint32_t* m = M + i * W;
+      const int64_t words = std::min<int64_t>(W, (V + 31) / 32);
+      for (int64_t w = 0; w < words; ++w) {
+        const uint32_t bits = m[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        float* x = row + w * 32;
+        const int64_t n = std::min<int64_t>(32, V - w * 32);
+        if (bits == 0) {
+          for (int64_t j = 0; j < n; ++j) x[j] = neg;
+          continue;
+        }
+#if defined(__AVX512F__)
+        if (n == 32) {  // the word's bits are the lanes' masks
+          const __m512 ninf = _mm512_set1_ps(neg);
+          _mm512_storeu_ps(x, _mm512_mask_blend_ps(static_cast<__mmask16>(bits & 0xFFFFu), ninf, _mm512_loadu_ps(x)));
+          _mm512_storeu_ps(x + 16, _mm512_mask_blend_ps(static_cast<__mmask16>(bits >> 16), ninf, _mm512_loadu_ps(x + 16)));
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < n; ++j) x[j] = ((bits >> j) & 1u) ? x[j] : neg;
+      }
+      for (int64_t v = words * 32; v < V; ++v) row[v] = neg;  // past the mask's vocabulary: never allowed
+    }
+  });
 }
 
 }  // namespace sieve

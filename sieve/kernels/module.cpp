@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16): returns (normed, sum)", nogil);
   m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads", nogil);
   m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix", nogil);
+  m.def("apply_token_bitmask_", &sieve::apply_token_bitmask_, "-inf in float32 logits rows where a token bitmask forbids", nogil);
   m.def("dequantize_rows_q8", &sieve::dequantize_rows_q8, "rows of an int8 table with float16 group scales (an embedding lookup)", nogil);
   m.attr("isa") = SIEVE_ISA;
 #if defined(SIEVE_HAS_QUANT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import html
 import json
 import logging
 import time
@@ -12,10 +13,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,6 +28,8 @@ from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
 from sieve.server.openapi import document
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from sieve.server.tools import ToolCallParser, parse_tool_calls, render_messages
+from sieve.structured import GrammarError
 
 
 log = logging.getLogger("sieve")
@@ -91,7 +95,8 @@ class BodyLimit:
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
-               max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1) -> FastAPI:
+               max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
+               grammar_timeout: float = 10.0, webui: bool = True) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -108,6 +113,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     aengine.on_finished = metrics.record_finished
 
     tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="sieve-tokenize")
+    grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sieve-grammar")  # structured-output grammars compile here
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -168,6 +174,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if webui:
+        page = (Path(__file__).parent / "webui.html").read_text()
+
+        @app.get("/", include_in_schema=False)
+        async def playground():
+            """The chat playground: one self-contained page (no build step, no external assets)."""
+            return HTMLResponse(page.replace("__MODEL__", html.escape(model_name)).replace("__NEEDS_KEY__", "true" if api_key else "false"))
+
     @app.get("/version")
     async def version():
         return {"version": sieve.__version__}
@@ -185,6 +199,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if body.echo and body.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, body.logprobs)
         params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
+        await _compile_grammar(params)
         prompts = body.prompts()
         if len(prompts) > max_prompts:
             raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
@@ -202,8 +217,27 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             raise APIError(400, "this server has no tokenizer, so no chat template")
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs, body.prompt_logprobs)
-        prompt = await off_loop(_render_chat, [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt)
+        await _compile_grammar(params, "tool_choice" if body.tool_mode and body.tool_choice not in (None, "auto") else None)
+        prompt = await off_loop(_render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt,
+                                body.tools if body.tool_mode else None)
         return await _serve(raw, body, [prompt], params, chat=True)
+
+    async def _compile_grammar(params, param: str | None = None) -> None:
+        """Structured outputs: compile the request's grammar off the event loop and the engine thread (cached by its
+        hash, so the engine only copies it), within --structured-outputs-compile-timeout; a grammar that cannot
+        compile, or not in time, is a 400."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        param = param or "response_format"
+        future = asyncio.get_running_loop().run_in_executor(grammar_pool, engine.grammars.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), grammar_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"the {spec.kind} constraint did not compile within {grammar_timeout:g} s "
+                                "(--structured-outputs-compile-timeout)", param=param, code="grammar_timeout") from None
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param, code="invalid_grammar") from e
 
     async def off_loop(fn, *args):
         """Run `fn` on the tokenizer pool: tokenizing a long prompt or rendering a template blocks no one."""
@@ -223,9 +257,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             _check_length(prompt["prompt_token_ids"])
         return prompt
 
-    def _render_chat(messages: list[dict], add_generation_prompt: bool) -> dict:
+    def _render_chat(messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> dict:
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, extra = render_messages(messages, tools, tokenizer)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -239,8 +274,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if tokenizer is None:
             raise APIError(400, "this server has no tokenizer")
         if body.messages is not None:
-            prompt = await off_loop(_render_chat, [{"role": m.role, "content": m.text()} for m in body.messages],
-                                    body.add_generation_prompt)
+            prompt = await off_loop(_render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt)
             ids = prompt["prompt_token_ids"]
         else:
             ids = await off_loop(lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
@@ -352,6 +386,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
         queue: asyncio.Queue = asyncio.Queue()
         pumps: list[asyncio.Task] = []
+        parsers = {} if chat and getattr(body, "tool_mode", False) else None  # choice index -> ToolCallParser
         first_chunk = [set(range(n)) for _ in streams]  # choices whose prompt_logprobs are still to be sent
         try:
             for p_idx, (gen, first) in enumerate(streams):
@@ -378,7 +413,17 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                     lp = _logprobs(c, len(c.token_ids) - len(ids), chat, n_top, echo + len(c.text) - len(text)) \
                         if c.logprobs is not None else None
                     idx = p_idx * n + c.index
-                    if chat:
+                    if chat and parsers is not None:  # tools offered: calls leave the content as they complete
+                        parser = parsers.setdefault(idx, ToolCallParser())
+                        content, calls = parser.feed(text)
+                        if c.finish_reason:
+                            content += parser.finish()
+                        delta = {"content": content} if content else {}
+                        if calls:
+                            delta["tool_calls"] = calls
+                        reason = "tool_calls" if c.finish_reason == "stop" and parser.calls else c.finish_reason
+                        yield chunk([{"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+                    elif chat:
                         yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": c.finish_reason}])
                     else:
                         extra = {"prompt_logprobs": _prompt_logprobs_vllm(out)} if body.prompt_logprobs is not None and c.index in first_chunk[p_idx] else {}
@@ -414,8 +459,13 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                 completion_tokens += len(c.token_ids)
                 if chat:
                     lp = _logprobs(c, 0, chat, n_top) if c.logprobs is not None else None
-                    choices.append({"index": p_idx * n + c.index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lp, "finish_reason": c.finish_reason})
+                    message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+                    if getattr(body, "tool_mode", False):
+                        message["content"], calls = parse_tool_calls(c.text)
+                        if calls:
+                            message["tool_calls"] = calls
+                            reason = "tool_calls" if reason == "stop" else reason
+                    choices.append({"index": p_idx * n + c.index, "message": message, "logprobs": lp, "finish_reason": reason})
                     continue
                 prefix = _prompt_text(out) if echo else ""
                 lp = _logprobs(c, 0, chat, n_top, len(prefix)) if c.logprobs is not None else None

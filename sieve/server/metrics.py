@@ -34,6 +34,8 @@ class Metrics:
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, ["model_name"], registry=r).labels(**label).set_function(fn)
         r.register(_PrefixCacheCollector(engine.block_manager, model_name))
+        if getattr(engine, "structured_stats", None) is not None:
+            r.register(_StructuredCollector(engine, model_name))
         if getattr(engine, "speculator", None) is not None:
             r.register(_SpecDecodeCollector(engine.speculator.stats, model_name))
         self.model_name = model_name
@@ -84,17 +86,41 @@ class _SpecDecodeCollector:
         self.stats, self.model_name = stats, model_name
 
     def collect(self):
-        s, label = self.stats, [self.model_name]
-        for name, doc, value in (
+        s = self.stats
+        yield from _counters("sieve:spec_decode_", self.model_name, (
             ("num_drafts", "Drafts verified", s.num_drafts),
             ("num_draft_tokens", "Tokens drafted", s.num_draft_tokens),
             ("num_accepted_tokens", "Drafted tokens accepted", s.num_accepted_tokens),
-        ):
-            family = CounterMetricFamily(f"sieve:spec_decode_{name}", doc, labels=["model_name"])
-            family.add_metric(label, value)
-            yield family
+        ))
         per_pos = CounterMetricFamily("sieve:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, per draft position",
                                       labels=["model_name", "position"])
         for pos, value in enumerate(s.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(pos)], value)
         yield per_pos
+
+
+class _StructuredCollector:
+    """Structured outputs: time spent on token masks (computing and applying them), per step and per row, and
+    grammar compilation (compiled, cache hits, seconds)."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        st, g = self.engine.structured_stats, self.engine.grammars
+        yield from _counters("sieve:structured_output_", self.model_name, (
+            ("mask_seconds", "Seconds spent computing and applying grammar token masks", st.mask_seconds),
+            ("mask_steps", "Steps that masked at least one row", st.num_masked_steps),
+            ("mask_rows", "Rows (sampled positions) masked", st.num_masked_rows),
+            ("grammars_compiled", "Grammars compiled (cache misses)", g.num_compiled),
+            ("grammar_cache_hits", "Requests whose grammar was already compiled", g.num_cache_hits),
+            ("compile_seconds", "Seconds spent compiling grammars", g.compile_seconds),
+        ))
+
+
+def _counters(prefix: str, model_name: str, rows):
+    """Counter families read at scrape time: (name, help, value) rows under `prefix`, labelled by model."""
+    for name, doc, value in rows:
+        family = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family

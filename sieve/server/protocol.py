@@ -7,6 +7,44 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sieve.sampling_params import SamplingParams
+from sieve.structured import StructuredOutputsParams
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('`json_schema` is required with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one of json, regex, choice, grammar (Lark or GBNF), json_object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object))
 
 
 class StreamOptions(BaseModel):
@@ -43,26 +81,36 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's (up to --max-logprobs): per prompt token, its logprob and the top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # OpenAI fields without an implementation here: only their no-op values pass (see `unsupported`)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's fields before v0.12 (it dropped them and now ignores them with a 200): honoured here, never ignored
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                return name
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        if self.function_call not in (None, "none"):
-            return "function_call"
         return None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (ValueError when it asks for two)."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+            asked.append(("response_format", StructuredOutputsParams(json=schema)))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.params()))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, StructuredOutputsParams(**{kind: value})))
+        if len(asked) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(n for n, _ in asked)}")
+        return asked[0][1] if asked else None
 
     def token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -93,6 +141,7 @@ class _Common(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured(),
         )
 
 
@@ -124,6 +173,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """What the chat template sees: role, text, and the tool fields the message has."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
@@ -137,6 +199,35 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated function calling: only its no-op values pass (use tools)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.functions:
+            return "functions"
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        return None
+
+    @property
+    def tool_mode(self) -> bool:
+        """Tools are offered and may be called (the output is parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        from sieve.server.tools import constraint
+
+        own = super().structured()
+        forced = constraint(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False) if self.tool_mode else None
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if own is not None and forced is not None:
+            raise ValueError("tool_choice \"required\" or a named function cannot be combined with another output constraint")
+        return forced or own
 
 
 class TokenizeRequest(BaseModel):

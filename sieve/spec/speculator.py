@@ -77,7 +77,7 @@ class Speculator:
             caps = [len(d.token_ids) for d in drafts]  # nothing to verify beyond what was drafted
             ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
             for seq, k, d in zip(ready, ks, drafts):
-                seq.draft_token_ids = d.token_ids[:k]
+                seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             return
         ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
         chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
@@ -85,7 +85,7 @@ class Speculator:
             return
         drafts = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
         for (seq, k), d in zip(chosen, drafts):
-            seq.draft_token_ids = d.token_ids[:k]
+            seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
 
     def _resolve_probes(self, seqs: list[Sequence]) -> None:
@@ -124,3 +124,9 @@ class Speculator:
         self.proposer.finish(seq)
         self.controller.forget(seq)
         self.probes.pop(id(seq), None)
+
+
+def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
+    """The draft up to its first token the sequence's grammar (structured outputs) forbids: that token would be
+    rejected, and every row after it wasted."""
+    return draft[: seq.grammar.validate(draft)] if seq.grammar is not None and draft else draft

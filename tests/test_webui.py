@@ -1,0 +1,83 @@
+"""The chat playground at `/`, in a real headless Chromium (Debian's, which the Makefile installs) driven by
+Playwright: load the page, send a message, watch the answer stream in, read the metrics panel, take a screenshot.
+SIEVE_PLAYGROUND_SCREENSHOT=path also writes the screenshot there (docs/playground.png is made that way)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from live_server import API_KEY, start_server
+from sieve import EngineConfig, LLMEngine
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# As root, with no network: no sandbox, and none of Chromium's background connections.
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from sieve.models.default import default_model_path
+
+    engine = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_memory_gb=0.25, max_model_len=2048))
+    url, stop = start_server(engine, served_model_name="smollm2-135m-instruct")
+    yield url
+    stop()
+
+
+def test_playground_streams_a_chat_and_shows_metrics(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    assert os.path.exists(CHROMIUM), "Debian's chromium is not installed (make install installs it)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server + "/")
+            expect(page.locator("#model")).to_have_text("smollm2-135m-instruct")
+            page.fill("#apikey", API_KEY)
+            page.dispatch_event("#apikey", "change")
+            for field, value in (("#temperature", "0"), ("#max_tokens", "48"), ("#system", "You are a concise assistant.")):
+                page.fill(field, value)
+                page.dispatch_event(field, "change")
+            # count the updates the answer's text goes through: a streamed answer grows in many
+            page.evaluate("""() => { window.updates = 0; new MutationObserver(() => { window.updates++; })
+                .observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true}); }""")
+            page.fill("#input", "What is the capital of France?")
+            page.keyboard.press("Enter")
+            answer = page.locator(".msg.assistant .content").last
+            expect(page.locator(".msg.assistant .stats").last).to_contain_text("tokens/s", timeout=60_000)
+            expect(page.locator("#send")).to_be_enabled(timeout=60_000)
+            assert "Paris" in answer.inner_text()
+            assert page.evaluate("window.updates") > 5  # streamed, not delivered at once
+            stats = page.locator(".msg.assistant .stats").last.inner_text()
+            assert "TTFT" in stats and "tokens/s" in stats
+            expect(page.locator("#mtable")).to_contain_text("Prefix-cache hit rate", timeout=10_000)
+            expect(page.locator("#mtable")).to_contain_text("Generated tokens")
+            # kept in the browser: a reload shows the conversation again
+            page.reload()
+            expect(page.locator(".msg.user").first).to_have_text("userWhat is the capital of France?")
+            expect(page.locator("#temperature")).to_have_value("0")
+            path = tmp_path / "playground.png"
+            page.screenshot(path=str(path))
+            assert path.stat().st_size > 10_000
+            if os.environ.get("SIEVE_PLAYGROUND_SCREENSHOT"):
+                shutil.copy(path, os.environ["SIEVE_PLAYGROUND_SCREENSHOT"])
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def test_no_webui_serves_no_page(llama_engine_factory):
+    url, stop = start_server(llama_engine_factory().llm_engine, webui=False)
+    try:
+        r = httpx.get(url + "/")
+        assert r.status_code == 404 and "error" in r.json()
+    finally:
+        stop()
