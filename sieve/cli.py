@@ -146,6 +146,12 @@ def _write_json_result(run, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from sieve.spec.distill import run_distill
+
+    return _write_json_result(run_distill, args)
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from sieve.bench.offline import run_offline_benchmark
 
@@ -248,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     qz.add_argument("--max-windows", type=int, default=32)
     qz.set_defaults(func=cmd_quantize)
 
+    ds = sub.add_parser("distill", help="train speculative heads (Medusa) on the target's own answers")
+    from sieve.spec.distill import add_distill_args
+
+    add_distill_args(ds)
+    ds.set_defaults(func=cmd_distill)
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")
     from sieve.plan.command import add_plan_args, run_plan
 

@@ -126,8 +126,14 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             sc = config.speculative_config
-            self.speculator = Speculator(sc, build_proposer(sc, make_engine=self._draft_engine), max_len,
-                                         config.max_num_batched_tokens)
+            try:
+                proposer = build_proposer(sc, make_engine=self._draft_engine, hidden_size=self.arch.hidden_size,
+                                          vocab_size=self.arch.vocab_size, device=self.device, dtype=self.dtype,
+                                          embed=self.runner.model.embed)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            self.speculator = Speculator(sc, proposer, max_len, config.max_num_batched_tokens)
+            self.runner.keep_hidden = self.speculator.needs_hidden
             if sc.auto:
                 self._calibrate_step_cost()
             log.info("speculative decoding: %s, %s draft tokens", sc.method,
@@ -301,6 +307,14 @@ class LLMEngine:
             return torch.cat([score_logits(self.runner, token_ids, s, min(s + step, len(token_ids)), table)
                               for s in range(0, len(token_ids), step)])
 
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's last hidden states [T, hidden] at every position of `token_ids` (what its LM head reads),
+        computed between steps on borrowed blocks: what `sieve distill` trains speculative heads on."""
+        from sieve.model_runner import score_hidden
+
+        with self._borrowed_blocks(len(token_ids)) as table:
+            return score_hidden(self.runner, token_ids, 0, len(token_ids), table)
+
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -351,6 +365,8 @@ class LLMEngine:
             st.mask_seconds += result.mask_seconds
             st.num_masked_steps += 1
             st.num_masked_rows += result.num_masked_rows
+        if result.hidden:
+            self.speculator.observe_hidden(result.hidden)
         self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
         for seq in finished:
             self.scheduler.remove(seq)
@@ -364,9 +380,9 @@ class LLMEngine:
             outputs.append(out)
         if self.speculator is not None:
             auto = self.speculator.config.auto  # only the adaptive depth uses step times and the coming prefill
-            if auto:
-                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
             self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
+            if auto:  # the step's time includes drafting for the next one: what a proposer costs counts (Medusa's heads)
+                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
         return outputs
 
     @staticmethod

@@ -42,6 +42,8 @@ class StepResult:
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
     mask_seconds: float = 0.0  # structured outputs: time spent computing and applying token masks
     num_masked_rows: int = 0
+    # With keep_hidden (Medusa): per sampled sequence, the last hidden state of the row that produced its last token.
+    hidden: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -51,6 +53,7 @@ class ModelRunner:
     ):
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
+        self.keep_hidden = False  # speculative heads draft from the hidden state of each sequence's last token
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
@@ -175,7 +178,8 @@ class ModelRunner:
                 groups.append((seq, item if seq is item.seq else None, first))
         if not seqs:
             return StepResult([], prompt_lps)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        sampled_hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(sampled_hidden)
         mask_seconds, masked = self._apply_grammars(logits, groups) if any(s.grammar is not None for s in seqs) else (0.0, 0)
         with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
         if SamplingMetadata.plain_greedy(seqs, pending):
@@ -203,7 +207,12 @@ class ModelRunner:
             else:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
-        return StepResult(result, prompt_lps, mask_seconds, masked)
+        kept = []
+        if self.keep_hidden:  # the row that sampled each sequence's last emitted token
+            last = [first + len(emitted) - 1 for (_, item, first), (_, emitted, _) in zip(groups, result)]
+            rows = sampled_hidden.index_select(0, torch.tensor(last, device=self.device))
+            kept = [(seq, rows[i]) for i, (seq, _, _) in enumerate(result)]
+        return StepResult(result, prompt_lps, mask_seconds, masked, kept)
 
     def _apply_grammars(self, logits: torch.Tensor, groups: list) -> tuple[float, int]:
         """Structured outputs: forbid, in each constrained row, every token its grammar does not allow next (a
@@ -250,14 +259,18 @@ def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int
     """Float32 logits [end - start, vocab] for positions start..end-1 of one sequence whose tokens
     before `start` are already in `block_table` (same cache writes and reads as serving, so a
     quantized KV cache counts)."""
+    return runner.model.compute_logits(score_hidden(runner, token_ids, start, end, block_table))
+
+
+@torch.inference_mode()
+def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int, block_table: list[int]) -> torch.Tensor:
+    """The last hidden states [end - start, hidden] that `score_logits` turns into logits."""
     bs, dev = runner.block_size, runner.device
     slots = [block_table[p // bs] * bs + p % bs for p in range(start, end)]
     table = torch.tensor(block_table[: -(-end // bs)], device=dev)
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), 0, None, None,
                              [PrefillChunk(0, end - start, end, table)])
-    hidden = runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev),
-                          runner.caches, meta)
-    return runner.model.compute_logits(hidden)
+    return runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.caches, meta)
 
 
 @torch.inference_mode()

@@ -168,6 +168,14 @@ def _concurrent(llm, prompts, users: int, args) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
+def _simulated_acceptance(config: dict | None) -> float | None:
+    """Trained heads (`sieve distill`) record the mean acceptance length they reached on held-out answers."""
+    if not config or config.get("method") != "medusa" or config.get("num_speculative_tokens") == "auto":
+        return None
+    meta = json.loads((Path(config["model"]) / "config.json").read_text())
+    return meta["simulated_mean_acceptance_length"].get(str(config.get("num_speculative_tokens", 4)))
+
+
 def run_bench_spec(args: argparse.Namespace) -> dict:
     from sieve.spec.config import SpeculativeConfig
 
@@ -215,6 +223,10 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
             if u == 1 and name != "off":
                 mal = e["mean_acceptance_length"]
                 extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
+                simulated = _simulated_acceptance(configs[names.index(name)])
+                if simulated is not None:  # what training measured on held-out answers, against what was served
+                    e["simulated_mean_acceptance_length"] = simulated
+                    extra += f" (simulated in training: {simulated:.2f})"
                 if args.temperature == 0:
                     extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
             print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x{extra}")

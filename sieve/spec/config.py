@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
-BUILT = ("ngram", "suffix", "draft_model")  # eagle and medusa need trained heads (`sieve distill`), not built yet
+BUILT = ("ngram", "suffix", "draft_model", "medusa")  # medusa: heads trained by `sieve distill`; eagle not built yet
 
 
 @dataclass
@@ -80,6 +80,6 @@ class SpeculativeConfig:
                              f"got {self.suffix_decoding_min_token_prob!r}")
         if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the path of the "
-                             f"{'draft checkpoint' if self.method == 'draft_model' else 'trained heads'}")
+                             f"{'draft checkpoint' if self.method == 'draft_model' else 'heads trained by `sieve distill`'}")
         if self.method in ("ngram", "suffix") and self.model:
             raise ValueError(f"speculative_config: method {self.method!r} takes no \"model\"")

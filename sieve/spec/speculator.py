@@ -26,6 +26,15 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
+    if config.method == "medusa":
+        from sieve.spec.medusa import MedusaProposer
+
+        proposer = MedusaProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"], context["dtype"],
+                                  context.get("embed"))
+        if not config.auto and config.max_k > proposer.max_k:
+            raise ValueError(f"num_speculative_tokens = {config.max_k}, but the Medusa heads at {config.model} are "
+                             f"{proposer.max_k} heads (one draft token each)")
+        return proposer
     assert config.method == "draft_model", config.method  # SpeculativeConfig.validate refuses the rest
     from sieve.spec.draft_model import DraftModelProposer
 
@@ -115,6 +124,16 @@ class Speculator:
         m.spec_num_accepted_tokens += num_accepted
         if not self.probing:
             self.controller.record(seq, num_draft, num_accepted)
+
+    @property
+    def needs_hidden(self) -> bool:
+        """The proposer drafts from the target's last hidden state (Medusa): the runner hands it over each step."""
+        return getattr(self.proposer, "needs_hidden", False)
+
+    def observe_hidden(self, hidden: list[tuple[Sequence, "torch.Tensor"]]) -> None:
+        """Each sampled sequence's hidden state at the position that produced its last token."""
+        for seq, h in hidden:
+            self.proposer.observe_hidden(seq, h)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
