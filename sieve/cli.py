@@ -176,6 +176,12 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_structured, args)
 
 
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from sieve.bench.moe import run_bench_moe
+
+    return _write_json_result(run_bench_moe, args)
+
+
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from sieve.bench.bandwidth import measure_bandwidth, report_floor
 
@@ -314,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_structured_args(bst)
     bst.set_defaults(func=cmd_bench_structured)
+    bmo = bench.add_parser("moe", help="mixture-of-experts decode step time against batch size, and the experts touched")
+    from sieve.bench.moe import add_bench_moe_args
+
+    add_bench_moe_args(bmo)
+    bmo.set_defaults(func=cmd_bench_moe)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

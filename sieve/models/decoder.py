@@ -1,4 +1,5 @@
-"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3.
+"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3, and their mixture-of-experts kin (Mixtral,
+Qwen2-MoE, Qwen3-MoE: a layer's MLP is then sieve/layers/moe.py).
 
 Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> norm, except that each
 residual add happens inside the norm that follows it (`norm(x, residual)`, as in vLLM), so the two
@@ -20,13 +21,14 @@ from sieve.kernels import cpu_ops
 from sieve.layers.activation import silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
+from sieve.layers.moe import SparseMoE
 from sieve.layers.norm import RMSNorm
 from sieve.layers.rotary import RopeStep, RotaryEmbedding, apply_rotary
 from sieve.models.arch import ModelArch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArch, dtype: torch.dtype):
+    def __init__(self, a: ModelArch, dtype: torch.dtype, index: int = 0):
         super().__init__()
         self.a = a
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -37,8 +39,13 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
         self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
-        self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
+        self.moe = None
+        if index in a.sparse_layers:  # a mixture-of-experts MLP
+            self.moe = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob,
+                                 a.shared_expert_intermediate_size, dtype)
+        else:
+            self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
+            self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata
@@ -61,6 +68,8 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1)), residual)
+        if self.moe is not None:
+            return self.moe(h), residual
         return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
 
 
@@ -80,7 +89,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(a, dtype) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, dtype, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
         self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v") -> FP8 KV scale from the checkpoint
@@ -143,7 +152,7 @@ class DecoderModel(nn.Module):
         a, ops = self.arch, cpu_ops()
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
-                or first.dtype not in (torch.bfloat16, torch.float32)):
+                or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe):  # the C++ loop has no expert routing
             return None
         linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
         if any(m.native is None or (first.dtype == torch.float32 and m.qkernel is None) for group in linears for m in group):
@@ -179,6 +188,9 @@ class DecoderModel(nn.Module):
         parts = name.split(".")
         if parts[0] == "layers" and parts[-1] in ("k_scale", "v_scale"):  # FP8 KV-cache scales (vLLM / ModelOpt names)
             self.kv_scales[(int(parts[1]), parts[-1][0])] = float(tensor.float().reshape(-1).max())
+            return True
+        if parts[0] == "layers" and self.layers[int(parts[1])].moe is not None and parts[2] in ("block_sparse_moe", "mlp"):
+            self.layers[int(parts[1])].moe.load_weight(parts[3:], tensor)  # Mixtral's block_sparse_moe, Qwen's mlp
             return True
         if parts[0] == "layers":  # layers.{i}.{self_attn|mlp}.{proj}.{weight|bias} or layers.{i}.{norm}.weight
             layer = self.layers[int(parts[1])]

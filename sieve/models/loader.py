@@ -196,7 +196,15 @@ def _expected_names(a: ModelArch) -> set[str]:
         p = f"layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
-        names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
+        if i in a.sparse_layers:
+            block = "block_sparse_moe" if a.architecture == "MixtralForCausalLM" else "mlp"
+            projs = ("w1", "w3", "w2") if a.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+            names.add(p + f"{block}.gate.weight")
+            names |= {p + f"{block}.experts.{e}.{m}.weight" for e in range(a.num_experts) for m in projs}
+            if a.shared_expert_intermediate_size:
+                names |= {p + f"mlp.shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")} | {p + "mlp.shared_expert_gate.weight"}
+        else:
+            names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
         if a.qkv_bias:
             names |= {p + f"self_attn.{m}_proj.bias" for m in "qkv"}
         if a.qk_norm:

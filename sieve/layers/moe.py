@@ -1,0 +1,94 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks the top-k experts per token
+(softmax over all experts in float32, then top-k, renormalised where the model does), tokens are grouped by
+expert and each active expert runs one GEMM pair on its tokens, and the weighted outputs are summed per token
+in expert order (so a token's result does not depend on which other tokens share the step). Qwen2-MoE adds a
+shared expert on every token, scaled by a sigmoid gate.
+
+Experts are ordinary `Linear` layers, so they take every weight format a dense MLP takes. The router stays in the
+model dtype (never quantized): it is tiny, and its choices are discrete.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sieve.layers.activation import silu_and_mul
+from sieve.layers.linear import Linear
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], False, dtype)
+        self.down_proj = Linear(inter, [hidden], False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    # checkpoint names of an expert's projections -> (our module, shard): Mixtral's w1/w3/w2, Qwen's names
+    _proj = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.router = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter, dtype) for _ in range(num_experts))
+        self.shared_expert = ExpertMLP(hidden, shared_inter, dtype) if shared_inter else None
+        self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if shared_inter else None
+        self.last_active = 0  # experts that ran in the last call (for the benchmark)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the top-k expert ids [T, k] and their weights [T, k] (model dtype)."""
+        probs = torch.softmax(nn.functional.linear(h, self.router).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(h.dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(h)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, w = order // self.top_k, weights.reshape(-1)[order]
+        out = torch.zeros_like(h)
+        start, active = 0, 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                out.index_add_(0, rows, self.experts[e](h.index_select(0, rows)) * w[start:start + n, None])
+                start += n
+                active += 1
+        self.last_active = active
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(nn.functional.linear(h, self.shared_expert_gate)) * self.shared_expert(h)
+        return out
+
+    def load_weight(self, parts: list[str], tensor: torch.Tensor) -> None:
+        """parts: a checkpoint name after the block ('gate.weight', 'experts.3.w1.weight', 'shared_expert.up_proj.weight',
+        'shared_expert_gate.weight')."""
+        head = parts[0]
+        if head == "gate" and parts[1:] == ["weight"]:
+            return self._copy(self.router, tensor, "gate")
+        if head == "shared_expert_gate" and self.shared_expert_gate is not None:
+            return self._copy(self.shared_expert_gate, tensor, head)
+        if head == "experts" and len(parts) == 4 and parts[2] in self._proj:
+            return self._load_proj(self.experts[int(parts[1])], parts[2], parts[3], tensor)
+        if head == "shared_expert" and self.shared_expert is not None and len(parts) == 3 and parts[1] in self._proj:
+            return self._load_proj(self.shared_expert, parts[1], parts[2], tensor)
+        raise ValueError(f"checkpoint tensor {'.'.join(parts)!r} has no place in a mixture-of-experts block")
+
+    def _load_proj(self, mlp: ExpertMLP, name: str, leaf: str, tensor: torch.Tensor) -> None:
+        module, shard = self._proj[name]
+        getattr(mlp, module).load(leaf, tensor, shard) if shard is not None else getattr(mlp, module).load(leaf, tensor)
+
+    @staticmethod
+    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+        param.data.copy_(tensor)
