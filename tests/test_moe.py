@@ -94,3 +94,22 @@ def test_experts_quantize_like_any_linear(moe_checkpoints):
     ref = engine(path).generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids[:2] for o in out] == [o.outputs[0].token_ids[:2] for o in ref]
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_engine_kv_bytes_and_parameters_match_the_planner(name, moe_checkpoints):
+    """What `sieve plan` computes from the config is what the engine allocates and loads: KV bytes per token and
+    total parameters (experts, router, shared expert and its gate included)."""
+    import json
+
+    from sieve.plan.shape import shape_from_config
+
+    path = moe_checkpoints[name]
+    shape = shape_from_config(json.loads((path / "config.json").read_text()))
+    llm = engine(path)
+    runner = llm.llm_engine.runner
+    assert runner.block_bytes // runner.block_size == shape.kv_bytes_per_token("bf16") * 2  # float32 KV: twice bf16
+    model = runner.model
+    loaded = sum(p.numel() for n, p in model.named_parameters() if "rotary" not in n and not (
+        model.arch.tie_word_embeddings and n == "lm_head.weight"))
+    assert loaded == pytest.approx(shape.total_params, rel=1e-6)
