@@ -34,6 +34,10 @@ TEMPLATES = [
     "Give me five facts about {t}.", "How would you teach a beginner about {t}?", "Write a friendly email inviting a colleague to talk about {t}.",
     "What is the history of {t}?", "Describe {t} to someone who has never seen it.", "List some common mistakes people make with {t}.",
     "Write a limerick about {t}.", "Compare {t} with something similar and explain the differences.", "Why do people care about {t}?",
+    "Tell me a fun fact about {t} and explain it.", "Write a short dialogue between two friends about {t}.",
+    "What questions do children often ask about {t}? Answer two of them.", "Summarise what an encyclopedia would say about {t}.",
+    "Give step-by-step advice for someone starting with {t}.", "What would the world be like without {t}?",
+    "Write a product description related to {t}.", "Explain {t} using an analogy.",
 ]
 TOPICS = [
     "photosynthesis", "the water cycle", "volcanoes", "the moon", "bicycles", "coffee", "chess", "the internet", "gardening",
