@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from sieve.config import EngineConfig
 
@@ -64,9 +65,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None, ignore_eos=args.ignore_eos,
+            structured_outputs=_structured_from_args(args),
         )
         engine.add_request("cli", prompt, params)
-    except (RequestError, ValueError) as e:
+    except (RequestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = None
@@ -78,6 +80,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if out is not None and args.verbose:
         print(f"[finish_reason={out.outputs[0].finish_reason} tokens={len(out.outputs[0].token_ids)}]", file=sys.stderr)
     return 0
+
+
+def _structured_from_args(args: argparse.Namespace):
+    """--json-schema, --regex, --choice, --grammar / --grammar-file (llama.cpp's names): at most one."""
+    from sieve.structured import StructuredOutputsParams
+
+    schema, grammar = args.json_schema, args.grammar
+    if schema is not None and schema.startswith("@"):  # a file
+        schema = Path(schema[1:]).read_text()
+    if args.grammar_file:
+        if grammar is not None:
+            raise ValueError("give --grammar or --grammar-file, not both")
+        grammar = Path(args.grammar_file).read_text()
+    given = {"json": schema, "regex": args.regex, "choice": args.choice, "grammar": grammar}
+    if all(v is None for v in given.values()):
+        return None
+    return StructuredOutputsParams(**given)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -210,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json-schema", "-j", default=None, help="constrain the output to a JSON schema (JSON text, or @file)")
+    g.add_argument("--regex", default=None, help="constrain the output to a regular expression")
+    g.add_argument("--choice", action="append", default=None, help="constrain the output to one of these strings (repeat)")
+    g.add_argument("--grammar", default=None, help="constrain the output to a grammar (Lark, or llama.cpp's GBNF)")
+    g.add_argument("--grammar-file", default=None)
     g.add_argument("--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
 

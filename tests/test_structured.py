@@ -290,3 +290,22 @@ def test_native_token_bitmask_equals_the_pytorch_path(vocab, monkeypatch):
         untouched = [r for r in range(6) if r not in rows]
         assert torch.equal(native[untouched], logits[untouched])
         assert torch.isneginf(native[rows, 32 * words:]).all()  # past the mask's words: never allowed
+
+
+def test_generate_cli_takes_llama_cpp_constraint_flags(tmp_path):
+    """`sieve generate --choice/--regex/--json-schema @file/--grammar`, and a bad one is one error line, exit 2."""
+    from test_cli import run_cli
+
+    r = run_cli("generate", "--prompt", "Is the sky blue? Answer yes or no.", "--chat", "--temperature", "0",
+                "--choice", "yes", "--choice", "no")
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr[-500:]
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                  "additionalProperties": False}))
+    r = run_cli("generate", "--prompt", "Give a number as JSON.", "--chat", "--temperature", "0", "--max-tokens", "20",
+                "--json-schema", f"@{schema}")
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout)["n"], int), r.stdout
+    r = run_cli("generate", "--prompt", "x", "--regex", "a(b")
+    assert r.returncode == 2 and "regex" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "--prompt", "x", "--regex", "a", "--choice", "a")
+    assert r.returncode == 2 and "exactly one" in r.stderr
