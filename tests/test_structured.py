@@ -171,6 +171,7 @@ def test_the_template_sees_tools_and_tool_messages(server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "nope"),
     ({"tool_choice": "required"}, None, "tool_choice needs tools"),
     ({"tools": [{"type": "function", "function": {}}]}, None, "tools[0]"),
+    ({"tools": [{"type": "function"}], "tool_choice": "none"}, None, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None, "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ])

@@ -219,8 +219,10 @@ class ChatCompletionRequest(_Common):
         return bool(self.tools) and self.tool_choice != "none"
 
     def structured(self) -> StructuredOutputsParams | None:
-        from sieve.server.tools import constraint
+        from sieve.server.tools import check_tools, constraint
 
+        if self.tools:  # checked even under tool_choice "none": a malformed tool is never passed over silently
+            check_tools(self.tools, self.tool_choice)
         own = super().structured()
         forced = constraint(self.tools or [], self.tool_choice, self.parallel_tool_calls is not False) if self.tool_mode else None
         if self.tool_choice not in (None, "auto", "none") and not self.tools:

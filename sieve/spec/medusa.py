@@ -46,12 +46,16 @@ class MedusaHeads(nn.Module):
         """hidden [B, H] (and, sequential, the embeddings of the tokens each head follows [B, K, H]: teacher
         forcing) -> logits over the draft vocabulary [B, K, V']."""
         if not self.sequential:
-            return self.proj(torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks], dim=1))
+            return self.proj(self._independent_states(hidden, self.num_heads))
         states, s = [], hidden
         for k, b in enumerate(self.blocks):
             s = s + nn.functional.silu(b(torch.cat([s, inputs[:, k]], dim=-1)))
             states.append(s)
         return self.proj(torch.stack(states, dim=1))
+
+    def _independent_states(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Medusa-1: each of the first k heads' state from the hidden state alone [B, k, H]."""
+        return torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks[:k]], dim=1)
 
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, k: int, last_emb: torch.Tensor | None = None, embed=None) -> torch.Tensor:
@@ -59,8 +63,7 @@ class MedusaHeads(nn.Module):
         each sequence's last token (`last_emb` [B, H]) and `embed` for their own guesses."""
         low = self.proj.weight.dtype  # the projection may be kept narrower than the heads (see MedusaProposer)
         if not self.sequential:
-            states = torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks[:k]], dim=1)
-            return self.draft_vocab[self.proj(states.to(low)).argmax(dim=-1)]
+            return self.draft_vocab[self.proj(self._independent_states(hidden, k).to(low)).argmax(dim=-1)]
         s, e, guesses = hidden, last_emb, []
         for b in self.blocks[:k]:
             s = s + nn.functional.silu(b(torch.cat([s, e], dim=-1)))

@@ -128,30 +128,18 @@ class GrammarCompiler:
     def fill_bitmask(self, rows: list[tuple["GrammarMatcher", int, list[int]]], num_rows: int) -> torch.Tensor:
         """The allowed-token bitmask [num_rows, ceil(vocab / 32)] (int32, CPU; -1 = every token) for rows
         (matcher, row, drafts): `row` gets the matcher's mask, row + 1 + i its mask after drafts[:i + 1], as far
-        as the drafts are allowed (a row past a disallowed draft is never used: that draft is rejected first)."""
-        return fill_bitmask(rows, num_rows, self.vocab_size, self._executor)
+        as the drafts are allowed (a row past a disallowed draft is never used: that draft is rejected first).
+        llguidance's executor fills them in parallel and rolls each matcher back over the drafts itself."""
+        import llguidance.torch as llt
 
-
-def fill_bitmask(rows: list[tuple[GrammarMatcher, int, list[int]]], num_rows: int, vocab_size: int, executor=None) -> torch.Tensor:
-    import llguidance.torch as llt
-
-    mask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    if executor is not None:
+        mask = torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         plain = [(m._m, row) for m, row, d in rows if not d]
         drafted = [(m._m, row, list(d)) for m, row, d in rows if d]
         if plain:
-            llt.fill_next_token_bitmask_par(executor, plain, mask)
+            llt.fill_next_token_bitmask_par(self._executor, plain, mask)
         if drafted:
-            llt.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, mask)
+            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
         return mask
-    for m, row, drafts in rows:  # one matcher at a time: mask, then advance over each allowed draft
-        llt.fill_next_token_bitmask(m._m, mask, row)
-        n = m.validate(drafts)
-        for i in range(n):
-            m._m.consume_token(drafts[i])
-            llt.fill_next_token_bitmask(m._m, mask, row + 1 + i)
-        m.rollback(n)
-    return mask
 
 
 _BITS = {}
