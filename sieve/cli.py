@@ -1,4 +1,4 @@
-"""`sieve` command line: generate, serve, plan, bench offline|serve|bandwidth|peers."""
+"""`sieve` command line: generate, serve, eval, quantize, distill, plan, router, bench."""
 
 from __future__ import annotations
 
@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plan_args(pl)
     pl.set_defaults(func=run_plan)
+    from sieve.router.cli import add_router_parser
+
+    add_router_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     o = bench.add_parser("offline", help="offline throughput against plain transformers and the bandwidth floor")
@@ -349,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_moe_args(bmo)
     bmo.set_defaults(func=cmd_bench_moe)
+    bb = bench.add_parser("balance", help="the router's replica balancing (round robin, cache-aware) on multi-turn chat")
+    from sieve.bench.balance import add_balance_args, run_bench_balance
+
+    add_balance_args(bb)
+    bb.set_defaults(func=run_bench_balance)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 API_KEY = "test-key"
@@ -13,27 +11,18 @@ MODEL = "tiny-llama"
 def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):
     """Serve `engine` on a free port of 127.0.0.1 from a thread; returns (base url, stop function).
     `served_model_name` None: the engine's own name."""
-    import uvicorn
-
     from sieve.server.app import create_app
 
-    app = create_app(engine, served_model_name=served_model_name, api_key=API_KEY, **app_kwargs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
+    return serve_app(create_app(engine, served_model_name=served_model_name, api_key=API_KEY, **app_kwargs))
 
-    def stop():
-        srv.should_exit = True
-        thread.join(timeout=10)
 
+def serve_app(app):
+    """Any ASGI app on a free port of 127.0.0.1 from a thread; returns (base url, stop function)."""
+    from sieve.server.serve import serve_in_thread
+
+    url, stop = serve_in_thread(app)
     stop.app = app  # for the tests that reach into the running server (fault injection)
-    return f"http://127.0.0.1:{port}", stop
+    return url, stop
 
 
 def metrics_page(base: str) -> str:

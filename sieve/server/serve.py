@@ -43,3 +43,28 @@ def serve(app, host: str, port: int, grace: float) -> int:
     app.state.async_engine.on_dead = on_dead
     server.run()
     return 1 if app.state.async_engine.error is not None else 0
+
+
+def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, callable]:
+    """Any ASGI app on a free port of `host`, from a daemon thread (benchmarks and tests); returns
+    (http://host:port, stop)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"the server on {host}:{port} did not start")
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://{host}:{port}", stop
