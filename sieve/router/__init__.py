@@ -1,0 +1,1 @@
+"""The gateway (`sieve router`): one process in front of OpenAI-compatible backends. See app.py."""
