@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="lpm: with a long queue, admit requests with the longest cached prefix first (starvation-guarded)")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
     g.add_argument("--speculative-config", default=None,

@@ -50,6 +50,9 @@ class EngineConfig:
 
     # Threads (CPU)
     num_threads: int | None = None
+    # bf16 on CPU: every linear through the same kernel at every batch size, so that a request's greedy
+    # tokens never depend on what shares its steps (slower prefill and large batches; float32 needs none)
+    batch_invariant: bool = False
 
     # Speculative decoding (sieve/spec): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
     speculative_config: object = None

@@ -52,6 +52,10 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None,
     ):
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
+        if config.batch_invariant:
+            for m in model.modules():
+                if getattr(m, "native", None) is not None and hasattr(m.native, "batch_invariant"):
+                    m.native.batch_invariant = True  # (the native layer loop holds the same objects)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
         self.keep_hidden = False  # speculative heads draft from the hidden state of each sequence's last token
         self.eos_token_ids = eos_token_ids

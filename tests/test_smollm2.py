@@ -93,3 +93,31 @@ def test_default_model_answers_through_the_server(smollm2):
         assert r.choices[0].finish_reason == "stop"  # <|im_end|> from the file's EOS ids ends the turn
     finally:
         stop()
+
+
+def test_batch_invariant_bf16_does_not_depend_on_batch_neighbours(smollm2):
+    """bf16 on this CPU: oneDNN's GEMM (above the GEMV's 4 rows) rounds some outputs differently from the GEMV,
+    which flips greedy tokens of a request depending on what shares its steps. With `batch_invariant`, each
+    request's tokens alone equal its tokens in a crowd of 6, in every step layout the crowd gives."""
+    from sieve.kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.fail("the native CPU kernels did not build")
+    w = torch.randn(3072, 576, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, 576, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64) if ops.isa != "avx2" else None
+    lin = ops.NativeLinear(ops.LINEAR_BF16, w, packed, None, None, False, 0, *w.shape, None)
+    lin.batch_invariant = True
+    rows = torch.cat([lin(x[i:i + 1]) for i in range(9)])
+    assert torch.equal(lin(x), rows) and torch.equal(lin(x[:5]), rows[:5])
+
+    llm = LLM(str(smollm2), dtype="bfloat16", dequantize=True, batch_invariant=True, enable_prefix_caching=False,
+              num_gpu_blocks_override=256)
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": chat_ids(tok, f"What is {a} + {b}? Explain your reasoning step by step.")}
+               for a, b in [(4, 7), (3, 5), (8, 9), (2, 6), (7, 7), (1, 8)]]
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    crowd = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert crowd == alone

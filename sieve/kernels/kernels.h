@@ -82,6 +82,9 @@ struct NativeLinear {
   torch::Tensor w, packed, scale, aux;  // aux: int4 mins (undefined: w = (q - 8) s)
   c10::optional<torch::Tensor> bias;
   torch::Tensor bias_bf16, bias_f32;  // the bias as the kernels read it
+  // bf16: every batch through the GEMV, kGemvMaxRows rows at a time, so that a row's result never depends on
+  // how many rows share the call (oneDNN's GEMM above the GEMV's rows accumulates in another order)
+  bool batch_invariant = false;
   NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
                c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k, c10::optional<torch::Tensor> bias);
   torch::Tensor forward(const torch::Tensor& x) const;

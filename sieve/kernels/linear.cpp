@@ -12,6 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <type_traits>
+#include <algorithm>
 
 namespace sieve {
 
@@ -166,7 +167,13 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
 #if defined(SIEVE_HAS_QUANT)
     case kBF16:
       if constexpr (!f32) {
-        if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr, y);
+        const bf16* bb = bias_bf16.defined() ? bias_bf16.data_ptr<bf16>() : nullptr;
+        if (M <= kGemvMaxRows) return gemv_bf16_into(x, M, k, w.data_ptr<bf16>(), n, bb, y);
+        if (batch_invariant) {
+          for (int64_t i = 0; i < M; i += kGemvMaxRows)
+            gemv_bf16_into(x + i * k, std::min<int64_t>(kGemvMaxRows, M - i), k, w.data_ptr<bf16>(), n, bb, y + i * n);
+          return;
+        }
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
         return gemm_bf16_avx2_into(x, M, k, w.data_ptr<bf16>(), n, bf, y);  // ATen's bf16 GEMM is ~12x slower here
 #endif

@@ -24,7 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     bool, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>(),
            py::arg("kind"), py::arg("w"), py::arg("packed"), py::arg("scale"), py::arg("aux"), py::arg("fp8"), py::arg("group"),
            py::arg("n"), py::arg("k"), py::arg("bias"))
-      .def("__call__", &sieve::NativeLinear::forward, nogil);
+      .def("__call__", &sieve::NativeLinear::forward, nogil)
+      .def_readwrite("batch_invariant", &sieve::NativeLinear::batch_invariant);
   m.attr("LINEAR_BF16") = static_cast<int64_t>(sieve::NativeLinear::kBF16);
   m.attr("LINEAR_Q8") = static_cast<int64_t>(sieve::NativeLinear::kQ8);
   m.attr("LINEAR_INT4") = static_cast<int64_t>(sieve::NativeLinear::kInt4);
