@@ -53,9 +53,15 @@ class ModelRunner:
     ):
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
         if config.batch_invariant:
-            for m in model.modules():
-                if getattr(m, "native", None) is not None and hasattr(m.native, "batch_invariant"):
-                    m.native.batch_invariant = True  # (the native layer loop holds the same objects)
+            if device.type != "cpu":
+                from sieve.config import ConfigError
+
+                raise ConfigError("batch_invariant is built for the CPU kernels (bf16); on CUDA it is not implemented")
+            natives = [m.native for m in model.modules() if getattr(m, "native", None) is not None and hasattr(m.native, "batch_invariant")]
+            for native in natives:
+                native.batch_invariant = True  # (the native layer loop holds the same objects)
+            if dtype != torch.bfloat16:
+                log.info("batch_invariant: %s activations already take one kernel per row at every batch size", dtype)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
         self.keep_hidden = False  # speculative heads draft from the hidden state of each sequence's last token
         self.eos_token_ids = eos_token_ids

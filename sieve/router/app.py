@@ -38,6 +38,11 @@ log = logging.getLogger("sieve.router")
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, body: dict | None = None):
@@ -46,7 +51,7 @@ class GatewayError(Exception):
         self.body = body  # a backend's own error object, passed through
 
     def response(self) -> JSONResponse:
-        body = self.body or {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body = self.body or error_body(self.message, self.type, self.param, self.code)
         return JSONResponse(body, status_code=self.status)
 
 
@@ -231,7 +236,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             raise BackendDown(backend, f"{url}: the response is not JSON") from None
         if r.status_code != 200:
             raise GatewayError(r.status_code, "", body=payload if isinstance(payload, dict) and "error" in payload else
-                               {"error": {"message": str(payload), "type": "upstream_error", "param": None, "code": None}})
+                               error_body(str(payload), "upstream_error"))
         payload["model"] = backend.name
         return payload
 
@@ -268,7 +273,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             try:
                 payload = json.loads(text)
             except ValueError:
-                payload = {"error": {"message": text, "type": "upstream_error", "param": None, "code": None}}
+                payload = error_body(text, "upstream_error")
             raise GatewayError(r.status_code, "", body=payload)
         return r, release
 
@@ -472,8 +477,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                 raise httpx.RemoteProtocolError("the backend closed the stream before [DONE]")
         except httpx.HTTPError as e:
             upstream_errors.labels(decision.backend.name).inc()
-            yield "data: " + json.dumps({"error": {"message": f"backend {decision.backend.name}: {e}", "type": "upstream_error",
-                                                   "param": None, "code": "backend_stream_failed"}}) + "\n\n"
+            yield "data: " + json.dumps(error_body(f"backend {decision.backend.name}: {e}", "upstream_error", code="backend_stream_failed")) + "\n\n"
             yield "data: [DONE]\n\n"
             return
         finally:

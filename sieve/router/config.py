@@ -83,6 +83,9 @@ def _backend(d: dict, where: str) -> Backend:
     for key in ("name", "url"):
         if not isinstance(d.get(key), str) or not d[key]:
             raise RouterConfigError(f"{where}: `{key}` is required (a string)")
+    for key, types in (("model", str), ("api_key", str), ("version", (str, int))):
+        if d.get(key) is not None and (not isinstance(d[key], types) or isinstance(d[key], bool)):
+            raise RouterConfigError(f"{where}: `{key}` must be a string")
     replicas = d.get("replicas") or []
     if isinstance(replicas, str) or not isinstance(replicas, list):
         raise RouterConfigError(f"{where}: `replicas` is a list of URLs")

@@ -215,7 +215,9 @@ def _cache_latency(config: RouterConfig, tasks: list[dict]) -> dict:
                     t0 = time.perf_counter()
                     r = client.post(f"{base}/v1/chat/completions", json=body)
                     bucket.append(time.perf_counter() - t0)
-                    assert r.headers.get("x-sieve-cache") == expect, (r.status_code, r.headers.get("x-sieve-cache"), r.text[:200])
+                    if r.headers.get("x-sieve-cache") != expect:
+                        raise RuntimeError(f"expected a cache {expect} through the gateway, got HTTP {r.status_code} "
+                                           f"x-sieve-cache={r.headers.get('x-sieve-cache')}: {r.text[:200]}")
     finally:
         stop()
     out = {"requests": len(tasks), "miss_ms_median": 1000 * statistics.median(miss), "hit_ms_median": 1000 * statistics.median(hit)}
