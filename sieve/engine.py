@@ -97,9 +97,6 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos)
 
         max_len = config.max_model_len or self.arch.max_position_embeddings
-        if self.arch.sliding_window and max_len > self.arch.sliding_window:
-            log.warning("capping max_model_len to the model's sliding window (%d)", self.arch.sliding_window)
-            max_len = self.arch.sliding_window
         config.max_model_len = max_len
         config.validate()
 

@@ -19,7 +19,7 @@ import torch
 from sieve.config import EngineConfig
 from sieve.device import available_memory_bytes
 from sieve.kernels import cpu_ops
-from sieve.layers.attention import AttentionMetadata, KVCacheLayer, PrefillChunk, QuantizedKVCacheLayer
+from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, build_metadata
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
@@ -128,6 +128,11 @@ class ModelRunner:
             log.info("KV cache capped at max_num_seqs x max_model_len; the budget would hold %d blocks", budget // self.block_bytes)
         return num_blocks
 
+    def metadata(self, slots: list[int], decodes: list, prefills: list) -> AttentionMetadata:
+        """The step's attention metadata, with a view per sliding window the model's layers use."""
+        windows = tuple(w for w in self.arch.layer_windows if w is not None)
+        return build_metadata(slots, decodes, prefills, self.block_size, self.device, windows)
+
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -135,7 +140,7 @@ class ModelRunner:
         items = sorted(sched.scheduled, key=lambda s: not s.is_decode)
         input_ids, positions, slots = [], [], []
         bs = self.block_size
-        decode_tables, decode_lens, prefills = [], [], []
+        decodes, prefills = [], []
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -144,24 +149,12 @@ class ModelRunner:
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if item.is_decode:
+            if item.is_decode:  # a decode and its drafts: rows of one table (the kernel walks it once for them all)
                 table = table[: -(-end // bs)]
-                for p in range(start, end):
-                    decode_tables.append(table)
-                    decode_lens.append(p + 1)
+                decodes += [(table, p + 1) for p in range(start, end)]
             else:
-                prefills.append(PrefillChunk(row, item.num_new_tokens, end, torch.tensor(table[: -(-end // bs)], device=self.device)))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            num_decodes=len(decode_tables),
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefills=prefills,
-        )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=self.device)
-            meta.decode_context_lens = torch.tensor(decode_lens, device=self.device)
+                prefills.append((row, item.num_new_tokens, end, table))
+        meta = self.metadata(slots, decodes, prefills)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
@@ -277,9 +270,7 @@ def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int
     """The last hidden states [end - start, hidden] that `score_logits` turns into logits."""
     bs, dev = runner.block_size, runner.device
     slots = [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-    table = torch.tensor(block_table[: -(-end // bs)], device=dev)
-    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), 0, None, None,
-                             [PrefillChunk(0, end - start, end, table)])
+    meta = runner.metadata(slots, [], [(0, end - start, end, block_table)])
     return runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.caches, meta)
 
 
@@ -288,9 +279,7 @@ def time_decode_rows(runner: ModelRunner, num_rows: int, block: int) -> float:
     """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the borrowed
     `block` at position 0: the shape of the rows speculation adds, for the step-cost model."""
     dev = runner.device
-    slot = torch.full((num_rows,), block * runner.block_size, dtype=torch.int64, device=dev)
-    meta = AttentionMetadata(slot, num_rows, torch.full((num_rows, 1), block, device=dev),
-                             torch.ones(num_rows, dtype=torch.int64, device=dev), [])
+    meta = runner.metadata([block * runner.block_size] * num_rows, [([block], 1)] * num_rows, [])
     ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -1,4 +1,4 @@
-"""The gated MLP's activation: silu(gate) * up on the fused gate|up projection."""
+"""The gated MLP's activation on the fused gate|up projection: silu(gate) * up, or GeGLU (Gemma)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             return ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> gelu_tanh(gate) * up [T, I]: Gemma's GeGLU (transformers' gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -6,6 +6,11 @@ Every new K/V is written to its cache slot; then
     kernel reads them in place from the pool; elsewhere a padded gather + SDPA);
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
     with a causal mask aligned to the chunk's end.
+A sliding-window layer (window W: a query at position p sees keys p - W < k <= p) gets its window's own
+metadata (`meta.windows[W]`, built once per step by the model runner): tables that start at the first
+block inside the window (`key_start`: the position of their first slot), so it never reads a block that
+has left its window. Where no row's window cuts its context, that is plain causal attention and takes
+the usual path (the native decode kernel on CPU); otherwise the PyTorch path masks by position.
 A quantized KV cache (FP8 with a per-layer scale, INT8 with a scale per token and head) changes only
 `write_kv` and `read_kv` (`QuantizedKVCacheLayer`) and hands its scales to the native decode kernel,
 which reads the codes in place; the PyTorch decode path reads through `read_kv`.
@@ -13,7 +18,7 @@ which reads the codes in place; the PyTorch decode path reads through `read_kv`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +32,8 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flattened batch
     num_tokens: int  # query length
     context_len: int  # tokens attended to: earlier context + this chunk
-    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 (a window's view: from block key_start / bs)
+    key_start: int = 0  # position of the first slot of block_table (0 but in a window's view)
 
 
 @dataclass
@@ -37,6 +43,48 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
+    # A sliding window's view (in `windows` of the full view): W, the position of each decode table's first slot,
+    # and whether any row's window leaves out part of its context (if not, the view is plain causal attention).
+    window: int | None = None
+    decode_key_starts: torch.Tensor | None = None  # [num_decodes] int64
+    cut: bool = False
+    windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
+
+
+def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefills: list[tuple[int, int, int, list[int]]],
+                   block_size: int, device: torch.device, windows: tuple[int, ...] = ()) -> AttentionMetadata:
+    """A step's metadata from plain lists: each cache slot written; each decode row's (block table, context
+    length), the table no longer than its context needs; each prefill chunk's (first row, query length, context
+    length, block table), the table possibly longer. With `windows`, also each sliding window's view of the
+    same tables."""
+    bs = block_size
+
+    def meta_for(window: int | None) -> AttentionMetadata:
+        tables, lens, starts, cut = [], [], [], False
+        for table, ctx in decodes:
+            first = max(0, ctx - window) // bs if window else 0  # the first block holding a key this row sees
+            tables.append(table[first:] if first else table)
+            lens.append(ctx)
+            starts.append(first * bs)
+            cut |= bool(window) and ctx > window
+        chunks = []
+        for row, n, ctx, table in prefills:
+            first = max(0, ctx - n - window + 1) // bs if window else 0
+            chunks.append(PrefillChunk(row, n, ctx, torch.tensor(table[first : -(-ctx // bs)], dtype=torch.int64, device=device),
+                                       first * bs))
+        m = AttentionMetadata(slot_mapping, len(tables), None, None, chunks, window=window, cut=cut)
+        if tables:
+            width = max(len(t) for t in tables)
+            m.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+            m.decode_context_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+            if any(starts):
+                m.decode_key_starts = torch.tensor(starts, dtype=torch.int64, device=device)
+        return m
+
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    meta = meta_for(None)
+    meta.windows = {w: meta_for(w) for w in sorted(set(windows))}
+    return meta
 
 
 class KVCacheLayer:
@@ -103,10 +151,11 @@ class QuantizedKVCacheLayer(KVCacheLayer):
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window  # sliding window (keys p - W < k <= p), or None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
@@ -122,12 +171,13 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if chunk.context_len == chunk.num_tokens:  # no earlier context: attend to the chunk itself
-                kc, vc, mask = k[rows], v[rows], None
+            if chunk.context_len == chunk.num_tokens or chunk.key_start >= chunk.context_len - chunk.num_tokens:
+                kc, vc, first = k[rows], v[rows], chunk.context_len - chunk.num_tokens  # the chunk's own keys suffice
             else:
                 kc, vc = cache.read_kv(chunk.block_table, q.dtype)
-                kc, vc = kc[: chunk.context_len], vc[: chunk.context_len]
-                mask = _causal_mask_bottom_right(chunk.num_tokens, chunk.context_len, q.device)
+                first = chunk.key_start
+                kc, vc = kc[: chunk.context_len - first], vc[: chunk.context_len - first]
+            mask = _causal_mask(chunk.num_tokens, chunk.context_len, first, self.window, q.device)
             out[rows] = F.scaled_dot_product_attention(
                 qc,
                 kc.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
@@ -143,16 +193,23 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""
         ops = cpu_ops() if q.device.type == "cpu" else None
-        if ops is not None:  # native: reads K/V (or their fp8 / int8 codes) in place from the pool, no padding
+        if ops is not None and not meta.cut:  # native: reads K/V (or their fp8 / int8 codes) in place from the pool, no padding
             return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
                                               meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale)
         return decode_attention_reference(q, cache, meta, self.scale)
 
 
 def decode_attention_reference(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """PyTorch path (any device): gather each table padded to the longest, masked SDPA."""
+    """PyTorch path (any device): gather each table padded to the longest, masked SDPA (by position in a
+    sliding window's view)."""
     kc, vc = cache.read_kv(meta.decode_block_tables, q.dtype)  # [nd, L, KVH, D]
-    visible = torch.arange(kc.shape[1], device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [nd, L]
+    pos = torch.arange(kc.shape[1], device=q.device)[None, :]
+    if meta.decode_key_starts is not None:
+        pos = pos + meta.decode_key_starts[:, None]
+    ctx = meta.decode_context_lens[:, None]
+    visible = pos < ctx  # [nd, L]
+    if meta.window is not None:
+        visible &= pos > ctx - 1 - meta.window
     return F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [nd, H, 1, D]
         kc.transpose(1, 2),  # [nd, KVH, L, D]
@@ -163,7 +220,15 @@ def decode_attention_reference(q: torch.Tensor, cache: KVCacheLayer, meta: Atten
     ).squeeze(2)
 
 
-def _causal_mask_bottom_right(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """[n, ctx] bool: query i (at absolute position ctx - n + i) sees keys 0..ctx - n + i."""
-    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device).unsqueeze(1)
-    return torch.arange(num_keys, device=device).unsqueeze(0) <= q_pos
+def _causal_mask(num_queries: int, context_len: int, first_key: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[n, keys] bool for queries at positions context_len - n .. context_len - 1 over keys at positions
+    first_key .. context_len - 1: causal (k <= q) and, with a window, k > q - window. None when that is
+    SDPA's own top-left causal mask (queries and keys the same positions, no window cutting)."""
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device).unsqueeze(1)
+    if first_key == context_len - num_queries and (window is None or num_queries <= window):
+        return None
+    k_pos = torch.arange(first_key, context_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

@@ -1,7 +1,13 @@
 """What the decoder needs from a Hugging Face `config.json`, for every architecture we support.
 
-The four supported families differ only in a handful of switches (q/k/v bias, q/k RMSNorm,
-explicit head_dim, rope scaling), so one decoder serves them all.
+The supported families differ only in a handful of switches (q/k/v bias, q/k RMSNorm, explicit
+head_dim, rope scaling, experts; Gemma 3's sandwich norms, scaled embedding, GeGLU and sliding-window
+layers), so one decoder serves them all.
+
+Sliding-window attention is per layer: `layer_windows[i]` is layer i's window W (a query at position p
+sees keys p - W < k <= p, as transformers masks it) or None for full attention. Mistral-style models
+slide on every layer, Qwen2 on the layers from `max_window_layers` on (with use_sliding_window), Gemma 3
+on five layers of six (`layer_types`), whose rotary base is then `rope_local_theta`.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -47,6 +53,12 @@ class ModelArch:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Sliding windows and Gemma 3 (defaults: the Llama family).
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its attention window, None for full attention
+    rope_local_theta: float | None = None  # rotary base of the sliding layers, where it differs (Gemma 3)
+    gemma: bool = False  # RMSNorm scales by (1 + w), embeddings times sqrt(hidden), norms around attention and MLP
+    attn_scale: float | None = None  # softmax scale when not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArch":
@@ -58,9 +70,14 @@ class ModelArch:
                 f"sieve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (supported: silu)")
+        gemma = arch == "Gemma3ForCausalLM"
+        act = cfg.get("hidden_activation" if gemma else "hidden_act") or cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "swish", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError("attn_logit_softcapping (Gemma 2) is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention is not supported: sieve serves causal decoders")
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         moe = _moe_fields(arch, cfg)
@@ -68,11 +85,19 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         # transformers >= 5 writes `rope_parameters`; released checkpoints use rope_theta / rope_scaling.
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        local_theta = None
+        if gemma:  # one rope per layer type: full_attention (rope_theta, scaled) and sliding_attention (rope_local_base_freq)
+            full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+            theta = cfg.get("rope_theta", full.get("rope_theta", 1_000_000.0))
+            local_theta = cfg.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))
+            scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+        else:
+            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         sliding = cfg.get("sliding_window")
         if qwen2 or qwen3:
             sliding = sliding if cfg.get("use_sliding_window", False) else None
+        windows = _layer_windows(arch, cfg, sliding)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -90,21 +115,62 @@ class ModelArch:
             qkv_bias=True if qwen2 else bool(cfg.get("attention_bias", False)),
             o_bias=False if qwen2 else bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=qwen3,
+            qk_norm=qwen3 or gemma,
             hidden_act=act,
-            sliding_window=sliding,
+            sliding_window=sliding if any(windows) else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=eos_ids,
             **moe,
+            layer_windows=windows,
+            rope_local_theta=local_theta,
+            gemma=gemma,
+            attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layers that attend to the whole context."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_windows or self.layer_windows[i] is None)
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_windows and self.layer_windows[i] is not None)
+
+    @property
+    def max_window(self) -> int:
+        return max((w for w in self.layer_windows if w is not None), default=0)
+
     # ---- sizes the rest of the engine plans with ---------------------------------------
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full attention), as transformers decides it per family."""
+    layers = cfg["num_hidden_layers"]
+    if not sliding:
+        return (None,) * layers
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])
+        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+            raise UnsupportedModelError(f"layer_types {types!r} is not supported (one of full_attention, sliding_attention per layer)")
+        return tuple(sliding if t == "sliding_attention" else None for t in types)
+    if arch == "Gemma3ForCausalLM":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return tuple(sliding if (i + 1) % pattern else None for i in range(layers))
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        first = int(cfg.get("max_window_layers", layers))
+        return tuple(sliding if i >= first else None for i in range(layers))
+    return (sliding,) * layers  # Mistral, Mixtral: every layer slides
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:

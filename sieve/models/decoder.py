@@ -1,5 +1,7 @@
-"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3, and their mixture-of-experts kin (Mixtral,
-Qwen2-MoE, Qwen3-MoE: a layer's MLP is then sieve/layers/moe.py).
+"""One config-driven decoder for Llama, Mistral, Qwen2 and Qwen3, their mixture-of-experts kin (Mixtral,
+Qwen2-MoE, Qwen3-MoE: a layer's MLP is then sieve/layers/moe.py), and Gemma 3 (sandwich norms around
+attention and MLP, RMSNorm scaling by 1 + w (stored as 1 + w, so the norm kernels are the same), embeddings
+times sqrt(hidden), GeGLU, query_pre_attn_scalar, and sliding-window layers with their own rotary base).
 
 Reads like the reference model: embed -> N x (norm, attention, norm, MLP) -> norm, except that each
 residual add happens inside the norm that follows it (`norm(x, residual)`, as in vLLM), so the two
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from sieve.kernels import cpu_ops
-from sieve.layers.activation import silu_and_mul
+from sieve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
 from sieve.layers.moe import SparseMoE
@@ -37,8 +39,13 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
-        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim)
+        self.window = a.layer_windows[index] if a.layer_windows else None
+        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, a.attn_scale, self.window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        if a.gemma:  # Gemma's sandwich: the attention output is normed before the residual add, the MLP both sides
+            self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.act = gelu_tanh_and_mul if a.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
         self.moe = None
         if index in a.sparse_layers:  # a mixture-of-experts MLP
             self.moe = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob,
@@ -51,7 +58,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None); residual: the sum of
-        everything before it. Returns (this layer's MLP output, the residual stream before it)."""
+        everything before it. Returns (this layer's MLP output, the residual stream before it). `rope` and
+        `meta` are this layer's: a sliding layer gets its own rotary tables and its window's view of the cache."""
         a, T = self.a, x.shape[0]
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -67,10 +75,14 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        h, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1)), residual)
+        attn = self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
+        if self.a.gemma:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
+            return self.post_feedforward_layernorm(self.down_proj(self.act(self.gate_up_proj(h)))), residual
+        h, residual = self.post_attention_layernorm(attn, residual)
         if self.moe is not None:
             return self.moe(h), residual
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+        return self.down_proj(self.act(self.gate_up_proj(h))), residual
 
 
 class DecoderModel(nn.Module):
@@ -89,6 +101,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        # Gemma 3's sliding layers rotate with their own base and no scaling
+        self.rotary_local = RotaryEmbedding(a.head_dim, max_positions, a.rope_local_theta, None) if a.rope_local_theta else None
         self.layers = nn.ModuleList(DecoderLayer(a, dtype, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
@@ -99,6 +113,12 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._embed_rows(input_ids)
+        if self.arch.gemma:  # times sqrt(hidden), rounded to the model dtype first (as Gemma does)
+            x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         e, dtype = self.quantized_embedding, self.embed_tokens.weight.dtype
         if e is None:
             return self.embed_tokens(input_ids)
@@ -115,8 +135,12 @@ class DecoderModel(nn.Module):
         if self.native is not None and all(type(c) is KVCacheLayer for c in caches):
             return self._forward_native(x, positions, caches, meta)
         rope = self.rotary(positions, x.dtype)
+        rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, rope, cache, meta)
+            if layer.window is None:
+                x, residual = layer(x, residual, rope, cache, meta)
+            else:
+                x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window])
         return self.norm(x, residual)[0]
 
     def _forward_native(self, x, positions, caches, meta: AttentionMetadata) -> torch.Tensor:
@@ -128,7 +152,9 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prepare(self, allow_two_layouts: bool, quantization: str | None = None, group_size: int = 128,
                 quantize_lm_head: bool = False) -> None:
@@ -152,7 +178,8 @@ class DecoderModel(nn.Module):
         a, ops = self.arch, cpu_ops()
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
-                or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe):  # the C++ loop has no expert routing
+                or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe  # the C++ loop has no expert routing,
+                or a.gemma or a.has_sliding_layers):  # nor Gemma's norms and GeGLU, nor windows
             return None
         linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
         if any(m.native is None or (first.dtype == torch.float32 and m.qkernel is None) for group in linears for m in group):
@@ -171,6 +198,8 @@ class DecoderModel(nn.Module):
         """Load one checkpoint tensor by its Hugging Face name. False if the model has no use for it."""
         if name.startswith("model."):
             name = name[len("model.") :]
+        if self.arch.gemma and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+            tensor = 1.0 + tensor.float()  # Gemma's RMSNorm scales by 1 + w, in float32; kept so the norm is the usual one
         if "rotary_emb" in name:
             return False
         if name == "lm_head.weight":

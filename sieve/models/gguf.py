@@ -36,7 +36,8 @@ from sieve.quant.formats import ChannelScaledWeight, Int4Weight, pack_int4_pairs
 
 log = logging.getLogger("sieve")
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 LAYER_NAMES = {  # Hugging Face suffix -> GGUF name within blk.{i}
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -46,9 +47,35 @@ LAYER_NAMES = {  # Hugging Face suffix -> GGUF name within blk.{i}
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
+GEMMA3_NAMES = {  # Gemma 3's four norms per layer; llama.cpp's ffn_norm is the one before the MLP
+    **{k: v for k, v in LAYER_NAMES.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": "post_attention_norm.weight", "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 _FROM_GGUF = {v: k for k, v in TOP_NAMES.items()}
 _LAYER_FROM_GGUF = {v: k for k, v in LAYER_NAMES.items()}
+_GEMMA3_FROM_GGUF = {v: k for k, v in GEMMA3_NAMES.items()}
+# Gemma's end of turn: llama.cpp's converter leaves it out of the file's EOS ids, transformers' generation config has it
+GEMMA_END_OF_TURN = "<end_of_turn>"
+# Gemma 3's chat template (transformers' tokenizer_config of google/gemma-3-*), for files that carry none
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}"
+    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
 
 NATIVE = ("Q8_0", "Q4_0", "Q4_1")  # kept in their format
 PLAIN = ("F32", "F16", "BF16")
@@ -163,6 +190,8 @@ class GGUFCheckpoint:
         )
         if self.arch_name == "qwen2":
             cfg["use_sliding_window"] = False
+        if self.arch_name == "gemma3":
+            cfg.update(self._gemma3_config(cfg))
         scaling = self._arch_field("rope.scaling.type")
         if scaling in ("linear",):
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self._arch_field("rope.scaling.factor", 1.0))}
@@ -171,6 +200,25 @@ class GGUFCheckpoint:
         if "rope_freqs.weight" in self._tensors:  # llama.cpp's form of Llama 3.1 rope scaling: a divisor per frequency
             cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": self._array("rope_freqs.weight").tolist()}
         return cfg
+
+    def _gemma3_config(self, cfg: dict) -> dict:
+        """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global, the others sliding with
+        rotary base 10,000; softmax scale 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B); GeGLU."""
+        window = self._arch_field("attention.sliding_window")
+        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        out = dict(hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=10_000.0, sliding_window_pattern=6,
+                   sliding_window=int(window) if window else None,
+                   query_pre_attn_scalar=cfg["hidden_size"] // heads if layers == 62 else cfg["head_dim"],
+                   final_logit_softcapping=self._arch_field("final_logit_softcapping"))
+        if self._arch_field("attn_logit_softcapping") is not None:
+            raise GGUFError(f"{self.path}: attention logit softcapping is not supported")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            for i in range(min(len(tokens.data), 1024)):
+                if bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace") == GEMMA_END_OF_TURN:
+                    out["eos_token_id"] = list(dict.fromkeys(cfg["eos_token_id"] + [i]))
+                    break
+        return out
 
     def _dtype(self) -> str:
         """The model dtype "auto" means for this file: that of its float weights if all are one float type
@@ -197,8 +245,9 @@ class GGUFCheckpoint:
         if name in _FROM_GGUF:
             return _FROM_GGUF[name]
         parts = name.split(".", 2)
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_FROM_GGUF:
-            return f"model.layers.{parts[1]}.{_LAYER_FROM_GGUF[parts[2]]}"
+        names = _GEMMA3_FROM_GGUF if self.arch_name == "gemma3" else _LAYER_FROM_GGUF
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}"
         return None
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
@@ -232,6 +281,8 @@ class GGUFCheckpoint:
             order = self._row_order(t.name, int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0]))
             if order is not None:
                 value = _take_rows(value, torch.from_numpy(order))
+            if self.arch_name == "gemma3" and hf.endswith("norm.weight"):
+                value = value.float() - 1  # llama.cpp stores Gemma's norm scales as 1 + w; Hugging Face names mean w
             yield hf, value
         for kind, n in widened.items():
             why = "as asked (dequantize)" if self.dequantize else "(no native kernel for this type)"
@@ -275,6 +326,9 @@ class GGUFCheckpoint:
         except Exception as e:
             raise GGUFError(f"{self.path}: its tokenizer could not be converted: {type(e).__name__}: {e}") from None
         template = self._field("tokenizer.chat_template")
+        if not template and self.arch_name == "gemma3":
+            log.info("%s carries no chat template: using Gemma 3's", self.path.name)
+            template = GEMMA3_CHAT_TEMPLATE
         if template:
             tok.chat_template = template
         tmp = cached.with_name(f"{key}.tmp{os.getpid()}")

@@ -209,6 +209,8 @@ def _expected_names(a: ModelArch) -> set[str]:
             names |= {p + f"self_attn.{m}_proj.bias" for m in "qkv"}
         if a.qk_norm:
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        if a.gemma:
+            names |= {p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"}
     return names
 
 
