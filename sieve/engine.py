@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sieve.block_manager import BlockManager
+from sieve.block_manager import BlockManager, HybridBlockManager, SlidingWindowBlockManager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
@@ -109,7 +109,12 @@ class LLMEngine:
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, namespace)
+        if self.runner.num_window_blocks:  # sliding-window layers keep their own pool, freed as blocks leave the window
+            window = SlidingWindowBlockManager(self.runner.num_window_blocks, config.block_size, self.arch.max_window,
+                                               config.enable_prefix_caching, namespace)
+            self.block_manager = HybridBlockManager(self.runner.num_blocks, window, config.enable_prefix_caching, namespace)
+        else:
+            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, namespace)
         capacity = self.runner.num_blocks * config.block_size
         if max_len > capacity:  # never advertise a context the KV pool cannot hold for even one sequence
             log.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d tokens (give it more memory "
@@ -171,21 +176,24 @@ class LLMEngine:
         speculation adds) on this machine, before any request. Every real step refines it afterwards."""
         from sieve.model_runner import time_decode_rows
 
-        with self._borrowed_blocks(1) as table:
+        with self._borrowed_blocks(1) as tables:
             n, cap = 1, min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
             while n <= cap:
-                times = sorted(time_decode_rows(self.runner, n, table[0]) for _ in range(reps))
+                times = sorted(time_decode_rows(self.runner, n, tables) for _ in range(reps))
                 self.speculator.observe_step(n, times[len(times) // 2])
                 n *= 2
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):
-        """A block table for `num_tokens` tokens taken from the free pool between steps, given back after."""
-        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[])
+        """Block tables (`block_table`, and `window_table` where the model has sliding layers) for `num_tokens`
+        tokens, taken from the free pool between steps and given back after."""
+        holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[],
+                                 window_table=[], num_window_registered=0)
         if not self.block_manager.allocate(holder, num_tokens):
+            self.block_manager.free(holder)
             raise RequestError(f"{num_tokens} tokens do not fit in the free KV blocks")
         try:
-            yield holder.block_table
+            yield holder
         finally:
             self.block_manager.free(holder)
 

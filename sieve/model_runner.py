@@ -68,42 +68,74 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
         self.kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kv_kind]
-        self.num_blocks = self._plan_num_blocks()
-        shape = (2, arch.num_layers, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-        if self.kv_kind == "auto":
-            self.caches = [KVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(arch.num_layers)]
-        elif self.kv_kind == "int8":
-            self.kv_scales = torch.ones(shape[:-1], dtype=torch.float16, device=device)
-            self.caches = [QuantizedKVCacheLayer(self.kv_pool[0, i], self.kv_pool[1, i], "int8", self.kv_scales[0, i],
-                                                 self.kv_scales[1, i]) for i in range(arch.num_layers)]
-        else:  # fp8: the checkpoint's per-layer scales where it has them, else calibrated by the engine at load
-            scales = getattr(model, "kv_scales", {})
-            self.caches = [QuantizedKVCacheLayer(
-                self.kv_pool[0, i], self.kv_pool[1, i], "fp8",
-                torch.tensor(float(scales.get((i, "k"), 1.0)), device=device),
-                torch.tensor(float(scales.get((i, "v"), 1.0)), device=device),
-                calibrate=(i, "k") not in scales) for i in range(arch.num_layers)]
+        # KV-cache groups: the full-attention layers, and the sliding-window layers' own pool (which gives back
+        # blocks as they leave the window; see SlidingWindowBlockManager). Models without sliding layers: one group.
+        self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [tuple(range(arch.num_layers))]
+        self.num_blocks, self.num_window_blocks = self._plan_num_blocks()
+        self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
+        for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
+            shape = (2, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
+            pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            scales = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.kv_kind == "int8" else None
+            self.kv_pools.append(pool)
+            self.kv_scale_pools.append(scales)
+            for j, i in enumerate(layers):
+                self.caches[i] = self._cache_layer(model, pool, scales, j, i)
+        self.kv_pool = self.kv_pools[0]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
+
+    def _cache_layer(self, model: DecoderModel, pool: torch.Tensor, scales: torch.Tensor | None, j: int, layer: int) -> KVCacheLayer:
+        """Layer `layer`'s view of its group's pool, where it is the group's j-th layer."""
+        if self.kv_kind == "auto":
+            return KVCacheLayer(pool[0, j], pool[1, j])
+        if self.kv_kind == "int8":
+            return QuantizedKVCacheLayer(pool[0, j], pool[1, j], "int8", scales[0, j], scales[1, j])
+        # fp8: the checkpoint's per-layer scales where it has them, else calibrated by the engine at load
+        ckpt = getattr(model, "kv_scales", {})
+        return QuantizedKVCacheLayer(pool[0, j], pool[1, j], "fp8", torch.tensor(float(ckpt.get((layer, "k"), 1.0)), device=self.device),
+                                     torch.tensor(float(ckpt.get((layer, "v"), 1.0)), device=self.device),
+                                     calibrate=(layer, "k") not in ckpt)
 
     @property
     def kv_needs_calibration(self) -> bool:
         """FP8 KV layers whose scales are set by the first K/V they see (the engine feeds them fixed text)."""
         return any(getattr(c, "calibrate", False) for c in self.caches)
 
+    def _group_block_bytes(self, group: int) -> int:
+        """Bytes of one block of a KV-cache group (all its layers)."""
+        per_layer_token = 2 * self.arch.num_kv_heads * self.arch.head_dim * self.kv_dtype.itemsize
+        if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
+            per_layer_token += 2 * self.arch.num_kv_heads * 2
+        return per_layer_token * len(self.layer_groups[group]) * self.block_size if group < len(self.layer_groups) else 0
+
     @property
     def block_bytes(self) -> int:
-        per_token = self.arch.kv_bytes_per_token(self.kv_dtype.itemsize)
-        if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
-            per_token += 2 * self.arch.num_layers * self.arch.num_kv_heads * 2
-        return per_token * self.block_size
+        """Bytes of one block of the full-attention group (every layer of a model without sliding layers)."""
+        return self._group_block_bytes(0)
 
-    def _plan_num_blocks(self) -> int:
+    def window_blocks_needed(self) -> int:
+        """Window-group blocks that let every running sequence hold its window and the step's tokens at once."""
+        c, bs = self.config, self.block_size
+        return c.max_num_seqs * (-(-(self.arch.max_window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
+
+    def _plan_num_blocks(self) -> tuple[int, int]:
+        """Blocks of the full-attention group and of the sliding-window group (0 without sliding layers). The
+        window group gets what lets every sequence keep its window (never more than the full group); the rest
+        of the budget goes to the full group, whose blocks bound the context."""
         c = self.config
+        sliding = len(self.layer_groups) > 1
         if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
+            n = c.num_gpu_blocks_override
+            return n, min(n, self.window_blocks_needed()) if sliding else 0
+        if not sliding:
+            return self._plan_full_blocks(), 0
+        full, window = self._plan_full_blocks(windowed=True)
+        return full, window
+
+    def _plan_full_blocks(self, windowed: bool = False):
+        c = self.config
         if c.kv_cache_memory_gb is not None:
             budget = int(c.kv_cache_memory_gb * (1 << 30))
             source = f"--kv-cache-memory {c.kv_cache_memory_gb} GiB"
@@ -114,6 +146,16 @@ class ModelRunner:
             source = f"{c.kv_cache_memory_fraction:.0%} of free memory"
         # Never more than enough for max_num_seqs sequences at full length (plus one spare each).
         cap = c.max_num_seqs * (-(-c.max_model_len // self.block_size) + 1)
+        window = 0
+        if windowed:  # the window group first: enough for every sequence's window, or as many blocks as the full group
+            wb = self._group_block_bytes(1)
+            window = min(self.window_blocks_needed(), cap, max(budget // (self.block_bytes + wb), 1))
+            budget -= window * wb
+            log.info("KV cache, sliding-window layers (%d of %d, window %d): %d blocks x %d tokens (%.1f MiB)",
+                     len(self.layer_groups[1]), self.arch.num_layers, self.arch.max_window, window, self.block_size,
+                     window * wb / 2**20)
+        if not self.block_bytes:  # every layer slides: the full group only counts positions
+            return cap, window
         num_blocks = min(max(budget // self.block_bytes, 1), cap)
         gain = ""
         if self.kv_kind != "auto":
@@ -126,35 +168,54 @@ class ModelRunner:
         )
         if num_blocks == cap:
             log.info("KV cache capped at max_num_seqs x max_model_len; the budget would hold %d blocks", budget // self.block_bytes)
-        return num_blocks
+        return (num_blocks, window) if windowed else num_blocks
 
-    def metadata(self, slots: list[int], decodes: list, prefills: list) -> AttentionMetadata:
-        """The step's attention metadata, with a view per sliding window the model's layers use."""
-        windows = tuple(w for w in self.arch.layer_windows if w is not None)
-        return build_metadata(slots, decodes, prefills, self.block_size, self.device, windows)
+    def metadata(self, writes: list[tuple], decodes: list[tuple], prefills: list[tuple]) -> AttentionMetadata:
+        """A step's attention metadata from what holds the tables (a Sequence, or anything with its `block_table`
+        and `window_table`): `writes` (holder, first, end) for the positions whose K/V the step writes;
+        `decodes` (holder, context length, table blocks) per decode row; `prefills` (first row, query length,
+        context length, holder) per chunk. Sliding-window layers get their windows' views of `window_table`."""
+        bs = self.block_size
+
+        def group(attr: str, windows: tuple[int, ...]) -> AttentionMetadata:
+            slots = []
+            for holder, start, end in writes:
+                table = getattr(holder, attr)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            tables = {}  # one slice per holder, shared by its rows (the decode kernel walks a sequence's K/V once for them)
+            rows = []
+            for holder, ctx, nb in decodes:
+                key = (id(holder), nb)
+                if key not in tables:
+                    tables[key] = getattr(holder, attr)[:nb]
+                rows.append((tables[key], ctx))
+            chunks = [(row, n, ctx, getattr(holder, attr)) for row, n, ctx, holder in prefills]
+            return build_metadata(slots, rows, chunks, bs, self.device, windows)
+
+        meta = group("block_table", ())
+        if len(self.layer_groups) > 1:
+            meta.windows = group("window_table", tuple(w for w in self.arch.layer_windows if w is not None)).windows
+        return meta
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         # Decode rows first (a decode and its drafts), then prefill chunks.
         items = sorted(sched.scheduled, key=lambda s: not s.is_decode)
-        input_ids, positions, slots = [], [], []
+        input_ids, positions, writes, decodes, prefills = [], [], [], [], []
         bs = self.block_size
-        decodes, prefills = [], []
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             row = len(input_ids)
             input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
             positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            writes.append((seq, start, end))
             if item.is_decode:  # a decode and its drafts: rows of one table (the kernel walks it once for them all)
-                table = table[: -(-end // bs)]
-                decodes += [(table, p + 1) for p in range(start, end)]
+                decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
             else:
-                prefills.append((row, item.num_new_tokens, end, table))
-        meta = self.metadata(slots, decodes, prefills)
+                prefills.append((row, item.num_new_tokens, end, seq))
+        meta = self.metadata(writes, decodes, prefills)
 
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
@@ -231,13 +292,17 @@ class ModelRunner:
         apply_bitmask(logits, mask, rows)
         return time.perf_counter() - started, len(rows)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        pool = self.kv_pool.view(torch.uint8)  # byte view: float8 has no CPU copy kernels everywhere
-        pool[:, :, dst] = pool[:, :, src]
-        if self.kv_kind == "int8":
-            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
+    def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        for group, (pool, scales) in enumerate(zip(self.kv_pools, self.kv_scale_pools)):
+            mine = [c for c in copies if c[0] == group]
+            if not mine:
+                continue
+            src = torch.tensor([c[1] for c in mine], device=self.device)
+            dst = torch.tensor([c[2] for c in mine], device=self.device)
+            pool = pool.view(torch.uint8)  # byte view: float8 has no CPU copy kernels everywhere
+            pool[:, :, dst] = pool[:, :, src]
+            if scales is not None:
+                scales[:, :, dst] = scales[:, :, src]
 
     def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.
@@ -258,28 +323,27 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int, block_table: list[int]) -> torch.Tensor:
+def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int, tables) -> torch.Tensor:
     """Float32 logits [end - start, vocab] for positions start..end-1 of one sequence whose tokens
-    before `start` are already in `block_table` (same cache writes and reads as serving, so a
-    quantized KV cache counts)."""
-    return runner.model.compute_logits(score_hidden(runner, token_ids, start, end, block_table))
+    before `start` are already in the blocks of `tables` (its `block_table`, and `window_table` where the model
+    has sliding layers; same cache writes and reads as serving, so a quantized KV cache counts)."""
+    return runner.model.compute_logits(score_hidden(runner, token_ids, start, end, tables))
 
 
 @torch.inference_mode()
-def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int, block_table: list[int]) -> torch.Tensor:
+def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int, tables) -> torch.Tensor:
     """The last hidden states [end - start, hidden] that `score_logits` turns into logits."""
-    bs, dev = runner.block_size, runner.device
-    slots = [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-    meta = runner.metadata(slots, [], [(0, end - start, end, block_table)])
+    dev = runner.device
+    meta = runner.metadata([(tables, start, end)], [], [(0, end - start, end, tables)])
     return runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.caches, meta)
 
 
 @torch.inference_mode()
-def time_decode_rows(runner: ModelRunner, num_rows: int, block: int) -> float:
-    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the borrowed
-    `block` at position 0: the shape of the rows speculation adds, for the step-cost model."""
+def time_decode_rows(runner: ModelRunner, num_rows: int, tables) -> float:
+    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the first block of
+    the borrowed `tables` at position 0: the shape of the rows speculation adds, for the step-cost model."""
     dev = runner.device
-    meta = runner.metadata([block * runner.block_size] * num_rows, [([block], 1)] * num_rows, [])
+    meta = runner.metadata([(tables, 0, 1)] * num_rows, [(tables, 1, 1)] * num_rows, [])
     ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -55,7 +55,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done after the step's writes
+    # (KV-cache group, source, destination) block copies, done after the step's writes
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -159,12 +160,11 @@ class Scheduler:
         parent, unforked = item.seq, item.seq.request.unforked
         end = parent.num_computed_tokens + item.num_real_tokens
         while unforked and len(self.running) < self.config.max_num_seqs:
-            block = self.blocks.reserve_fork(unforked[0], end)
-            if block is False:
+            copies = self.blocks.reserve_fork(parent, unforked[0], end)
+            if copies is False:
                 break
             child = unforked.pop(0)
-            if block is not None:
-                out.block_copies.append((parent.block_table[end // self.blocks.block_size], block))
+            out.block_copies += copies
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             bisect.insort(self.running, child, key=lambda s: s.schedule_key)

