@@ -259,3 +259,39 @@ def test_real_gemma3_270m_matches_transformers_on_the_same_file(gemma3_270m):
         for step, lp in enumerate(out.outputs[0].logprobs):
             for token_id, entry in lp.items():
                 assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "qwen2", "llama"])
+def test_planner_and_engine_agree_on_kv_bytes_and_users(name, sliding_checkpoints, checkpoints, tmp_path):
+    """At the same KV memory, `sieve plan`'s sequences that fit (KV bytes of a sequence: every token in the global
+    layers, the window in the sliding ones) and what the engine's pools hold agree within 5%, the engine told to
+    expect that many sequences (its window pool is sized for max_num_seqs windows). Window 256 here, so block
+    rounding (a sequence holds its window in ceil((W - 1) / bs) + 2 blocks of 4) is about as small a share as at
+    real sizes (Gemma 3: 512 in blocks of 16)."""
+    from sieve.plan.shape import shape_from_config
+
+    src = checkpoints[name] if name == "llama" else sliding_checkpoints[name]
+    path = tmp_path / name
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    if name != "llama":
+        cfg["sliding_window"] = 256
+    (path / "config.json").write_text(json.dumps(cfg))
+    shape = shape_from_config(cfg)
+    tokens, memory = 1000, 64 << 20
+    expected = {"gemma3": (3, 1), "mistral": (2, 0), "qwen2": (1, 1), "llama": (0, 2)}[name]
+    assert (shape.window_layers, shape.num_layers - shape.window_layers) == expected
+    planned = int(memory // (2 * shape.kv_bytes(tokens, "bf16")))  # float32 KV: twice bf16
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_num_seqs=planned, max_num_batched_tokens=64,
+              kv_cache_memory_gb=memory / 2**30)
+    runner, bs = llm.llm_engine.runner, 4
+    assert runner.block_bytes // bs == 2 * shape.kv_bytes_per_token("bf16")
+    by_full = runner.num_blocks // -(-tokens // bs) if shape.num_layers > shape.window_layers else planned
+    if shape.window_layers:
+        per_seq = -(-(256 - 1) // bs) + 2  # a sequence's window, and the block the next token starts
+        by_window = (runner.num_window_blocks - -(-64 // bs)) // per_seq  # less a step's worth (64 tokens)
+        engine_users = min(by_full, by_window)
+        assert runner.num_window_blocks * runner._group_block_bytes(1) + runner.num_blocks * runner.block_bytes <= memory
+    else:
+        engine_users = by_full
+    assert abs(engine_users - planned) <= 0.05 * planned, (engine_users, planned)

@@ -97,7 +97,7 @@ class ModelArch:
         sliding = cfg.get("sliding_window")
         if qwen2 or qwen3:
             sliding = sliding if cfg.get("use_sliding_window", False) else None
-        windows = _layer_windows(arch, cfg, sliding)
+        windows = layer_windows(arch, cfg, sliding)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -154,7 +154,7 @@ class ModelArch:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def _layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None, ...]:
+def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None, ...]:
     """Each layer's attention window (None: full attention), as transformers decides it per family."""
     layers = cfg["num_hidden_layers"]
     if not sliding:

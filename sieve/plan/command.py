@@ -80,6 +80,7 @@ def print_plans(plans: list[Plan], dev: Device, w: Workload) -> None:
         ("parameters (total / active)", lambda p: f"{p.total_params / 1e9:,.2f}B / {p.active_params / 1e9:,.2f}B"),
         ("weight bytes", lambda p: _gb(p.weight_bytes)),
         ("KV bytes per token", lambda p: f"{p.kv_bytes_per_token / 1024:,.1f} KiB"),
+        ("KV bytes per sequence", lambda p: f"{p.kv_bytes_per_sequence / 2**20:,.1f} MiB"),
         ("ridge point", lambda p: f"{p.ridge_flop_per_byte:,.0f} FLOP/byte"),
         ("decode intensity, batch 1", lambda p: f"{p.decode_intensity_b1:,.2f} FLOP/byte"),
         ("decode intensity, at users", lambda p: f"{p.decode_intensity_at_users:,.1f} FLOP/byte"),

@@ -47,7 +47,7 @@ def compute_dtype(device: Device, weights: str) -> str:
 def decode_point(m: ModelShape, dev: Device, w: Workload, batch: int) -> Point:
     ctx = w.context  # KV read per sequence: the given context
     tokens = 1 + w.spec_tokens  # tokens each sequence verifies per step
-    bytes_ = m.step_weight_bytes(w.weights, batch) + batch * ctx * m.kv_bytes_per_token(w.kv)
+    bytes_ = m.step_weight_bytes(w.weights, batch) + batch * m.kv_bytes(ctx, w.kv)
     flops = batch * tokens * m.flops_per_token(ctx)
     t_mem = bytes_ / (dev.bandwidth_gbps * 1e9)
     t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
@@ -71,7 +71,7 @@ def kv_memory_bytes(m: ModelShape, dev: Device, w: Workload) -> float:
 
 
 def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
-    per_seq = (w.context + w.output_tokens) * m.kv_bytes_per_token(w.kv)
+    per_seq = m.kv_bytes(w.context + w.output_tokens, w.kv)
     return max(0, int(kv_memory_bytes(m, dev, w) // per_seq))
 
 
@@ -79,7 +79,7 @@ def prefill_ms(m: ModelShape, dev: Device, w: Workload) -> float:
     """Time to first token floor for one prompt of `context` tokens (compute or bandwidth bound)."""
     flops = sum(m.flops_per_token(i) for i in (0, w.context // 2, w.context)) / 3 * w.context
     t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
-    t_mem = (m.step_weight_bytes(w.weights, w.context) + w.context * m.kv_bytes_per_token(w.kv)) / (dev.bandwidth_gbps * 1e9)
+    t_mem = (m.step_weight_bytes(w.weights, w.context) + m.kv_bytes(w.context, w.kv)) / (dev.bandwidth_gbps * 1e9)
     return max(t_cmp, t_mem) * 1e3
 
 
@@ -114,7 +114,8 @@ class Plan:
     total_params: float
     active_params: float
     weight_bytes: float
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float  # past the window, where layers slide
+    kv_bytes_per_sequence: float  # at context + output tokens
     ridge_flop_per_byte: float
     decode_intensity_b1: float
     decode_intensity_at_users: float
@@ -137,11 +138,12 @@ def plan(m: ModelShape, dev: Device, w: Workload) -> Plan:
     at_users = decode_point(m, dev, w, max(users, 1))
     ttft = prefill_ms(m, dev, w)
     prefill_flops = m.flops_per_token(w.context // 2) * w.context
-    prefill_bytes = m.step_weight_bytes(w.weights, w.context) + w.context * m.kv_bytes_per_token(w.kv)
+    prefill_bytes = m.step_weight_bytes(w.weights, w.context) + m.kv_bytes(w.context, w.kv)
     return Plan(
         model=m.name, device=dev.name, workload=asdict(w),
         total_params=m.total_params, active_params=m.active_params,
         weight_bytes=m.weight_bytes(w.weights), kv_bytes_per_token=m.kv_bytes_per_token(w.kv),
+        kv_bytes_per_sequence=m.kv_bytes(w.context + w.output_tokens, w.kv),
         ridge_flop_per_byte=dev.flops(compute_dtype(dev, w.weights)) / (dev.bandwidth_gbps * 1e9),
         decode_intensity_b1=b1.flops_per_step / b1.bytes_per_step,
         decode_intensity_at_users=at_users.flops_per_step / at_users.bytes_per_step,

@@ -1,7 +1,8 @@
 """Parameters, weight bytes and KV bytes per token, read from a Hugging Face `config.json`.
 
-Covers dense Llama / Mistral / Qwen2 / Qwen3, mixture-of-experts (Mixtral, Qwen2/3-MoE, DeepSeek:
-total against active parameters) and DeepSeek's multi-head latent attention (a latent KV cache).
+Covers dense Llama / Mistral / Qwen2 / Qwen3 / Gemma 3, mixture-of-experts (Mixtral, Qwen2/3-MoE, DeepSeek:
+total against active parameters), DeepSeek's multi-head latent attention (a latent KV cache), and
+sliding-window layers (Gemma 3, Mistral-style): a sliding layer caches and reads at most its window.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ModelShape:
     small_params: int  # norms and biases (kept in 16-bit)
     is_moe: bool = False
     is_mla: bool = False
+    window_layers: int = 0  # layers attending to a sliding window (they cache at most `window` tokens)
+    window: int = 0
 
     # ---- counts ----------------------------------------------------------------------------
     @property
@@ -67,12 +70,22 @@ class ModelShape:
         return self._bytes(linears, fmt) + 2 * (self.small_params + self.embed_params)
 
     def kv_bytes_per_token(self, fmt: str) -> float:
-        return self.num_layers * self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
+        """KV bytes each further token of a sequence adds once it is past the window: those of the layers that
+        keep every token (every layer, without sliding windows)."""
+        return (self.num_layers - self.window_layers) * self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
+
+    def kv_bytes(self, tokens: int, fmt: str) -> float:
+        """KV bytes of one sequence of `tokens` tokens: every token in the full-attention layers, the last
+        `window` in each sliding layer."""
+        per_layer_token = self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
+        return per_layer_token * ((self.num_layers - self.window_layers) * tokens + self.window_layers * min(tokens, self.window))
 
     def flops_per_token(self, context: int) -> float:
         """Forward FLOPs for one token at `context`: 2 per weight of every matmul it goes through
-        (active linears and the LM head; the embedding lookup is free) + attention over the context."""
-        attn = 4 * self.num_layers * self.num_heads * self.head_dim * context  # q.k and p.v
+        (active linears and the LM head; the embedding lookup is free) + attention over the context
+        (over the window in a sliding layer)."""
+        seen = (self.num_layers - self.window_layers) * context + self.window_layers * min(context, self.window)
+        attn = 4 * seen * self.num_heads * self.head_dim  # q.k and p.v
         return 2 * (sum(l.params for l in self.linears_active) + self.embed_params) + attn
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -118,7 +131,8 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
     vocab = cfg["vocab_size"]
     tied = bool(cfg.get("tie_word_embeddings", False))
     arch = " ".join(cfg.get("architectures") or [cfg.get("model_type", "")])
-    small = L * 2 * h + h  # two norms per layer + final norm
+    gemma = "Gemma3" in arch or cfg.get("model_type") in ("gemma3", "gemma3_text")
+    small = L * (4 if gemma else 2) * h + h  # two norms per layer (Gemma: four) + final norm
     attn: list[LinearShape] = []
     is_mla = "kv_lora_rank" in cfg and cfg.get("kv_lora_rank")
     if is_mla:  # DeepSeek V2/V3 multi-head latent attention
@@ -138,7 +152,7 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
         attn += [LinearShape(H * d, h), LinearShape(kvh * d, h), LinearShape(kvh * d, h), LinearShape(h, H * d)]
         if "Qwen2" in arch or cfg.get("attention_bias"):
             small += L * (H * d + 2 * kvh * d)  # q/k/v bias
-        if "Qwen3" in arch:
+        if "Qwen3" in arch or gemma:
             small += L * 2 * d  # q/k norms
         head_dim, kv_elems = d, 2 * kvh * d
 
@@ -177,4 +191,18 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
             active += sh
             if cfg.get("shared_expert_intermediate_size"):
                 small += h  # Qwen-MoE's shared-expert gate
-    return ModelShape(name, L, h, H, head_dim, vocab, tied, kv_elems, total, active, small, is_moe, bool(is_mla))
+    windows = _windows(cfg, arch)
+    sliding = [w for w in windows if w is not None]
+    return ModelShape(name, L, h, H, head_dim, vocab, tied, kv_elems, total, active, small, is_moe, bool(is_mla),
+                      len(sliding), max(sliding, default=0))
+
+
+def _windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, by the rule the engine loads the config with (sieve/models/arch.py)."""
+    from sieve.models.arch import SUPPORTED_ARCHITECTURES, layer_windows
+
+    name = next((a for a in arch.split() if a in SUPPORTED_ARCHITECTURES), arch)
+    sliding = cfg.get("sliding_window")
+    if "Qwen" in name and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return layer_windows(name, cfg, sliding)
