@@ -5,6 +5,8 @@
 //   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]  q's dtype, or fp8 (e4m3) / int8 codes
 //   block_tables  [num_seqs, max_blocks] int64
 //   context_lens  [num_seqs] int64
+//   starts        [num_seqs] int64 or absent: the first key each row sees, as an index into its table's slots
+//                 (a sliding window's view: keys before it have left the window); absent: 0
 //   k_scale/v_scale  fp8: float32 scalars (x = code * scale); int8: float16 [num_blocks, block_size,
 //                    num_kv_heads] (one scale per token and head); otherwise absent
 //   returns       [num_seqs, num_heads, head_dim] in q's dtype
@@ -43,6 +45,8 @@ struct Pool {  // one of K or V
 struct Layout {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_stride, out_stride;  // elements between sequences' rows of q and of the output
+  const int64_t* starts = nullptr;  // per row: the first key it sees (sliding windows), or null: 0
+  int64_t start(int64_t s) const { return starts ? starts[s] : 0; }
   int64_t token_stride() const { return num_kv_heads * head_dim; }
   int64_t block_stride() const { return block_size * token_stride(); }
 };
@@ -99,13 +103,13 @@ void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tabl
   at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
+      const int64_t s = item / KVH, kh = item % KVH, L = lens[s], st = lay.start(s);
       const int64_t* table = tables + s * lay.max_blocks;
       auto row = [&](int64_t t) { return (table[t / lay.block_size] * lay.block_size + t % lay.block_size) * KVH + kh; };
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
       scores.assign(G * L, 0.f);
-      for (int64_t t = 0; t < L; ++t)
+      for (int64_t t = st; t < L; ++t)
         for (int64_t g = 0; g < G; ++g) {
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * element(k, row(t), D, d);
@@ -114,12 +118,12 @@ void decode_scalar(const T* q, const Pool& k, const Pool& v, const int64_t* tabl
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         float mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sg[t]);
-        for (int64_t t = 0; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - mx));
-        for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
+        for (int64_t t = st; t < L; ++t) mx = std::max(mx, sg[t]);
+        for (int64_t t = st; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - mx));
+        for (int64_t t = st; t < L; ++t) sg[t] /= sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t)
+      for (int64_t t = st; t < L; ++t)
         for (int64_t d = 0; d < D; ++d) {
           const float vd = element(v, row(t), D, d);
           for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * L + t] * vd;
@@ -207,7 +211,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
   at::parallel_for(0, groups * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, kf(bs * D), vf(bs * D), m, l;
-    std::vector<int64_t> qlen;
+    std::vector<int64_t> qlen, qlo;
     for (int64_t item = begin; item < end; ++item) {
       // One item: the rows of a group (R consecutive positions of one sequence) times the G query heads of kv
       // head kh; query i is row i / G, head i % G, and sees the first qlen[i] tokens.
@@ -220,12 +224,16 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       m.assign(Q, -1e30f);  // finite: the build uses -ffast-math
       l.assign(Q, 0.f);
       qlen.resize(Q);
+      qlo.resize(Q);
+      int64_t lo = L;  // the first key any query of the item sees
       for (int64_t i = 0; i < Q; ++i) {
         const int64_t r = i / G, g = i % G;
         qlen[i] = lens[s0 + r];
+        qlo[i] = lay.start(s0 + r);
+        lo = std::min(lo, qlo[i]);
         for (int d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(q[(s0 + r) * lay.q_stride + (kh * G + g) * D + d]) * scale;
       }
-      for (int64_t j = 0; j * bs < L; ++j) {
+      for (int64_t j = lo / bs; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;  // row of token 0 of this block; token t is row0 + t * KVH
         // keys of the block as float32, once for all queries; then scores[i, t] = q_i . k_t, 16 tokens at a time
@@ -262,14 +270,14 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
         }
         for (int64_t g = 0; g < Q; ++g) {
-          const int64_t ng = std::min(n, qlen[g] - j * bs);
-          if (ng <= 0) continue;
+          const int64_t ng = std::min(n, qlen[g] - j * bs), tb = std::max<int64_t>(0, qlo[g] - j * bs);  // keys [tb, ng)
+          if (ng <= tb) continue;
           float* sg = &scores[g * bs];
           float mx = m[g];
-          for (int64_t t = 0; t < ng; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = tb; t < ng; ++t) mx = std::max(mx, sg[t]);
           const float alpha = std::exp(m[g] - mx);  // rescales what came before (0 on the first block)
           float sum = 0.f;
-          for (int64_t t = 0; t < ng; t += 16) {
+          for (int64_t t = tb; t < ng; t += 16) {
             const __mmask16 mask = ng - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - t)) - 1);
             const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), _mm512_set1_ps(mx)));
             _mm512_mask_storeu_ps(sg + t, mask, p);
@@ -279,7 +287,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           m[g] = mx;
           __m512 a[V];
           for (int i = 0; i < V; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * i]), _mm512_set1_ps(alpha));
-          for (int64_t t = 0; t < ng; ++t) {
+          for (int64_t t = tb; t < ng; ++t) {
             const __m512 p = _mm512_set1_ps(sg[t]);
             for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[t * D + 16 * i]), a[i]);
           }
@@ -372,15 +380,15 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
   at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores(G * (bs + 8)), kf(bs * D), vf(bs * D), m(G), l(G);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, kh = item % KVH, L = lens[s];
+      const int64_t s = item / KVH, kh = item % KVH, L = lens[s], st = lay.start(s);
       const int64_t* table = tables + s * lay.max_blocks;
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = 0; j * bs < L; ++j) {
-        const int64_t n = std::min(bs, L - j * bs);
+      for (int64_t j = st / bs; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs), tb = std::max<int64_t>(0, st - j * bs);  // keys [tb, n) of the block
         const int64_t row0 = table[j] * bs * KVH + kh;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = row0 + t * KVH;
@@ -414,7 +422,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
         for (int64_t g = 0; g < G; ++g) {
           float* sg = &scores[g * (bs + 8)];
           float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = tb; t < n; ++t) mx = std::max(mx, sg[t]);
           const float alpha = std::exp(m[g] - mx);
           for (int64_t t = n; t < ((n + 7) / 8) * 8; ++t) sg[t] = -1e30f;  // padding: exp -> 0
           float sum = 0.f;
@@ -423,13 +431,13 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
             _mm256_storeu_ps(sg + t, p);
             alignas(32) float tmp[8];
             _mm256_store_ps(tmp, p);
-            for (int64_t i = 0; i < std::min<int64_t>(8, n - t); ++i) sum += tmp[i];
+            for (int64_t i = std::max<int64_t>(0, tb - t); i < std::min<int64_t>(8, n - t); ++i) sum += tmp[i];
           }
           l[g] = l[g] * alpha + sum;
           m[g] = mx;
           __m256 a[V];
           for (int i = 0; i < V; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(&acc[g * D + 8 * i]), _mm256_set1_ps(alpha));
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = tb; t < n; ++t) {
             const __m256 p = _mm256_set1_ps(sg[t]);
             for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(&vf[t * D + 8 * i]), a[i]);
           }
@@ -493,7 +501,7 @@ template void paged_decode_attention_into<float>(const float*, int64_t, const fl
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale) {
+                                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts) {
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
   const auto kv = k_pool.scalar_type();
   TORCH_CHECK(kv == v_pool.scalar_type() && (kv == q.scalar_type() || kv == at::kFloat8_e4m3fn || kv == at::kChar),
@@ -503,8 +511,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
   const int64_t num_seqs = q.size(0), head_dim = q.size(2);
-  const Layout lay{q.size(1), k_pool.size(2), head_dim, k_pool.size(1), tables.size(1), q.size(1) * head_dim, q.size(1) * head_dim};
+  Layout lay{q.size(1), k_pool.size(2), head_dim, k_pool.size(1), tables.size(1), q.size(1) * head_dim, q.size(1) * head_dim};
   TORCH_CHECK(k_pool.size(3) == head_dim && lay.num_heads % lay.num_kv_heads == 0, "shape mismatch");
+  torch::Tensor first;
+  if (starts.has_value()) {
+    first = starts->contiguous();
+    TORCH_CHECK(first.scalar_type() == torch::kInt64 && first.numel() == num_seqs, "starts: one int64 per row");
+    lay.starts = first.data_ptr<int64_t>();
+  }
   const Pool k = make_pool(k_pool, k_scale, "k"), v = make_pool(v_pool, v_scale, "v");
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

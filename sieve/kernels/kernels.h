@@ -25,7 +25,7 @@ using bf16 = c10::BFloat16;
 // attention.cpp: one query token per sequence against its paged K/V (model dtype, fp8 or int8 codes)
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale);
+                                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts);
 
 template <class T>  // bf16 or float: q, the pools and the output of one type
 void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, int64_t block_size, int64_t num_kv_heads,

@@ -6,7 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &sieve::paged_decode_attention, "paged decode attention (CPU)", nogil, py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("starts") = py::none());
   m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16): returns (normed, sum)", nogil);
   m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads", nogil);
   m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix", nogil);

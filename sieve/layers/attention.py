@@ -9,8 +9,8 @@ Every new K/V is written to its cache slot; then
 A sliding-window layer (window W: a query at position p sees keys p - W < k <= p) gets its window's own
 metadata (`meta.windows[W]`, built once per step by the model runner): tables that start at the first
 block inside the window (`key_start`: the position of their first slot), so it never reads a block that
-has left its window. Where no row's window cuts its context, that is plain causal attention and takes
-the usual path (the native decode kernel on CPU); otherwise the PyTorch path masks by position.
+has left its window. The native decode kernel starts each row at its first visible key
+(`decode_first_visible`); the PyTorch paths mask by position.
 A quantized KV cache (FP8 with a per-layer scale, INT8 with a scale per token and head) changes only
 `write_kv` and `read_kv` (`QuantizedKVCacheLayer`) and hands its scales to the native decode kernel,
 which reads the codes in place; the PyTorch decode path reads through `read_kv`.
@@ -43,11 +43,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
-    # A sliding window's view (in `windows` of the full view): W, the position of each decode table's first slot,
-    # and whether any row's window leaves out part of its context (if not, the view is plain causal attention).
+    # A sliding window's view (in `windows` of the full view): W, and where some row's window leaves out part of its
+    # context, each row's first visible key as a slot of its table. A view's decode tables start at the first block
+    # holding a visible key, and its decode_context_lens count slots from there.
     window: int | None = None
-    decode_key_starts: torch.Tensor | None = None  # [num_decodes] int64
-    cut: bool = False
+    decode_first_visible: torch.Tensor | None = None  # [num_decodes] int64
     windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
 
 
@@ -60,25 +60,24 @@ def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefi
     bs = block_size
 
     def meta_for(window: int | None) -> AttentionMetadata:
-        tables, lens, starts, cut = [], [], [], False
+        tables, lens, visible = [], [], []
         for table, ctx in decodes:
             first = max(0, ctx - window) // bs if window else 0  # the first block holding a key this row sees
             tables.append(table[first:] if first else table)
-            lens.append(ctx)
-            starts.append(first * bs)
-            cut |= bool(window) and ctx > window
+            lens.append(ctx - first * bs)
+            visible.append(max(0, ctx - window) - first * bs if window else 0)
         chunks = []
         for row, n, ctx, table in prefills:
             first = max(0, ctx - n - window + 1) // bs if window else 0
             chunks.append(PrefillChunk(row, n, ctx, torch.tensor(table[first : -(-ctx // bs)], dtype=torch.int64, device=device),
                                        first * bs))
-        m = AttentionMetadata(slot_mapping, len(tables), None, None, chunks, window=window, cut=cut)
+        m = AttentionMetadata(slot_mapping, len(tables), None, None, chunks, window=window)
         if tables:
             width = max(len(t) for t in tables)
             m.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
             m.decode_context_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-            if any(starts):
-                m.decode_key_starts = torch.tensor(starts, dtype=torch.int64, device=device)
+            if any(visible):
+                m.decode_first_visible = torch.tensor(visible, dtype=torch.int64, device=device)
         return m
 
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
@@ -193,9 +192,10 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""
         ops = cpu_ops() if q.device.type == "cpu" else None
-        if ops is not None and not meta.cut:  # native: reads K/V (or their fp8 / int8 codes) in place from the pool, no padding
+        if ops is not None:  # native: reads K/V (or their fp8 / int8 codes) in place from the pool, no padding
             return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
-                                              meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale)
+                                              meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale,
+                                              meta.decode_first_visible)
         return decode_attention_reference(q, cache, meta, self.scale)
 
 
@@ -203,13 +203,10 @@ def decode_attention_reference(q: torch.Tensor, cache: KVCacheLayer, meta: Atten
     """PyTorch path (any device): gather each table padded to the longest, masked SDPA (by position in a
     sliding window's view)."""
     kc, vc = cache.read_kv(meta.decode_block_tables, q.dtype)  # [nd, L, KVH, D]
-    pos = torch.arange(kc.shape[1], device=q.device)[None, :]
-    if meta.decode_key_starts is not None:
-        pos = pos + meta.decode_key_starts[:, None]
-    ctx = meta.decode_context_lens[:, None]
-    visible = pos < ctx  # [nd, L]
-    if meta.window is not None:
-        visible &= pos > ctx - 1 - meta.window
+    slot = torch.arange(kc.shape[1], device=q.device)[None, :]
+    visible = slot < meta.decode_context_lens[:, None]  # [nd, L]
+    if meta.decode_first_visible is not None:  # a sliding window's view
+        visible &= slot >= meta.decode_first_visible[:, None]
     return F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [nd, H, 1, D]
         kc.transpose(1, 2),  # [nd, KVH, L, D]
