@@ -1,6 +1,7 @@
-"""DeepSeek-V3: multi-head latent attention (the cache holds each token's latent and shared rope key, attention
-runs absorbed) and its router (sigmoid scores, correction bias, group-limited top-k, scaling, ungated shared
-experts, dense first layers). Against transformers in float32 on small random checkpoints the tests write:
+"""DeepSeek-V2 and V3: multi-head latent attention (the cache holds each token's latent and shared rope key, attention
+runs absorbed) and their routers (V3: sigmoid scores, correction bias, group-limited top-k by the two best per
+group, renormalised and scaled; V2: softmax scores, greedy or group-limited by the best per group, scaled; both
+with ungated shared experts and dense first layers). Against transformers in float32 on small random checkpoints the tests write:
 identical greedy tokens and logprobs within 1e-3, through chunked prefill; batch invariance under preemption
 and prefix caching; KV bytes per token and parameters equal to the planner's."""
 
@@ -20,8 +21,12 @@ from test_models import NEW_TOKENS, hf_greedy
 BASE = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
             kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, max_position_embeddings=1024,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, rms_norm_eps=1e-5)
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, rms_norm_eps=1e-5)  # no EOS: the reference may pick any token
 MODELS = {
+    # V2: softmax routing limited to the group (of 4) with the best expert, weights scaled and not renormalised (with
+    # top-2 of 8 experts, two eligible groups by their best would always hold the best two: one group makes it bite)
+    "v2": dict(q_lora_rank=None, n_group=4, topk_group=1, topk_method="group_limited_greedy", n_shared_experts=1,
+               routed_scaling_factor=1.5),
     # q through a low-rank pair with its own norm, interleaved rope, 4 groups of which 2 are eligible, a shared expert
     "v3": dict(q_lora_rank=48, rope_interleave=True, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5),
     # q_proj direct, rope in halves, no groups, weights not renormalised, two shared experts
@@ -39,11 +44,16 @@ def mla_checkpoints(tmp_path_factory):
     for seed, (name, extra) in enumerate(MODELS.items()):
         path = tmp_path_factory.mktemp(name)
         torch.manual_seed(seed)
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**BASE, **extra)).to(torch.float32)
+        version = "V2" if name == "v2" else "V3"
+        cfg = getattr(transformers, f"Deepseek{version}Config")(**BASE, **extra)
+        model = getattr(transformers, f"Deepseek{version}ForCausalLM")(cfg).to(torch.float32)
         _widen_init(model, seed)
         with torch.no_grad():
             for layer in model.model.layers[BASE["first_k_dense_replace"]:]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)  # the bias chooses: make it matter
+                if version == "V3":
+                    layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)  # the bias chooses: make it matter
+                else:  # a softmax router over 8 experts: sharpen it so the groups decide
+                    layer.mlp.gate.weight.mul_(4.0)
         model.save_pretrained(path, safe_serialization=True)
         out[name] = path
     return out
@@ -76,15 +86,17 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, mla_checkpoints):
                 assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
 
 
-def test_group_limited_routing_and_the_bias_decide_the_experts(mla_checkpoints):
-    """The checkpoint's groups and correction bias matter: routed over all experts without them, the same weights
-    answer differently (so the parity above cannot pass with plain top-k)."""
-    path = mla_checkpoints["v3"]
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_group_limited_routing_decides_the_experts(name, mla_checkpoints):
+    """The checkpoint's groups (and V3's correction bias) matter: routed over all experts, the same weights answer
+    differently (so the parity above cannot pass with plain top-k)."""
+    path = mla_checkpoints[name]
     grouped = [o.outputs[0].token_ids for o in run(engine(path), PROMPTS)]
     plain = [o.outputs[0].token_ids for o in run(engine(path, hf_overrides={"n_group": 1, "topk_group": 1}), PROMPTS)]
     assert grouped != plain
     moe = engine(path).llm_engine.runner.model.layers[1].moe
-    assert moe.score_bias.abs().sum() > 0 and moe.n_group == 4 and moe.scaling == 2.5
+    assert moe.n_group == 4 and moe.scaling == (2.5 if name == "v3" else 1.5)
+    assert (moe.score_bias.abs().sum() > 0) if name == "v3" else (moe.score_bias is None and not moe.norm_topk_prob)
 
 
 def test_cache_holds_the_latent_only_and_agrees_with_the_planner(mla_checkpoints):
@@ -122,12 +134,16 @@ def test_batch_invariance_preemption_prefix_cache_and_forks(mla_checkpoints):
 
 
 def test_speculative_decoding_over_latent_attention_is_lossless(mla_checkpoints):
+    """Drafts verified as rows over the latent cache: the checkpoint drafting for itself (every draft accepted) and
+    the other V3 checkpoint drafting (mostly rejected, rolled back) give the tokens of no speculation."""
     path = mla_checkpoints["v3"]
-    prompts = [p[:12] * 3 for p in PROMPTS]  # repeats give the n-gram proposer something to draft
-    plain = [o.outputs[0].token_ids for o in run(engine(path), prompts)]
-    llm = engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert [o.outputs[0].token_ids for o in run(llm, prompts)] == plain
-    assert llm.llm_engine.speculator.stats.num_draft_tokens > 0
+    plain = [o.outputs[0].token_ids for o in run(engine(path), PROMPTS)]
+    for draft in (path, mla_checkpoints["v3-plain"]):
+        llm = engine(path, speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+        assert [o.outputs[0].token_ids for o in run(llm, PROMPTS)] == plain
+        stats = llm.llm_engine.speculator.stats
+        assert stats.num_draft_tokens > 0
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) == (draft == path)
 
 
 def test_quantized_kv_cache_is_refused_for_latent_attention(mla_checkpoints):

@@ -37,10 +37,11 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int,
                  dtype: torch.dtype, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-                 shared_gated: bool = True):
+                 shared_gated: bool = True, group_score: str = ""):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.num_experts = top_k, norm_topk_prob, num_experts
         self.scoring, self.n_group, self.topk_group, self.scaling = scoring, n_group, topk_group, scaling
+        self.group_score = group_score  # "" (Mixtral, Qwen): plain softmax top-k; DeepSeek: "top2sum" (V3) or "max" (V2)
         self.router = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
         # DeepSeek-V3's score correction bias (float32, as it ships): a buffer, it chooses but never weighs
         self.register_buffer("score_bias", torch.zeros(num_experts) if scoring == "sigmoid" else None)
@@ -52,7 +53,7 @@ class SparseMoE(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: the top-k expert ids [T, k] and their weights [T, k] (model dtype)."""
-        if self.scoring == "sigmoid":
+        if self.group_score:
             return self._route_grouped(h)
         probs = torch.softmax(nn.functional.linear(h, self.router).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
@@ -61,12 +62,15 @@ class SparseMoE(nn.Module):
         return ids, weights.to(h.dtype)
 
     def _route_grouped(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3 (noaux_tc), in float32: sigmoid scores; bias-shifted scores choose within the best groups."""
-        scores = nn.functional.linear(h.float(), self.router.float()).sigmoid()
-        choice = scores + self.score_bias
+        """DeepSeek, in float32. V3 (noaux_tc): sigmoid scores; bias-shifted scores choose within the groups whose
+        two best sum highest. V2: softmax scores choose within the groups whose best is highest (group_limited_greedy)."""
+        logits = nn.functional.linear(h.float(), self.router.float())
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.score_bias if self.score_bias is not None else scores
         if self.n_group > 1:
             T, G = h.shape[0], self.n_group
-            group_scores = choice.view(T, G, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            grouped = choice.view(T, G, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.group_score == "top2sum" else grouped.max(dim=-1).values
             keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], 1.0)
             choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                           "DeepseekV3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -70,6 +70,7 @@ class ModelArch:
     v_head_dim: int = 0
     rope_interleave: bool = False
     moe_scoring: str = "softmax"
+    moe_group_score: str = ""  # how a group of experts is scored for group-limited routing: "top2sum" (V3) or "max" (V2)
     moe_n_group: int = 1
     moe_topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -200,14 +201,16 @@ def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None
 
 
 def _mla_fields(arch: str, cfg: dict) -> dict:
-    if arch != "DeepseekV3ForCausalLM":
+    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         return {}
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise UnsupportedModelError(f"DeepSeek rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported "
                                     "(supported: default)")
     return dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"], rope_interleave=bool(cfg.get("rope_interleave", True)))
+                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                # V2 rotates interleaved pairs (complex numbers); V3 says so in rope_interleave
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)))
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:
@@ -218,15 +221,22 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     if arch == "MixtralForCausalLM":
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True, sparse_layers=tuple(range(layers)))
-    if arch == "DeepseekV3ForCausalLM":
-        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
-            raise UnsupportedModelError("DeepSeek routing: sieve runs V3's (sigmoid scores, noaux_tc group-limited top-k)")
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+        if (v3 and (method != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid")) or \
+                (not v3 and (method not in ("greedy", "group_limited_greedy") or cfg.get("scoring_func", "softmax") != "softmax")):
+            raise UnsupportedModelError("DeepSeek routing: sieve runs V3's (sigmoid scores, noaux_tc group-limited top-k) and "
+                                        "V2's (softmax scores, greedy or group_limited_greedy top-k)")
+        grouped = method != "greedy"
         first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1) or 1
         return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_scoring="sigmoid",
-                    moe_n_group=cfg.get("n_group") or 1, moe_topk_group=cfg.get("topk_group") or 1,
+                    # V2's router never renormalises its top-k weights (whatever norm_topk_prob says)
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) and v3, moe_scoring="sigmoid" if v3 else "softmax",
+                    moe_group_score="top2sum" if v3 else "max",
+                    moe_n_group=(cfg.get("n_group") or 1) if grouped else 1, moe_topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), shared_expert_gated=False,
                     sparse_layers=tuple(i for i in range(layers) if i >= first and i % freq == 0))
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):

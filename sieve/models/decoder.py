@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
         if index in a.sparse_layers:  # a mixture-of-experts MLP
             self.moe = SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok, a.norm_topk_prob,
                                  a.shared_expert_intermediate_size, dtype, a.moe_scoring, a.moe_n_group, a.moe_topk_group,
-                                 a.routed_scaling_factor, a.shared_expert_gated)
+                                 a.routed_scaling_factor, a.shared_expert_gated, a.moe_group_score)
         else:
             self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias, dtype)
             self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
