@@ -340,3 +340,42 @@ class HybridBlockManager(BlockManager):
     def reset_prefix_cache(self) -> None:
         super().reset_prefix_cache()
         self.window.reset_prefix_cache()
+
+
+STATE_GROUP = -1  # block copies of this group copy recurrent-state slots (Mamba-2 layers), not KV blocks
+
+
+class RecurrentBlockManager(BlockManager):
+    """KV blocks for the attention layers, and for the recurrent (Mamba-2) layers one state slot per running
+    sequence (`seq.state_slot`), taken with its first blocks and given back with them. A forked choice takes a
+    slot of its own and a copy of its sibling's state after the prompt. A recurrent state cannot be rolled back
+    or shared by a prefix, so such models run without speculative decoding and prefix caching (the engine
+    refuses the one and turns off the other)."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, namespace: str = ""):
+        super().__init__(num_blocks, block_size, False, namespace)
+        self.free_slots: deque[int] = deque(range(num_slots))
+        self.num_slots = num_slots
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if seq.state_slot < 0:
+            if not self.free_slots:
+                return False
+            seq.state_slot = self.free_slots.popleft()
+        return super().allocate(seq, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
+    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
+        if not self.free_slots or (num_tokens % self.block_size and not self.num_free_blocks):
+            return False
+        copies = super().reserve_fork(parent, child, num_tokens)
+        child.state_slot = self.free_slots.popleft()
+        return copies + [(STATE_GROUP, parent.state_slot, child.state_slot)]
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        raise RuntimeError("a recurrent state cannot be rolled back: speculative decoding is off for this model")

@@ -205,6 +205,12 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_moe, args)
 
 
+def cmd_bench_mla(args: argparse.Namespace) -> int:
+    from sieve.bench.mla import run_bench_mla
+
+    return _write_json_result(run_bench_mla, args)
+
+
 def cmd_bench_window(args: argparse.Namespace) -> int:
     from sieve.bench.window import run_bench_window
 
@@ -367,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_window_args(bw)
     bw.set_defaults(func=cmd_bench_window)
+    bml = bench.add_parser("mla", help="multi-head latent attention against multi-head attention: KV per token, sequences that fit, step time")
+    from sieve.bench.mla import add_bench_mla_args
+
+    add_bench_mla_args(bml)
+    bml.set_defaults(func=cmd_bench_mla)
     bb = bench.add_parser("balance", help="the router's replica balancing (round robin, cache-aware) on multi-turn chat")
     from sieve.bench.balance import add_balance_args, run_bench_balance
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sieve.block_manager import BlockManager, HybridBlockManager, SlidingWindowBlockManager
+from sieve.block_manager import BlockManager, HybridBlockManager, RecurrentBlockManager, SlidingWindowBlockManager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
@@ -102,6 +102,13 @@ class LLMEngine:
         max_len = config.max_model_len or self.arch.max_position_embeddings
         config.max_model_len = max_len
         config.validate()
+        if self.arch.has_recurrent_state:
+            if config.speculative_config is not None:
+                raise ConfigError("speculative decoding is not built for models with recurrent (Mamba-2) layers: their state "
+                                  "cannot be rolled back past rejected drafts")
+            if config.enable_prefix_caching:
+                log.info("prefix caching is off for this model: its Mamba-2 layers' state is not kept per block")
+                config.enable_prefix_caching = False
 
         model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
                            quantization=config.quantization, group_size=config.quantization_group_size,
@@ -112,7 +119,9 @@ class LLMEngine:
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
-        if self.runner.num_window_blocks:  # sliding-window layers keep their own pool, freed as blocks leave the window
+        if self.arch.has_recurrent_state:  # Mamba-2 layers: a state slot per running sequence beside the KV blocks
+            self.block_manager = RecurrentBlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs, namespace)
+        elif self.runner.num_window_blocks:  # sliding-window layers keep their own pool, freed as blocks leave the window
             window = SlidingWindowBlockManager(self.runner.num_window_blocks, config.block_size, self.arch.max_window,
                                                config.enable_prefix_caching, namespace)
             self.block_manager = HybridBlockManager(self.runner.num_blocks, window, config.enable_prefix_caching, namespace)
@@ -191,7 +200,7 @@ class LLMEngine:
         """Block tables (`block_table`, and `window_table` where the model has sliding layers) for `num_tokens`
         tokens, taken from the free pool between steps and given back after."""
         holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[],
-                                 window_table=[], num_window_registered=0)
+                                 window_table=[], num_window_registered=0, state_slot=-1)
         if not self.block_manager.allocate(holder, num_tokens):
             self.block_manager.free(holder)
             raise RequestError(f"{num_tokens} tokens do not fit in the free KV blocks")

@@ -19,7 +19,9 @@ import torch
 from sieve.config import EngineConfig
 from sieve.device import available_memory_bytes
 from sieve.kernels import cpu_ops
+from sieve.block_manager import STATE_GROUP
 from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, build_metadata
+from sieve.layers.mamba import RecurrentMetadata, RecurrentState
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
@@ -70,7 +72,7 @@ class ModelRunner:
         self.kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kv_kind]
         # KV-cache groups: the full-attention layers, and the sliding-window layers' own pool (which gives back
         # blocks as they leave the window; see SlidingWindowBlockManager). Models without sliding layers: one group.
-        self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [tuple(range(arch.num_layers))]
+        self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [arch.full_layers]
         self.num_blocks, self.num_window_blocks = self._plan_num_blocks()
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
         for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
@@ -82,6 +84,12 @@ class ModelRunner:
             for j, i in enumerate(layers):
                 self.caches[i] = self._cache_layer(model, pool, scales, j, i)
         self.kv_pool = self.kv_pools[0]
+        for i in arch.mamba_layers:  # a recurrent state per running sequence (slots from the block manager)
+            self.caches[i] = RecurrentState(config.max_num_seqs, arch.mamba_conv_dim, arch.mamba_d_conv, arch.mamba_n_heads,
+                                            arch.mamba_d_head, arch.mamba_d_state, device)
+        if arch.mamba_layers:
+            log.info("recurrent state: %d slots x %.1f KiB (%d Mamba-2 layers)", config.max_num_seqs,
+                     arch.state_bytes_per_sequence() / 1024, len(arch.mamba_layers))
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
@@ -202,6 +210,15 @@ class ModelRunner:
         meta = group("block_table", ())
         if len(self.layer_groups) > 1:
             meta.windows = group("window_table", tuple(w for w in self.arch.layer_windows if w is not None)).windows
+        if self.arch.mamba_layers:  # which state slot each row continues; a sequence at position 0 starts from zeros
+            fresh = [holder.state_slot for holder, start, _ in writes if start == 0]
+            if fresh:
+                slots = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+                for i in self.arch.mamba_layers:
+                    self.caches[i].reset(slots)
+            meta.recurrent = RecurrentMetadata(
+                torch.tensor([h.state_slot for h, _, _ in decodes], dtype=torch.int64, device=self.device) if decodes else None,
+                [(row, n, holder.state_slot) for row, n, _, holder in prefills])
         return meta
 
     # ---- one step --------------------------------------------------------------------------
@@ -300,6 +317,12 @@ class ModelRunner:
         return time.perf_counter() - started, len(rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        states = [c for c in copies if c[0] == STATE_GROUP]
+        if states:  # forked choices take a copy of their sibling's recurrent state after the prompt
+            src = torch.tensor([c[1] for c in states], device=self.device)
+            dst = torch.tensor([c[2] for c in states], device=self.device)
+            for i in self.arch.mamba_layers:
+                self.caches[i].copy(src, dst)
         for group, (pool, scales) in enumerate(zip(self.kv_pools, self.kv_scale_pools)):
             mine = [c for c in copies if c[0] == group]
             if not mine:

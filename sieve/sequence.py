@@ -55,6 +55,7 @@ class Sequence:
     # The sliding-window layers' own pool (models with such layers): their table, blocks that left the window PAD (-1)
     window_table: list[int] = field(default_factory=list)
     num_window_registered: int = 0
+    state_slot: int = -1  # recurrent (Mamba-2) layers: the slot of this sequence's state while it runs
     # Speculative decoding: tokens drafted to follow token_ids, verified next step (never part of token_ids
     # until accepted), and the distribution each was drawn from (None: deterministic drafts).
     draft_token_ids: list[int] = field(default_factory=list)

@@ -26,13 +26,35 @@ def add_bench_window_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
+def decode_step_ms(engine, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    """Median decode step (ms) at each batch size b: b sequences of `context` random tokens are prefilled, then
+    `steps` steps in which all b decode are timed."""
+    from sieve.sampling_params import SamplingParams
+
+    rng, out = random.Random(0), {}
+    for b in batches:
+        for i in range(b):
+            ids = [rng.randrange(3, engine.arch.vocab_size) for _ in range(context)]
+            engine.add_request(f"{b}-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+        out[b] = 1000 * statistics.median(times)
+    return out
+
+
 def run_bench_window(args: argparse.Namespace) -> dict:
     from sieve.config import EngineConfig
     from sieve.engine import LLMEngine
     from sieve.models.default import gemma3_270m_path
     from sieve.models.loader import open_checkpoint
     from sieve.plan.shape import shape_from_config
-    from sieve.sampling_params import SamplingParams
 
     model = args.model or str(gemma3_270m_path())
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -57,21 +79,7 @@ def run_bench_window(args: argparse.Namespace) -> dict:
                "window": arch.max_window, "kv_bytes_per_token": per_token, "planner_kv_bytes_per_token": scale * shape.kv_bytes_per_token("bf16"),
                "kv_bytes_per_sequence": engine_seq, "planner_kv_bytes_per_sequence": planner_seq,
                "sequences_fit": int(memory // engine_seq), "planner_sequences_fit": int(memory // planner_seq), "step_ms": {}}
-        rng = random.Random(0)
-        for b in batches:
-            for i in range(b):
-                ids = [rng.randrange(3, arch.vocab_size) for _ in range(args.context)]
-                engine.add_request(f"{b}-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True))
-            while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
-                engine.step()
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t0)
-            while engine.has_unfinished():
-                engine.step()
-            row["step_ms"][b] = 1000 * statistics.median(times)
+        row["step_ms"] = decode_step_ms(engine, batches, args.context, args.steps)
         rows.append(row)
         steps = ", ".join(f"batch {b}: {ms:.2f} ms" for b, ms in row["step_ms"].items())
         print(f"{name:>20}: {row['layers_sliding']} sliding + {row['layers_global']} global layers; KV {per_token / 1024:.1f} KiB/token "

@@ -49,6 +49,7 @@ class AttentionMetadata:
     window: int | None = None
     decode_first_visible: torch.Tensor | None = None  # [num_decodes] int64
     windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
+    recurrent: object = None  # Mamba-2 layers: which state slot each row continues (sieve.layers.mamba.RecurrentMetadata)
 
 
 def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefills: list[tuple[int, int, int, list[int]]],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "BambaForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -75,6 +75,19 @@ class ModelArch:
     moe_topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
+    # Mamba-2 hybrids (Bamba): the layers that are Mamba-2 mixers (a per-sequence recurrent state instead of KV),
+    # their sizes, and the share of each attention head's dims that rotary rotates
+    mamba_layers: tuple[int, ...] = ()
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArch":
@@ -87,6 +100,7 @@ class ModelArch:
             )
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         mla = _mla_fields(arch, cfg)
+        mamba = _mamba_fields(arch, cfg)
         gemma = arch == "Gemma3ForCausalLM"
         act = cfg.get("hidden_activation" if gemma else "hidden_act") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "swish", "gelu_pytorch_tanh"):
@@ -144,6 +158,7 @@ class ModelArch:
             attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             **mla,
+            **mamba,
         )
 
     @property
@@ -156,8 +171,27 @@ class ModelArch:
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        """Layers that attend to the whole context."""
-        return tuple(i for i in range(self.num_layers) if not self.layer_windows or self.layer_windows[i] is None)
+        """Layers that attend to the whole context (Mamba-2 layers do not attend: they keep no KV)."""
+        return tuple(i for i in range(self.num_layers) if (not self.layer_windows or self.layer_windows[i] is None)
+                     and i not in self.mamba_layers)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self.mamba_layers)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    def state_bytes_per_sequence(self, dtype_bytes: int = 4) -> int:
+        """A sequence's recurrent state in all Mamba-2 layers: the convolution's last d_conv - 1 inputs and the SSM
+        state (heads x head_dim x d_state), float32 as sieve keeps them."""
+        per_layer = self.mamba_conv_dim * (self.mamba_d_conv - 1) + self.mamba_n_heads * self.mamba_d_head * self.mamba_d_state
+        return len(self.mamba_layers) * per_layer * dtype_bytes
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -178,7 +212,8 @@ class ModelArch:
         return 1 if self.is_mla else 2
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.kv_entries * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """Every attention layer's K and V (Mamba-2 layers cache none)."""
+        return self.kv_entries * (self.num_layers - len(self.mamba_layers)) * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None, ...]:
@@ -198,6 +233,32 @@ def layer_windows(arch: str, cfg: dict, sliding: int | None) -> tuple[int | None
         first = int(cfg.get("max_window_layers", layers))
         return tuple(sliding if i >= first else None for i in range(layers))
     return (sliding,) * layers  # Mistral, Mixtral: every layer slides
+
+
+def _mamba_fields(arch: str, cfg: dict) -> dict:
+    if arch != "BambaForCausalLM":
+        return {}
+    layers = cfg["num_hidden_layers"]
+    attn = set(cfg.get("attn_layer_indices") or [])
+    if cfg.get("layers_block_type"):
+        attn = {i for i, t in enumerate(cfg["layers_block_type"]) if t in ("attention", "full_attention")}
+    heads, expand, hidden = cfg["mamba_n_heads"], cfg.get("mamba_expand", 2), cfg["hidden_size"]
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = expand * hidden // heads if d_head in (None, "auto") else int(d_head)
+    if d_head * heads != expand * hidden:
+        raise UnsupportedModelError(f"mamba_d_head x mamba_n_heads ({d_head} x {heads}) must equal mamba_expand x hidden_size")
+    rope = cfg.get("rope_parameters") or {}
+    limit = [_json_float(v) for v in (cfg.get("time_step_limit") or (0.0, float("inf")))]
+    return dict(mamba_layers=tuple(i for i in range(layers) if i not in attn), mamba_n_heads=heads, mamba_d_head=d_head,
+                mamba_n_groups=cfg.get("mamba_n_groups", 1), mamba_d_state=cfg["mamba_d_state"], mamba_d_conv=cfg.get("mamba_d_conv", 4),
+                mamba_expand=expand, mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+                mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)), time_step_limit=(float(limit[0]), float(limit[1])),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
+
+
+def _json_float(v) -> float:
+    """A float from config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
 
 
 def _mla_fields(arch: str, cfg: dict) -> dict:

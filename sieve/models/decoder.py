@@ -23,6 +23,7 @@ from sieve.kernels import cpu_ops
 from sieve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
 from sieve.layers.linear import Linear
+from sieve.layers.mamba import Mamba2Mixer
 from sieve.layers.mla import MultiHeadLatentAttention
 from sieve.layers.moe import SparseMoE
 from sieve.layers.norm import RMSNorm
@@ -38,7 +39,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.window = a.layer_windows[index] if a.layer_windows else None
         self.mla = MultiHeadLatentAttention(a, dtype) if a.is_mla else None  # DeepSeek: its own projections
-        if self.mla is None:
+        self.mamba = Mamba2Mixer(a, dtype) if index in a.mamba_layers else None  # a hybrid's state-space layer
+        self.rotary_dim = int(a.head_dim * a.partial_rotary_factor)  # rotary on the first dims of each head only
+        if self.mla is None and self.mamba is None:
             self.qkv_proj = Linear(a.hidden_size, [q_size, kv_size, kv_size], a.qkv_bias, dtype)
             self.o_proj = Linear(q_size, [a.hidden_size], a.o_bias, dtype)
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
@@ -68,7 +71,12 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        attn = self.mla(h, rope, cache, meta) if self.mla is not None else self._attention(h, rope, cache, meta)
+        if self.mamba is not None:
+            attn = self.mamba(h, cache, meta)
+        elif self.mla is not None:
+            attn = self.mla(h, rope, cache, meta)
+        else:
+            attn = self._attention(h, rope, cache, meta)
         if self.a.gemma:
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
             return self.post_feedforward_layernorm(self.down_proj(self.act(self.gate_up_proj(h)))), residual
@@ -82,7 +90,11 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
-        if self.q_norm is None:  # rotate q and k together: one pass over [T, H + KVH, D]
+        if self.rotary_dim < a.head_dim:  # partial rotary (Bamba): the rest of each head passes through
+            qk = qkv[:, : q_size + kv_size].view(T, -1, a.head_dim)
+            qk = torch.cat([apply_rotary(qk[..., : self.rotary_dim].contiguous(), rope), qk[..., self.rotary_dim :]], dim=-1)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        elif self.q_norm is None:  # rotate q and k together: one pass over [T, H + KVH, D]
             qk = apply_rotary(qkv[:, : q_size + kv_size].view(T, -1, a.head_dim), rope)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         else:
@@ -108,7 +120,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         # MLA rotates only the rope part of each head (qk_rope_head_dim)
-        self.rotary = RotaryEmbedding(a.qk_rope_head_dim if a.is_mla else a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        rot = a.qk_rope_head_dim if a.is_mla else int(a.head_dim * a.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rot, max_positions, a.rope_theta, a.rope_scaling)
         # Gemma 3's sliding layers rotate with their own base and no scaling
         self.rotary_local = RotaryEmbedding(a.head_dim, max_positions, a.rope_local_theta, None) if a.rope_local_theta else None
         self.layers = nn.ModuleList(DecoderLayer(a, dtype, i) for i in range(a.num_layers))
@@ -187,7 +200,8 @@ class DecoderModel(nn.Module):
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
                 or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe  # the C++ loop has no expert routing,
-                or a.gemma or a.has_sliding_layers or a.is_mla):  # nor Gemma's norms and GeGLU, windows or latent attention
+                or a.gemma or a.has_sliding_layers or a.is_mla  # nor Gemma's norms and GeGLU, windows or latent attention,
+                or a.has_recurrent_state):  # nor Mamba-2 layers
             return None
         linears = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj) for l in self.layers]
         if any(m.native is None or (first.dtype == torch.float32 and m.qkernel is None) for group in linears for m in group):
@@ -210,6 +224,8 @@ class DecoderModel(nn.Module):
             tensor = 1.0 + tensor.float()  # Gemma's RMSNorm scales by 1 + w, in float32; kept so the norm is the usual one
         if "rotary_emb" in name:
             return False
+        if name == "final_layernorm.weight":  # Bamba's name for the final norm
+            name = "norm.weight"
         if name == "lm_head.weight":
             if self.arch.tie_word_embeddings:
                 return False  # tied: the embedding is the head
@@ -226,6 +242,11 @@ class DecoderModel(nn.Module):
         if parts[0] == "layers" and parts[-1] in ("k_scale", "v_scale"):  # FP8 KV-cache scales (vLLM / ModelOpt names)
             self.kv_scales[(int(parts[1]), parts[-1][0])] = float(tensor.float().reshape(-1).max())
             return True
+        if parts[0] == "layers" and self.layers[int(parts[1])].mamba is not None and parts[2] == "mamba":
+            self.layers[int(parts[1])].mamba.load_weight(parts[3:], tensor)
+            return True
+        if parts[0] == "layers" and parts[2] in ("feed_forward", "pre_ff_layernorm"):  # Bamba's names for the MLP and its norm
+            parts[2] = "mlp" if parts[2] == "feed_forward" else "post_attention_layernorm"
         if parts[0] == "layers" and self.layers[int(parts[1])].mla is not None and parts[2] == "self_attn":
             self.layers[int(parts[1])].mla.load_weight(parts[3:], tensor)
             return True

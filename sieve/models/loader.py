@@ -189,11 +189,20 @@ def describe_kernels(model: DecoderModel) -> str:
 
 
 def _expected_names(a: ModelArch) -> set[str]:
-    names = {"embed_tokens.weight", "norm.weight"}
+    names = {"embed_tokens.weight", "final_layernorm.weight" if a.mamba_layers else "norm.weight"}
     if not a.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(a.num_layers):
         p = f"layers.{i}."
+        if i in a.mamba_layers or a.mamba_layers:  # Bamba: its names for the MLP and the norm before it
+            names |= {p + "input_layernorm.weight", p + "pre_ff_layernorm.weight"}
+            names |= {p + f"feed_forward.{m}_proj.weight" for m in ("gate", "up", "down")}
+            if i in a.mamba_layers:
+                names |= {p + f"mamba.{m}" for m in ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight",
+                                                      "out_proj.weight")} | ({p + "mamba.conv1d.bias"} if a.mamba_conv_bias else set())
+            else:
+                names |= {p + f"self_attn.{m}_proj.weight" for m in "qkvo"}
+            continue
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         if a.is_mla:
             q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if a.q_lora_rank else ("q_proj",)
