@@ -115,3 +115,19 @@ def test_state_bytes_and_kv_bytes(bamba):
     conv_dim = 128 + 2 * 2 * 16
     assert arch.state_bytes_per_sequence() == 3 * (conv_dim * 3 + 8 * 16 * 16) * 4
     assert arch.kv_bytes_per_token(4) == 2 * 1 * 2 * 16 * 4  # one attention layer, 2 KV heads of 16
+
+
+def test_planner_agrees_on_kv_state_and_parameters(bamba):
+    """`sieve plan` reads the same config: KV bytes per token (the attention layer's only), the state a sequence
+    holds, and the parameters the engine loads."""
+    import json
+
+    from sieve.plan.shape import shape_from_config
+
+    shape = shape_from_config(json.loads((bamba / "config.json").read_text()))
+    runner = engine(bamba).llm_engine.runner
+    assert runner.block_bytes // 4 == 2 * shape.kv_bytes_per_token("bf16")  # float32 KV: twice the planner's bf16
+    assert shape.state_bytes_per_sequence == runner.arch.state_bytes_per_sequence() > 0
+    assert shape.kv_bytes(1000, "bf16") == 1000 * shape.kv_bytes_per_token("bf16") + shape.state_bytes_per_sequence
+    loaded = sum(p.numel() for n, p in runner.model.named_parameters() if "rotary" not in n)
+    assert loaded == pytest.approx(shape.total_params, rel=1e-6)

@@ -43,6 +43,8 @@ class ModelShape:
     is_mla: bool = False
     window_layers: int = 0  # layers attending to a sliding window (they cache at most `window` tokens)
     window: int = 0
+    state_layers: int = 0  # Mamba-2 layers: no KV, a fixed state per sequence instead
+    state_bytes_per_sequence: int = 0  # their state, float32, all such layers
 
     # ---- counts ----------------------------------------------------------------------------
     @property
@@ -72,19 +74,20 @@ class ModelShape:
     def kv_bytes_per_token(self, fmt: str) -> float:
         """KV bytes each further token of a sequence adds once it is past the window: those of the layers that
         keep every token (every layer, without sliding windows)."""
-        return (self.num_layers - self.window_layers) * self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
+        return (self.num_layers - self.window_layers - self.state_layers) * self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
 
     def kv_bytes(self, tokens: int, fmt: str) -> float:
         """KV bytes of one sequence of `tokens` tokens: every token in the full-attention layers, the last
-        `window` in each sliding layer."""
+        `window` in each sliding layer, and the fixed recurrent state of the Mamba-2 layers."""
         per_layer_token = self.kv_elems_per_token_per_layer * (1 if fmt in ("fp8", "int8") else 2)
-        return per_layer_token * ((self.num_layers - self.window_layers) * tokens + self.window_layers * min(tokens, self.window))
+        full = self.num_layers - self.window_layers - self.state_layers
+        return per_layer_token * (full * tokens + self.window_layers * min(tokens, self.window)) + self.state_bytes_per_sequence
 
     def flops_per_token(self, context: int) -> float:
         """Forward FLOPs for one token at `context`: 2 per weight of every matmul it goes through
         (active linears and the LM head; the embedding lookup is free) + attention over the context
         (over the window in a sliding layer)."""
-        seen = (self.num_layers - self.window_layers) * context + self.window_layers * min(context, self.window)
+        seen = (self.num_layers - self.window_layers - self.state_layers) * context + self.window_layers * min(context, self.window)
         attn = 4 * seen * self.num_heads * self.head_dim  # q.k and p.v
         return 2 * (sum(l.params for l in self.linears_active) + self.embed_params) + attn
 
@@ -168,9 +171,15 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
         step = cfg.get("decoder_sparse_step", 1) or 1
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         dense_layers = {i for i in range(L) if i < first_dense or i in only_mlp or (i + 1) % step != 0}
+    mamba = _mamba(cfg, arch, h, L)
     for i in range(L):
-        total += attn
-        active += attn
+        if i in mamba["layers"]:  # a Mamba-2 mixer in place of attention
+            total += mamba["linears"]
+            active += mamba["linears"]
+            small += mamba["small"]
+        else:
+            total += attn
+            active += attn
         if i in dense_layers or not is_moe:
             inter = cfg["intermediate_size"]
             mlp = [LinearShape(inter, h), LinearShape(inter, h), LinearShape(h, inter)]
@@ -194,7 +203,21 @@ def shape_from_config(cfg: dict, name: str = "model") -> ModelShape:
     windows = _windows(cfg, arch)
     sliding = [w for w in windows if w is not None]
     return ModelShape(name, L, h, H, head_dim, vocab, tied, kv_elems, total, active, small, is_moe, bool(is_mla),
-                      len(sliding), max(sliding, default=0))
+                      len(sliding), max(sliding, default=0), len(mamba["layers"]), mamba["state_bytes"])
+
+
+def _mamba(cfg: dict, arch: str, h: int, L: int) -> dict:
+    """Bamba's Mamba-2 layers: their linears (in_proj, out_proj), small parameters (depthwise conv, dt_bias, A_log,
+    D, the gated norm) and the recurrent state of a sequence (float32), by the rule the engine reads the config with."""
+    if "Bamba" not in arch:
+        return {"layers": set(), "linears": [], "small": 0, "state_bytes": 0}
+    from sieve.models.arch import ModelArch
+
+    a = ModelArch.from_hf_config({**cfg, "architectures": ["BambaForCausalLM"]})
+    inner, conv, heads = a.mamba_intermediate, a.mamba_conv_dim, a.mamba_n_heads
+    small = conv * a.mamba_d_conv + (conv if a.mamba_conv_bias else 0) + 3 * heads + inner
+    return {"layers": set(a.mamba_layers), "linears": [LinearShape(inner + conv + heads, h), LinearShape(h, inner)],
+            "small": small, "state_bytes": a.state_bytes_per_sequence()}
 
 
 def _windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
