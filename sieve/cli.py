@@ -205,10 +205,10 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_moe, args)
 
 
-def cmd_bench_mla(args: argparse.Namespace) -> int:
-    from sieve.bench.mla import run_bench_mla
+def cmd_bench_families(args: argparse.Namespace) -> int:
+    from sieve.bench.families import run_bench_families
 
-    return _write_json_result(run_bench_mla, args)
+    return _write_json_result(run_bench_families, args)
 
 
 def cmd_bench_window(args: argparse.Namespace) -> int:
@@ -373,11 +373,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_window_args(bw)
     bw.set_defaults(func=cmd_bench_window)
-    bml = bench.add_parser("mla", help="multi-head latent attention against multi-head attention: KV per token, sequences that fit, step time")
-    from sieve.bench.mla import add_bench_mla_args
+    bfa = bench.add_parser("families", help="dense, MoE, latent attention, sliding windows, Mamba hybrid: KV or state per sequence, fit, step time")
+    from sieve.bench.families import add_bench_families_args
 
-    add_bench_mla_args(bml)
-    bml.set_defaults(func=cmd_bench_mla)
+    add_bench_families_args(bfa)
+    bfa.set_defaults(func=cmd_bench_families)
     bb = bench.add_parser("balance", help="the router's replica balancing (round robin, cache-aware) on multi-turn chat")
     from sieve.bench.balance import add_balance_args, run_bench_balance
 

@@ -16,6 +16,7 @@ import torch
 from sieve import LLM, SamplingParams
 
 from conftest import _widen_init
+from test_gguf import assert_matches
 from test_models import NEW_TOKENS, hf_greedy
 
 BASE = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -79,11 +80,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, mla_checkpoints):
     outs = run(llm, PROMPTS, logprobs=5)
     ref_tokens, ref_logprobs = hf_greedy(path, PROMPTS, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
-    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
-        assert out.outputs[0].token_ids == ref, f"{name}: greedy tokens differ from transformers"
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches(outs, ref_tokens, ref_logprobs, name)
 
 
 @pytest.mark.parametrize("name", ["v2", "v3"])

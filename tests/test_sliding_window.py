@@ -18,6 +18,8 @@ from sieve import LLM, SamplingParams
 from sieve.block_manager import PAD
 
 from conftest import BASE, _widen_init
+from test_gguf import assert_matches
+from test_isa import avx2, run_with_isa  # noqa: F401  (the fixture: skips where the CPU cannot run the AVX2 build)
 from test_models import NEW_TOKENS, PROMPTS, hf_greedy
 
 WINDOW = 8
@@ -91,11 +93,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, sliding_checkpoints
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
     ref_tokens, ref_logprobs = hf_greedy(path, prompt_ids, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
-    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
-        assert out.outputs[0].token_ids == ref, f"{name}: greedy tokens differ from transformers"
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches(outs, ref_tokens, ref_logprobs, name)
 
 
 def test_full_attention_in_place_of_the_window_gives_other_tokens(sliding_checkpoints):
@@ -309,7 +307,7 @@ worst, worst_grouped = 0.0, 0.0
 # (block size, kv heads, heads, head dim, window, dtype): vectorised head sizes, and 24 (the scalar loop)
 for bs, kvh, heads, hd, window, dtype in [(16, 1, 4, 256, 37, torch.float32), (4, 2, 6, 64, 5, torch.bfloat16),
                                           (8, 2, 4, 24, 16, torch.float32), (1, 1, 2, 32, 3, torch.float32),
-                                          (16, 1, 4, 128, 512, torch.bfloat16)]:
+                                          (16, 1, 4, 128, 512, torch.bfloat16), (16, 1, 8, 576, 40, torch.bfloat16)]:
     rng, g = random.Random(bs * hd), torch.Generator().manual_seed(bs * hd)
     lens = [1, window, window + 1, 3 * window + 2, 97, 700]
     drafts = [60 + i for i in range(4)]  # a decode and its 3 drafts: rows of one table
@@ -360,10 +358,6 @@ def test_native_decode_kernel_attends_to_each_rows_window():
 
 
 def test_avx2_decode_kernel_attends_to_each_rows_window(avx2):
-    from test_isa import run_with_isa
-
     out = run_with_isa("avx2", WINDOW_KERNEL_CHECK)
     assert out["worst"] < 2e-2 and out["grouped"] < 2e-2, out  # the AVX2 loop takes each row alone: no grouping
 
-
-from test_isa import avx2  # noqa: E402,F401  (the fixture: skips where the CPU cannot run the AVX2 build)

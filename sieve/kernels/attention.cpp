@@ -19,7 +19,8 @@
 // tokens' dot products summed by one transpose-and-add tree; an online
 // softmax (running max and sum per head, flash-decoding style) rescales the accumulators; the block's
 // values, converted once into a small float32 scratch, are added in with their probabilities.
-// Vectorised for head sizes 16, 32, 64, 128 and 256 (AVX-512) or 16 to 128 (AVX2 + FMA); other sizes,
+// Vectorised for head sizes 16, 32, 64, 128, 256 and 576 (AVX-512; 576 is DeepSeek's latent attention row) or 16 to
+// 128 (AVX2 + FMA); other sizes,
 // and CPUs with neither, take a scalar loop with the same arithmetic.
 #include "kernels.h"
 
@@ -312,6 +313,7 @@ bool decode_vec_any(int64_t head_dim, const T* q, const Pool& k, const Pool& v, 
     case 64: decode_vec<T, kKV, 4>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
     case 128: decode_vec<T, kKV, 8>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
     case 256: decode_vec<T, kKV, 16>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
+    case 576: decode_vec<T, kKV, 36>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;  // MLA: 512 latent + 64 rope
     default: return false;
   }
 }
