@@ -118,7 +118,7 @@ class ModelRunner:
         """FP8 KV layers whose scales are set by the first K/V they see (the engine feeds them fixed text)."""
         return any(getattr(c, "calibrate", False) for c in self.caches)
 
-    def _group_block_bytes(self, group: int) -> int:
+    def group_block_bytes(self, group: int) -> int:
         """Bytes of one block of a KV-cache group (all its layers)."""
         per_layer_token = self.arch.kv_entries * self.arch.num_kv_heads * self.arch.head_dim * self.kv_dtype.itemsize
         if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
@@ -128,7 +128,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of the full-attention group (every layer of a model without sliding layers)."""
-        return self._group_block_bytes(0)
+        return self.group_block_bytes(0)
 
     def window_blocks_needed(self) -> int:
         """Window-group blocks that let every running sequence hold its window and the step's tokens at once."""
@@ -163,7 +163,7 @@ class ModelRunner:
         cap = c.max_num_seqs * (-(-c.max_model_len // self.block_size) + 1)
         window = 0
         if windowed:  # the window group first: enough for every sequence's window, or as many blocks as the full group
-            wb = self._group_block_bytes(1)
+            wb = self.group_block_bytes(1)
             window = min(self.window_blocks_needed(), cap, max(budget // (self.block_bytes + wb), 1))
             budget -= window * wb
             log.info("KV cache, sliding-window layers (%d of %d, window %d): %d blocks x %d tokens (%.1f MiB)",

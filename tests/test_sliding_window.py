@@ -290,7 +290,7 @@ def test_planner_and_engine_agree_on_kv_bytes_and_users(name, sliding_checkpoint
         per_seq = -(-(256 - 1) // bs) + 2  # a sequence's window, and the block the next token starts
         by_window = (runner.num_window_blocks - -(-64 // bs)) // per_seq  # less a step's worth (64 tokens)
         engine_users = min(by_full, by_window)
-        assert runner.num_window_blocks * runner._group_block_bytes(1) + runner.num_blocks * runner.block_bytes <= memory
+        assert runner.num_window_blocks * runner.group_block_bytes(1) + runner.num_blocks * runner.block_bytes <= memory
     else:
         engine_users = by_full
     assert abs(engine_users - planned) <= 0.05 * planned, (engine_users, planned)

@@ -94,7 +94,7 @@ def run_bench_families(args: argparse.Namespace) -> dict:
                                         max_model_len=args.context + args.steps + 16, kv_cache_memory_gb=args.memory_gb, seed=0))
         runner, arch, bs = engine.runner, engine.arch, engine.config.block_size
         per_token = runner.block_bytes / bs
-        window = runner._group_block_bytes(1) * (-(-(arch.max_window - 1) // bs) + 2) if arch.has_sliding_layers else 0
+        window = runner.group_block_bytes(1) * (-(-(arch.max_window - 1) // bs) + 2) if arch.has_sliding_layers else 0
         per_seq = runner.block_bytes * -(-tokens // bs) + window + arch.state_bytes_per_sequence()
         planner_seq = kv_scale * (shape.kv_bytes(tokens, "bf16") - shape.state_bytes_per_sequence) + shape.state_bytes_per_sequence
         row = {"family": name, "architecture": arch.architecture, "kv_bytes_per_token": per_token,

@@ -72,7 +72,7 @@ def run_bench_window(args: argparse.Namespace) -> dict:
                                         max_num_batched_tokens=2048, kv_cache_memory_gb=args.memory_gb, seed=0))
         runner, arch, bs = engine.runner, engine.arch, engine.config.block_size
         per_token = runner.block_bytes / bs
-        window_bytes = runner._group_block_bytes(1) * (-(-(arch.max_window - 1) // bs) + 2) if arch.has_sliding_layers else 0
+        window_bytes = runner.group_block_bytes(1) * (-(-(arch.max_window - 1) // bs) + 2) if arch.has_sliding_layers else 0
         engine_seq = runner.block_bytes * -(-tokens // bs) + window_bytes
         planner_seq = scale * shape.kv_bytes(tokens, "bf16")
         row = {"variant": name, "layers_sliding": len(arch.sliding_layers), "layers_global": len(arch.full_layers),
