@@ -118,16 +118,20 @@ class ModelRunner:
         """FP8 KV layers whose scales are set by the first K/V they see (the engine feeds them fixed text)."""
         return any(getattr(c, "calibrate", False) for c in self.caches)
 
+    def _layer_token_bytes(self, itemsize: int, scales: bool) -> int:
+        """Bytes one token takes in one attention layer's cache (int8 KV: plus a float16 scale per head, K and V)."""
+        return self.arch.kv_entries * self.arch.num_kv_heads * (self.arch.head_dim * itemsize + (2 if scales else 0))
+
     def group_block_bytes(self, group: int) -> int:
         """Bytes of one block of a KV-cache group (all its layers)."""
-        per_layer_token = self.arch.kv_entries * self.arch.num_kv_heads * self.arch.head_dim * self.kv_dtype.itemsize
-        if self.kv_kind == "int8":  # a float16 scale per token, head, K and V
-            per_layer_token += 2 * self.arch.num_kv_heads * 2
-        return per_layer_token * len(self.layer_groups[group]) * self.block_size if group < len(self.layer_groups) else 0
+        if group >= len(self.layer_groups):
+            return 0
+        per_layer_token = self._layer_token_bytes(self.kv_dtype.itemsize, self.kv_kind == "int8")
+        return per_layer_token * len(self.layer_groups[group]) * self.block_size
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of the full-attention group (every layer of a model without sliding layers)."""
+        """Bytes of one block of the full-attention group (every attention layer of a model without sliding layers)."""
         return self.group_block_bytes(0)
 
     def window_blocks_needed(self) -> int:
@@ -136,21 +140,14 @@ class ModelRunner:
         return c.max_num_seqs * (-(-(self.arch.max_window - 1) // bs) + 2) + -(-c.max_num_batched_tokens // bs)
 
     def _plan_num_blocks(self) -> tuple[int, int]:
-        """Blocks of the full-attention group and of the sliding-window group (0 without sliding layers). The
-        window group gets what lets every sequence keep its window (never more than the full group); the rest
-        of the budget goes to the full group, whose blocks bound the context."""
+        """Blocks of the full-attention group and of the sliding-window group (0 without sliding layers). The window
+        group is planned first, with what lets every sequence keep its window (never more blocks than the full group
+        gets); the rest of the budget goes to the full group, whose blocks bound the context."""
         c = self.config
         sliding = len(self.layer_groups) > 1
         if c.num_gpu_blocks_override is not None:
             n = c.num_gpu_blocks_override
             return n, min(n, self.window_blocks_needed()) if sliding else 0
-        if not sliding:
-            return self._plan_full_blocks(), 0
-        full, window = self._plan_full_blocks(windowed=True)
-        return full, window
-
-    def _plan_full_blocks(self, windowed: bool = False):
-        c = self.config
         if c.kv_cache_memory_gb is not None:
             budget = int(c.kv_cache_memory_gb * (1 << 30))
             source = f"--kv-cache-memory {c.kv_cache_memory_gb} GiB"
@@ -162,7 +159,7 @@ class ModelRunner:
         # Never more than enough for max_num_seqs sequences at full length (plus one spare each).
         cap = c.max_num_seqs * (-(-c.max_model_len // self.block_size) + 1)
         window = 0
-        if windowed:  # the window group first: enough for every sequence's window, or as many blocks as the full group
+        if sliding:
             wb = self.group_block_bytes(1)
             window = min(self.window_blocks_needed(), cap, max(budget // (self.block_bytes + wb), 1))
             budget -= window * wb
@@ -174,8 +171,8 @@ class ModelRunner:
         num_blocks = min(max(budget // self.block_bytes, 1), cap)
         gain = ""
         if self.kv_kind != "auto":
-            plain = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
-            gain = f"; {plain / self.block_bytes:.2f}x the tokens {str(self.dtype).removeprefix('torch.')} would hold"
+            plain = self._layer_token_bytes(self.dtype.itemsize, False) / self._layer_token_bytes(self.kv_dtype.itemsize, self.kv_kind == "int8")
+            gain = f"; {plain:.2f}x the tokens {str(self.dtype).removeprefix('torch.')} would hold"
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %s%s)",
             num_blocks, self.block_size, num_blocks * self.block_size,
@@ -183,7 +180,7 @@ class ModelRunner:
         )
         if num_blocks == cap:
             log.info("KV cache capped at max_num_seqs x max_model_len; the budget would hold %d blocks", budget // self.block_bytes)
-        return (num_blocks, window) if windowed else num_blocks
+        return num_blocks, window
 
     def metadata(self, writes: list[tuple], decodes: list[tuple], prefills: list[tuple]) -> AttentionMetadata:
         """A step's attention metadata from what holds the tables (a Sequence, or anything with its `block_table`

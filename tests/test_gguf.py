@@ -174,6 +174,23 @@ def hf_gguf_reference(path, prompt_ids: list[list[int]], n: int):
     return tokens, logprobs
 
 
+def assert_matches_forward_pass(path, prompts: list[list[int]], outs) -> None:
+    """transformers loading the GGUF file at `path` (float32), as reference: its forward pass over each prompt and
+    sieve's tokens must pick sieve's next token at every position, with logprobs within 1e-3. (Its `generate` on
+    GGUF models gave other logprobs than its own forward pass, so that is not the reference.)"""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for ids, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        with torch.no_grad():
+            ref_lp = torch.log_softmax(model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1].float(), -1)
+        assert ref_lp.argmax(-1).tolist() == got
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            for token_id, entry in lp.items():
+                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+
+
 def assert_matches(outs, ref_tokens, ref_logprobs, what: str) -> None:
     for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
         assert out.outputs[0].token_ids == ref, f"{what}: greedy tokens differ from transformers"

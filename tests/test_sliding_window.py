@@ -18,7 +18,7 @@ from sieve import LLM, SamplingParams
 from sieve.block_manager import PAD
 
 from conftest import BASE, _widen_init
-from test_gguf import assert_matches
+from test_gguf import assert_matches, assert_matches_forward_pass
 from test_isa import avx2, run_with_isa  # noqa: F401  (the fixture: skips where the CPU cannot run the AVX2 build)
 from test_models import NEW_TOKENS, PROMPTS, hf_greedy
 
@@ -235,8 +235,6 @@ def test_real_gemma3_270m_matches_transformers_on_the_same_file(gemma3_270m):
     logprobs within 1e-3 of transformers' forward pass, on a 700-token passage (its sliding layers see 512) and a
     chat turn. Token ids were encoded once by the file's own tokenizer (converting its 262k vocabulary takes
     minutes) and are kept in tests/fixtures."""
-    from transformers import AutoModelForCausalLM
-
     from sieve.models.gguf import GGUFCheckpoint
 
     cfg = GGUFCheckpoint(gemma3_270m).config
@@ -249,15 +247,7 @@ def test_real_gemma3_270m_matches_transformers_on_the_same_file(gemma3_270m):
     assert arch.layer_windows.count(None) == 3 and arch.rope_local_theta == 10_000.0 and arch.attn_scale == 256**-0.5
     n = 16
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3_270m.parent), gguf_file=gemma3_270m.name, dtype=torch.float32).eval()
-    for p, out in zip(ids, outs):
-        got = out.outputs[0].token_ids
-        with torch.no_grad():
-            ref_lp = torch.log_softmax(model(torch.tensor([p + got])).logits[0, len(p) - 1 : -1].float(), -1)
-        assert ref_lp.argmax(-1).tolist() == got
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches_forward_pass(gemma3_270m, ids, outs)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral", "qwen2", "llama"])

@@ -33,22 +33,14 @@ def test_dequantized_path_matches_transformers_on_the_same_file(smollm2):
     The reference is transformers' forward pass over the prompt and sieve's tokens: at every position its
     argmax must be sieve's next token. (Its `generate` on this GGUF model gave other logprobs than its own
     forward pass, by up to 0.4 at the first token, so it is not the reference here.)"""
-    from transformers import AutoModelForCausalLM
+    from test_gguf import assert_matches_forward_pass
 
     llm = LLM(str(smollm2), dtype="float32", dequantize=True, num_gpu_blocks_override=64)
     tok = llm.get_tokenizer()
     prompts = [chat_ids(tok, t) for t in CHAT]
     n = 24
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name, dtype=torch.float32).eval()
-    for ids, out in zip(prompts, outs):
-        got = out.outputs[0].token_ids
-        with torch.no_grad():
-            ref_lp = torch.log_softmax(model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1].float(), -1)
-        assert ref_lp.argmax(-1).tolist() == got
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches_forward_pass(smollm2, prompts, outs)
     assert "Paris" in outs[0].outputs[0].text
 
 

@@ -43,10 +43,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillChunk]
-    # A sliding window's view (in `windows` of the full view): W, and where some row's window leaves out part of its
-    # context, each row's first visible key as a slot of its table. A view's decode tables start at the first block
-    # holding a visible key, and its decode_context_lens count slots from there.
-    window: int | None = None
+    # A sliding window's view (in `windows` of the full view): where some row's window leaves out part of its context,
+    # each row's first visible key as a slot of its table. A view's decode tables start at the first block holding a
+    # visible key, and its decode_context_lens count slots from there.
     decode_first_visible: torch.Tensor | None = None  # [num_decodes] int64
     windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
     recurrent: object = None  # Mamba-2 layers: which state slot each row continues (sieve.layers.mamba.RecurrentMetadata)
@@ -72,7 +71,7 @@ def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefi
             first = max(0, ctx - n - window + 1) // bs if window else 0
             chunks.append(PrefillChunk(row, n, ctx, torch.tensor(table[first : -(-ctx // bs)], dtype=torch.int64, device=device),
                                        first * bs))
-        m = AttentionMetadata(slot_mapping, len(tables), None, None, chunks, window=window)
+        m = AttentionMetadata(slot_mapping, len(tables), None, None, chunks)
         if tables:
             width = max(len(t) for t in tables)
             m.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
