@@ -170,6 +170,10 @@ def _write_json_result(run, args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    if args.kv:
+        from sieve.quant.kv_distill import run_kv_distill
+
+        return _write_json_result(run_kv_distill, args)
     from sieve.spec.distill import run_distill
 
     return _write_json_result(run_distill, args)
@@ -300,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     qz.add_argument("--max-windows", type=int, default=32)
     qz.set_defaults(func=cmd_quantize)
 
-    ds = sub.add_parser("distill", help="train speculative heads (Medusa) on the target's own answers")
+    ds = sub.add_parser("distill", help="train speculative heads (Medusa) on the target's own answers, or (--kv fp8) fine-tune it to tolerate an FP8 KV cache")
     from sieve.spec.distill import add_distill_args
 
     add_distill_args(ds)
+    from sieve.quant.kv_distill import add_kv_distill_args
+
+    add_kv_distill_args(ds)
     ds.set_defaults(func=cmd_distill)
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")
     from sieve.plan.command import add_plan_args, run_plan
