@@ -169,6 +169,13 @@ def _write_json_result(run, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_ladder(args: argparse.Namespace) -> int:
+    from sieve.bench.ladder import run_ladder
+
+    run_ladder(args)
+    return 0
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     if args.kv:
         from sieve.quant.kv_distill import run_kv_distill
@@ -390,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_balance_args(bb)
     bb.set_defaults(func=run_bench_balance)
+    bl = bench.add_parser("ladder", help="users per device within an SLO, rung by rung (batching, prefix caching, int8, "
+                                         "speculation, FP8 KV, int4), beside the planner and each rung's quality cost")
+    from sieve.bench.ladder import add_bench_ladder_args
+
+    add_bench_ladder_args(bl)
+    bl.set_defaults(func=cmd_bench_ladder)
     b = bench.add_parser("bandwidth", help="memory bandwidth and the decode floor it implies")
     b.add_argument("--model", default=None)
     b.add_argument("--dtype", default="auto")

@@ -16,9 +16,9 @@ import pytest
 from sieve.kernels import cpu_isa
 
 
-def run_with_isa(isa: str, code: str) -> dict:
+def run_with_isa(isa: str, code: str, **extra: str) -> dict:
     """Run `code` (which prints one JSON line last) in a child process built for `isa`."""
-    env = {**os.environ, "SIEVE_CPU_ISA": isa}
+    env = {**os.environ, "SIEVE_CPU_ISA": isa, **extra}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=900,
                        cwd=os.path.dirname(__file__))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_engine_output_with_and_without_the_forced_isa(avx2, checkpoints, tmp_pa
     """float32 where the arithmetic is PyTorch's (a Hugging Face checkpoint, a GGUF file dequantized):
     the same tokens and logprobs. The native quantized kernels differ by design (AVX512-BF16 rounds their
     inputs to bf16, AVX2 multiplies float32 inputs), so there: the same first token and logprobs within
-    the tolerance the kernel tests use."""
+    the tolerance the kernel tests use. On a CPU whose own build is AVX2, the other side is the PyTorch path."""
     from sieve.bench.gguf_export import export_gguf
 
     gguf = export_gguf(checkpoints["qwen2"], tmp_path / "q.gguf", "q8_0", log=lambda s: None)
@@ -132,9 +132,12 @@ def test_engine_output_with_and_without_the_forced_isa(avx2, checkpoints, tmp_pa
                                  ("native q8_0", {str(gguf)!r}, {{}})):
             outs = LLM(model, dtype="float32", num_gpu_blocks_override=64, **kw).generate(prompts, params)
             res[label] = [[o.outputs[0].token_ids, [{{str(k): v.logprob for k, v in d.items()}} for d in o.outputs[0].logprobs]] for o in outs]
-        print(json.dumps({{"isa": cpu_ops().isa, "res": res}}))
+        print(json.dumps({{"isa": cpu_ops().isa if cpu_ops() else "pytorch", "res": res}}))
     """
-    forced, native = run_with_isa("avx2", code), run_with_isa("", code)
+    # the other side: this CPU's own build, or where that is AVX2 already (a CPU without AVX-512, as CI's),
+    # the PyTorch path that SIEVE_NO_NATIVE=1 selects
+    other = {"SIEVE_NO_NATIVE": "1"} if cpu_isa() == "avx2" else {}
+    forced, native = run_with_isa("avx2", code), run_with_isa("", code, **other)
     assert forced["isa"] == "avx2" and native["isa"] != "avx2"
     for label in ("hf", "dequantized"):
         for (t1, lp1), (t2, lp2) in zip(forced["res"][label], native["res"][label]):

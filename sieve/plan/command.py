@@ -30,14 +30,16 @@ def add_plan_args(p) -> None:
 
 
 def load_shape(model: str) -> ModelShape:
+    from sieve.models.gguf import is_gguf
+
     path = Path(model)
-    if path.is_file():
+    if path.is_file() and not is_gguf(path):
         name = path.parent.name if path.name == "config.json" else path.stem
         return shape_from_config(json.loads(path.read_text()), name)
     from sieve.models.loader import read_config, resolve_model_path
 
     folder = resolve_model_path(model)
-    return shape_from_config(read_config(folder), folder.name)
+    return shape_from_config(read_config(folder), folder.stem if folder.is_file() else folder.name)
 
 
 def run_plan(args) -> int:

@@ -26,6 +26,7 @@ class Workload:
     slo_ttft_ms: float = 2000.0
     spec_tokens: int = 0  # speculative tokens per step (0: off)
     acceptance: float = 0.7  # per-token acceptance rate of the speculation
+    shared_prefix_tokens: int = 0  # leading prompt tokens every sequence shares (prefix caching keeps them once)
 
 
 @dataclass
@@ -71,8 +72,10 @@ def kv_memory_bytes(m: ModelShape, dev: Device, w: Workload) -> float:
 
 
 def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
-    per_seq = m.kv_bytes(w.context + w.output_tokens, w.kv)
-    return max(0, int(kv_memory_bytes(m, dev, w) // per_seq))
+    """Sequences whose KV fits beside the weights; a shared prefix is held once (prefix caching)."""
+    shared = m.kv_bytes(w.shared_prefix_tokens, w.kv) if w.shared_prefix_tokens else 0.0
+    per_seq = m.kv_bytes(w.context + w.output_tokens, w.kv) - shared
+    return max(0, int((kv_memory_bytes(m, dev, w) - shared) // per_seq))
 
 
 def prefill_ms(m: ModelShape, dev: Device, w: Workload) -> float:

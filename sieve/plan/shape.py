@@ -45,6 +45,7 @@ class ModelShape:
     window: int = 0
     state_layers: int = 0  # Mamba-2 layers: no KV, a fixed state per sequence instead
     state_bytes_per_sequence: int = 0  # their state, float32, all such layers
+    weight_bytes_override: float | None = None  # measured bytes of the loaded weights (a file's own formats), if known
 
     # ---- counts ----------------------------------------------------------------------------
     @property
@@ -63,6 +64,8 @@ class ModelShape:
 
     def weight_bytes(self, fmt: str) -> float:
         """Bytes of all weights (what must fit in memory)."""
+        if self.weight_bytes_override is not None:
+            return self.weight_bytes_override
         return self._bytes(self.linears_total, fmt) + 2 * (self.small_params + self.embed_params * (1 if self.tied else 2))
 
     def step_weight_bytes(self, fmt: str, batch: int = 1) -> float:

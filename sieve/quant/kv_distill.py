@@ -142,11 +142,14 @@ def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch
 
 
 def train(student, teacher, seqs: list[list[int]], scales, steps: int, lr: float, batch_size: int, seed: int,
-          log_every: int = 10) -> list[float]:
+          log_every: int = 10, train_params: str = "all") -> list[float]:
     """`steps` AdamW steps of KL(teacher || student with fake-FP8 K/V) over batches of `seqs`."""
     _set_kv_mode(student, scales)
     _set_kv_mode(teacher, None)
     student.train()
+    if train_params == "attention":  # the projections that make and read K/V; the rest stays as it was
+        for name, p in student.named_parameters():
+            p.requires_grad_(".self_attn." in name)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -180,6 +183,11 @@ def save_checkpoint(student, tokenizer, scales, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     student.config._attn_implementation = "sdpa"
+    # loaded from a GGUF file, the weights were widened at load: what is saved is a plain float checkpoint
+    student.hf_quantizer = None
+    student.is_quantized = False
+    if hasattr(student.config, "quantization_config"):
+        del student.config.quantization_config
     student.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     files = sorted(out.glob("*.safetensors"))
@@ -204,6 +212,8 @@ def add_kv_distill_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-tokens", type=int, default=64, help="passage prompts (models without a chat template)")
     g.add_argument("--kv-lr", type=float, default=5e-5, help="AdamW learning rate of the fine-tuning")
     g.add_argument("--kv-batch", type=int, default=8, help="sequences per optimizer step")
+    g.add_argument("--kv-train", default="all", choices=["all", "attention"],
+                   help="which weights move: all (full fine-tuning) or the attention projections only")
     g.add_argument("--kv-temperature", type=float, default=1.0,
                    help="how the model writes its training text (sampled answers cover more than greedy ones)")
     g.add_argument("--eval-windows", type=int, default=8, help="windows of 256 tokens scored before and after")
@@ -247,7 +257,8 @@ def run_kv_distill(args: argparse.Namespace) -> dict:
         print(f"distill --kv fp8: {len(seqs)} own generations ({sum(map(len, seqs))} tokens, {generated - started:.0f} s); "
               f"{args.steps} steps of {args.kv_batch} sequences, lr {args.kv_lr:g}", flush=True)
         t0 = time.perf_counter()
-        losses = train(student, teacher, seqs, scales, args.steps, args.kv_lr, args.kv_batch, args.seed)
+        losses = train(student, teacher, seqs, scales, args.steps, args.kv_lr, args.kv_batch, args.seed,
+                       log_every=max(1, args.steps // 10), train_params=args.kv_train)
         trained = time.perf_counter() - t0
         save_checkpoint(student, tokenizer, scales, out)
         del teacher, student
@@ -256,7 +267,7 @@ def run_kv_distill(args: argparse.Namespace) -> dict:
     keys = ("kl_divergence", "top1_agreement", "perplexity", "reference_perplexity", "tokens_scored")
     result = {"target": target, "kv": args.kv, "out": str(out), "data": str(data), "held_out_fraction": args.held_out_fraction,
               "sequences": len(seqs), "train_tokens": sum(map(len, seqs)), "steps": args.steps, "batch_size": args.kv_batch,
-              "lr": args.kv_lr, "train_seconds": trained, "total_seconds": seconds, "first_loss": losses[0], "last_loss": losses[-1],
+              "lr": args.kv_lr, "trained": args.kv_train, "train_seconds": trained, "total_seconds": seconds, "first_loss": losses[0], "last_loss": losses[-1],
               "before": {k: before[k] for k in keys}, "after": {k: after[k] for k in keys}}
     (out / "sieve_kv_distill.json").write_text(json.dumps(result, indent=2))
     b, a = result["before"], result["after"]

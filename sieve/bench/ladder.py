@@ -1,0 +1,598 @@
+"""`sieve bench ladder`: users per device within a latency target, measured rung by rung on the engine, beside
+the planner's prediction and each lossy rung's quality cost.
+
+Rungs are cumulative; each is one server (a subprocess) under a closed loop of streaming chat users:
+
+    0 naive           one request at a time: transformers' `generate` behind a minimal server (--naive hf,
+                      sieve/bench/naive_server.py), or sieve with --max-num-seqs 1 (--naive sieve)
+    1 batching        continuous batching with paged KV (sieve, prefix caching off, bf16 weights)
+    2 prefix          + prefix caching (the users share a system prompt)
+    3 int8            + int8 weights
+    4 speculative     + speculative decoding, n-gram proposals with the `auto` depth
+    5 kv-fp8          + an FP8 KV cache (a `sieve distill --kv fp8` checkpoint with --kv-checkpoint)
+    6 int4            + 4-bit weights (the GGUF file's own Q4_1 codes, or `-q int4`)
+
+How users are counted: a point with U users runs U closed-loop users (each sends a conversation's turn, reads
+the whole streamed answer, sends the next; a user starts at a random moment of the first `--ramp` seconds), for
+`--warmup` seconds and then `--measure` seconds; only requests sent in the measured window count. The point is
+within the SLO when none failed and TTFT p99 <= --slo-ttft-ms and TPOT p99 <= --slo-tpot-ms. Capacity is found
+by growing U by `--growth` from the previous rung's capacity until a point fails, then bisecting (users are
+integers; the search stops when the bracket is within `--resolution` of the lower end).
+
+Memory: `--memory-gb` is the device's memory budget (weights + KV cache, as a GPU's memory): each rung's KV pool
+is that budget minus its weights' bytes, so lighter weights and KV formats buy users as they do on a GPU. On a
+CPU host without it, memory never binds and only speed counts.
+
+Quality: `sieve eval` (sieve/evaluate.py) of each lossy rung's options against the bf16 model on held-out text
+(KL divergence, top-1 agreement, perplexity). Planner: `sieve plan`'s arithmetic (sieve/plan/roofline.py) for
+the same model, the same rung and this CPU measured now, with the workload's mean context and output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+SCHEMA_ID = "sieve.bench.ladder/1"
+
+
+# ------------------------------------------------------------------------------------------- the search
+@dataclass
+class Probe:
+    users: int
+    within_slo: bool
+    summary: dict = field(default_factory=dict)
+
+
+def find_capacity(probe: Callable[[int], Probe], start: int = 1, growth: float = 2.0, max_users: int = 512,
+                  resolution: float = 0.1) -> tuple[int, list[Probe]]:
+    """The largest user count within the SLO, assuming more users never makes latency better.
+
+    Starts at `start` (a rung's search starts from the previous rung's capacity); if that fails, searches down
+    from 1. Grows by `growth` until a point fails (or `max_users` passes), then bisects until the bracket
+    (lo passes, hi fails) is within max(1, resolution * lo). Returns (capacity, every probe in order); capacity 0
+    when even one user misses the SLO."""
+    if growth <= 1:
+        raise ValueError("growth must be > 1")
+    probes: list[Probe] = []
+    seen: dict[int, bool] = {}
+
+    def ok(u: int) -> bool:
+        if u not in seen:
+            p = probe(u)
+            probes.append(p)
+            seen[u] = p.within_slo
+        return seen[u]
+
+    start = max(1, min(start, max_users))
+    if ok(start):
+        lo, hi = start, None
+        while hi is None:
+            nxt = min(max_users, max(lo + 1, int(math.ceil(lo * growth))))
+            if nxt == lo:  # at max_users
+                return lo, probes
+            if ok(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        if start == 1 or not ok(1):
+            return 0, probes
+        lo, hi = 1, start
+    while hi - lo > max(1, int(resolution * lo)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+# ------------------------------------------------------------------------------------------- the workload
+SYSTEM_PROMPT = (
+    "You are Sieve Assistant, the helpful, friendly and precise assistant of a public library's website. Answer the "
+    "visitor's question in plain language, in a few short paragraphs or a short list. Be accurate: when you are "
+    "not sure of a fact, say so rather than guess. Keep a warm, respectful tone; do not use slang. Do not give "
+    "medical, legal or financial advice beyond general information, and suggest a professional when a question "
+    "needs one. If a question is unclear, answer the most likely reading and say which one you chose. The library "
+    "is open from nine in the morning to eight in the evening on weekdays and from ten to four on Saturdays; it is "
+    "closed on Sundays and public holidays. Members may borrow up to twelve items for three weeks and renew them "
+    "twice online unless another member has reserved them. The reading rooms, the children's corner, the study "
+    "booths and the computers are free for everyone; printing costs ten cents a page. Events this month: a "
+    "storytelling morning for children every Saturday, a beginners' chess club on Tuesday evenings, a talk on local "
+    "history on the second Thursday and a repair cafe on the last Sunday. Never invent events, opening hours or "
+    "rules that are not listed here. When a visitor asks about something unrelated to the library, answer it "
+    "helpfully all the same."
+)
+FOLLOW_UPS = ["Can you explain that more simply?", "Thanks! Can you give me one example?", "What should I read next about it?",
+              "Can you summarise that in one sentence?"]
+
+
+def chat_sessions(n: int, seed: int, max_tokens: int, turns: int = 2, grounded: bool = False):
+    """`n` conversations of `turns` turns opening with the shared system prompt; the first question from the
+    distillation templates' topics (grounded: a wikitext passage to summarise), then follow-ups."""
+    from sieve.bench.spec import _passages
+    from sieve.bench.workloads import Session, Turn
+    from sieve.spec.distill import TEMPLATES, TOPICS
+
+    rng = random.Random(seed)
+    passages = _passages(64) if grounded else []
+    out = []
+    for i in range(n):
+        if grounded:
+            first = "Summarise this passage for a visitor.\n\n" + passages[rng.randrange(len(passages))]
+        else:
+            first = rng.choice(TEMPLATES).format(t=rng.choice(TOPICS))
+        asks = [first] + [rng.choice(FOLLOW_UPS) for _ in range(turns - 1)]
+        out.append(Session([Turn(a, max_tokens) for a in asks], system=SYSTEM_PROMPT, chat=True))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- one point
+async def closed_loop(target, sessions: list, users: int, warmup_s: float, measure_s: float, ramp_s: float,
+                      seed: int) -> tuple[list, float]:
+    """`users` closed-loop users over `sessions` (taken in turn) until warmup + measure seconds have passed;
+    returns the records of the requests sent in the measured window, and that window's length."""
+    import httpx
+
+    from sieve.bench.serving import send_turn
+
+    rng = random.Random(seed)
+    queue = itertools.cycle(sessions)  # (a point is given more conversations than its users can finish)
+    records: list = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(target.timeout_s, connect=30.0)) as client:
+        t0 = time.perf_counter()
+        start, end = t0 + warmup_s, t0 + warmup_s + measure_s
+
+        async def user(delay: float) -> None:
+            await asyncio.sleep(delay)
+            while time.perf_counter() < end:
+                session = next(queue)
+                messages = session.first_messages()
+                for k, turn in enumerate(session.turns):
+                    if time.perf_counter() >= end:
+                        return
+                    if k:
+                        messages.append({"role": "user", "content": turn.user})
+                    rec, answer = await send_turn(client, target, session, turn, messages)
+                    if rec.sent >= start or not rec.ok:  # a failure anywhere fails the point
+                        records.append(rec)
+                    if not rec.ok:
+                        return
+                    messages.append({"role": "assistant", "content": answer})
+
+        await asyncio.gather(*(user(rng.uniform(0, ramp_s)) for _ in range(users)))
+    return records, measure_s
+
+
+def point_summary(records: list, duration_s: float, slo) -> dict:
+    from sieve.bench.serving import within_slo
+    from sieve.bench.serving_stats import summarize
+
+    s = summarize(records, duration_s, slo)
+    s["within_slo"] = bool(s["completed"]) and within_slo(s, slo)
+    s["error_examples"] = sorted({r.error for r in records if r.error})[:3]
+    s["mean_output_tokens"] = (sum(r.output_tokens for r in records if r.ok) / s["completed"]) if s["completed"] else 0.0
+    s["mean_prompt_tokens"] = s["prompt_tokens"] / s["completed"] if s["completed"] else 0.0
+    return s
+
+
+def compact(users: int, s: dict) -> dict:
+    """What the JSON keeps of a point."""
+    ms = lambda d, q: None if math.isnan(d[q]) else round(d[q] * 1e3, 2)  # noqa: E731
+    return {"users": users, "within_slo": s["within_slo"], "requests": s["requests"], "errors": s["errors"],
+            "ttft_p50_ms": ms(s["ttft_s"], "p50"), "ttft_p99_ms": ms(s["ttft_s"], "p99"),
+            "tpot_p50_ms": ms(s["tpot_s"], "p50"), "tpot_p99_ms": ms(s["tpot_s"], "p99"),
+            "output_tokens_per_s": round(s["output_token_throughput"], 2),
+            "mean_prompt_tokens": round(s["mean_prompt_tokens"], 1), "mean_output_tokens": round(s["mean_output_tokens"], 1),
+            "prefix_cache_hit_rate": s.get("prefix_cache_hit_rate")}
+
+
+# ------------------------------------------------------------------------------------------- the rungs
+@dataclass
+class RungSpec:
+    key: str
+    name: str
+    weights: str  # bf16 | int8 | int4 (planner and quality)
+    kv: str  # bf16 | fp8
+    batching: bool = True
+    prefix: bool = False
+    spec: bool = False
+    lossy: bool = False  # changes the tokens' distribution (quality is measured)
+
+
+RUNGS = [
+    RungSpec("naive", "naive: one request at a time", "bf16", "bf16", batching=False),
+    RungSpec("batching", "continuous batching, paged KV", "bf16", "bf16"),
+    RungSpec("prefix", "+ prefix caching", "bf16", "bf16", prefix=True),
+    RungSpec("int8", "+ int8 weights", "int8", "bf16", prefix=True, lossy=True),
+    RungSpec("speculative", "+ speculative decoding (n-gram, auto depth)", "int8", "bf16", prefix=True, spec=True),
+    RungSpec("kv-fp8", "+ FP8 KV cache", "int8", "fp8", prefix=True, spec=True, lossy=True),
+    RungSpec("int4", "+ int4 weights", "int4", "fp8", prefix=True, spec=True, lossy=True),
+]
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 6}
+
+
+def engine_options(r: RungSpec, native_int4: bool) -> dict:
+    """EngineConfig fields of a rung (the bf16 reference: the GGUF file's weights widened to bfloat16)."""
+    o: dict = {"dtype": "bfloat16", "enable_prefix_caching": r.prefix}
+    if r.weights == "int4" and native_int4:
+        pass  # the file's own 4-bit codes
+    else:
+        o["dequantize"] = True
+        if r.weights != "bf16":
+            o["quantization"] = r.weights
+    if r.kv != "bf16":
+        o["kv_cache_dtype"] = r.kv
+    return o
+
+
+def serve_flags(o: dict) -> list[str]:
+    flags = ["--dtype", o["dtype"]]
+    if not o["enable_prefix_caching"]:
+        flags.append("--no-prefix-caching")
+    if o.get("dequantize"):
+        flags.append("--dequantize")
+    if o.get("quantization"):
+        flags += ["--quantization", o["quantization"]]
+    if o.get("kv_cache_dtype"):
+        flags += ["--kv-cache-dtype", o["kv_cache_dtype"]]
+    return flags
+
+
+def weight_bytes(model: str, o: dict) -> int:
+    """Bytes of the weights a rung loads (as the engine holds them), from a throwaway engine's linears and
+    embedding."""
+    import torch
+
+    from sieve.config import EngineConfig
+    from sieve.engine import LLMEngine
+
+    e = LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=4, max_model_len=64, max_num_seqs=1,
+                               **{k: v for k, v in o.items() if k != "enable_prefix_caching"}))
+    total = 0
+    seen = set()
+    for t in list(e.runner.model.parameters()) + list(e.runner.model.buffers()):
+        if id(t) not in seen and isinstance(t, torch.Tensor):
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    q = getattr(e.runner.model, "quantized_embedding", None)
+    total += getattr(q, "nbytes", 0) or 0
+    del e
+    return total
+
+
+# ------------------------------------------------------------------------------------------- the planner
+def planner_ladder(model: str, device, context: float, output: float, shared_prefix: float, slo_ttft_ms: float,
+                   slo_tpot_ms: float, acceptance: float, spec_tokens: int, weight_bytes_by_rung: dict) -> dict:
+    """Users the planner predicts per rung on `device` (whose memory is the budget), with each rung's measured
+    weight bytes (the planner's own formats differ from a GGUF file's)."""
+    from sieve.plan.command import load_shape
+    from sieve.plan.roofline import Workload, decode_point, max_batch_within_slo, prefill_ms, tpot_ms
+
+    shape = load_shape(model)
+    out = {}
+    for r in RUNGS:
+        w = Workload(weights=r.weights, kv=r.kv, context=int(round(context)), output_tokens=int(round(output)),
+                     slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, spec_tokens=spec_tokens if r.spec else 0,
+                     acceptance=acceptance, shared_prefix_tokens=int(round(shared_prefix)) if r.prefix else 0)
+        m = dataclasses.replace(shape, weight_bytes_override=weight_bytes_by_rung.get(r.key))
+        if not r.batching:
+            p = decode_point(m, device, w, 1)
+            users, binding = int(tpot_ms(p, w) <= slo_tpot_ms and prefill_ms(m, device, w) <= slo_ttft_ms), "one at a time"
+        else:
+            users, binding = max_batch_within_slo(m, device, w)
+        out[r.key] = {"users": users, "binding": binding}
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the command
+def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="100 ms: at least 10 tokens/s per user")
+    p.add_argument("--workload", default="chat", choices=["chat", "grounded"],
+                   help="chat: questions under a shared system prompt; grounded: the same, each asking about a passage")
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128, help="answer length cap (answers stop at EOS)")
+    p.add_argument("--rungs", default=",".join(r.key for r in RUNGS), help="which rungs to measure (comma list)")
+    p.add_argument("--naive", default="hf", choices=["hf", "sieve"], help="the naive rung: transformers generate, or sieve with --max-num-seqs 1")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="device memory budget for weights + KV cache (default: no budget: the KV pool is --kv-cache-memory-gb)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool without --memory-gb")
+    p.add_argument("--kv-checkpoint", default=None,
+                   help="a `sieve distill --kv fp8` checkpoint: the FP8 KV rungs serve it (its quality is measured too)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of each point before measuring")
+    p.add_argument("--measure", type=float, default=30.0, help="seconds each point is measured")
+    p.add_argument("--ramp", type=float, default=5.0, help="users start at random moments of the first this many seconds")
+    p.add_argument("--growth", type=float, default=1.5)
+    p.add_argument("--resolution", type=float, default=0.1)
+    p.add_argument("--max-users", type=int, default=256)
+    p.add_argument("--eval-data", default=None, help="held-out text for the quality columns (default: wikitext-2 from ../shared/data)")
+    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: measured users per rung beside the planner's")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+
+
+SERVED = "bench"  # the name peers.Server probes readiness with
+
+
+def _server_cmd(args, model: str, rung: RungSpec, o: dict, port: int, kv_gb: float) -> list[str]:
+    if not rung.batching and args.naive == "hf":
+        cmd = [sys.executable, "-m", "sieve.bench.naive_server", "--model", model, "--port", str(port),
+               "--served-model-name", SERVED, "--dtype", "bfloat16"]
+        return cmd + (["--num-threads", str(args.num_threads)] if args.num_threads else [])
+    cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", model, "--port", str(port), "--served-model-name", SERVED,
+           "--kv-cache-memory-gb", f"{kv_gb:.4f}", "--max-num-seqs", str(args.max_num_seqs if rung.batching else 1),
+           "--max-waiting", "100000", "--no-webui", "--seed", str(args.seed)] + serve_flags(o)
+    if rung.spec:
+        cmd += ["--speculative-config", json.dumps(SPEC_CONFIG)]
+    return cmd + (["--num-threads", str(args.num_threads)] if args.num_threads else [])
+
+
+def _prime(target, max_tokens: int) -> None:
+    """One chat request under the shared system prompt before the first point: the server's first request pays
+    one-off costs (the template's first render, lazily built state) and the steady state has the system prompt
+    in the prefix cache."""
+    import httpx
+
+    r = httpx.post(target.base_url + "/chat/completions", timeout=600, json={
+        "model": target.model, "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello! When are you open?"}]})
+    r.raise_for_status()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+
+
+def run_ladder(args) -> dict:
+    import httpx
+
+    from sieve.bench.peers import Server, _free_port
+    from sieve.bench.serve_command import quiet_http_logs
+    from sieve.bench.serving import Target
+    from sieve.bench.serving_stats import SLO
+    from sieve.config import ConfigError
+    from sieve.models.default import resolve_default
+
+    quiet_http_logs()
+    model, _ = resolve_default(args.model)
+    keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
+    unknown = sorted(set(keys) - {r.key for r in RUNGS})
+    if unknown:
+        raise ConfigError(f"--rungs: unknown {', '.join(unknown)} (known: {', '.join(r.key for r in RUNGS)})")
+    rungs = [r for r in RUNGS if r.key in keys]
+    native_int4 = model.endswith(".gguf")
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sieve-ladder-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"bench ladder: {model}; SLO TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; "
+          f"{args.workload} workload ({args.turns} turns, answers up to {args.max_tokens} tokens); "
+          f"memory budget {args.memory_gb if args.memory_gb else 'none'} GB; naive = {args.naive}", flush=True)
+    options = {r.key: engine_options(r, native_int4) for r in RUNGS}
+    wbytes = {r.key: weight_bytes(model, options[r.key]) for r in RUNGS}
+    results = []
+    previous_users = 1
+    acceptance = None
+    means = {"prompt": [], "output": []}
+    for i, rung in enumerate(rungs):
+        o = options[rung.key]
+        served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
+        if args.memory_gb:
+            kv_gb = (args.memory_gb * 1e9 - wbytes[rung.key]) / 2**30
+            if kv_gb <= 0:
+                raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes[rung.key] / 1e9:.2f} GB")
+        else:
+            kv_gb = args.kv_cache_memory_gb
+        port = _free_port()
+        cmd = _server_cmd(args, served_model, rung, o, port, kv_gb)
+        probes: list[Probe] = []
+        t_rung = time.perf_counter()
+        with Server(cmd, port, log_dir / f"{i}-{rung.key}.log", timeout=600) as server:
+            target = Target(server.base_url, SERVED, ignore_eos=False, timeout_s=600.0)
+            _prime(target, args.max_tokens)
+
+            def probe(users: int) -> Probe:
+                seed = args.seed + 7919 * (len(probes) + 1) + 104729 * i
+                sessions = chat_sessions(users * 60 + 64, seed, args.max_tokens, args.turns, args.workload == "grounded")
+                records, dur = asyncio.run(closed_loop(target, sessions, users, args.warmup, args.measure, args.ramp, seed))
+                s = point_summary(records, dur, slo)
+                c = compact(users, s)
+                print(f"  {rung.key:>12} {users:>4} users: {'within SLO' if c['within_slo'] else 'misses SLO':<10} "
+                      f"TTFT p99 {c['ttft_p99_ms']} ms, TPOT p99 {c['tpot_p99_ms']} ms, {c['output_tokens_per_s']:.0f} tok/s, "
+                      f"{c['requests']} requests" + (f", {c['errors']} errors: {s['error_examples'][0]}" if c["errors"] else ""),
+                      flush=True)
+                p = Probe(users, c["within_slo"], c)
+                probes.append(p)
+                return p
+
+            start = 1 if not rung.batching else max(1, previous_users)
+            users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users,
+                                     resolution=args.resolution)
+            metrics = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text if rung.batching or args.naive == "sieve" else ""
+        if rung.spec and metrics:
+            drafted = _metric(metrics, "sieve:spec_decode_num_draft_tokens_total")
+            accepted = _metric(metrics, "sieve:spec_decode_num_accepted_tokens_total")
+            acceptance = accepted / drafted if drafted else 0.0
+        at = next((p.summary for p in probes if p.users == users), None)
+        for p in probes:
+            if p.summary["requests"]:
+                means["prompt"].append(p.summary["mean_prompt_tokens"])
+                means["output"].append(p.summary["mean_output_tokens"])
+        results.append({"key": rung.key, "name": rung.name, "server": cmd[2:], "weights": rung.weights, "kv": rung.kv,
+                        "weight_bytes": wbytes[rung.key], "kv_pool_gb": round(kv_gb, 4), "users": users,
+                        "at_capacity": at, "probes": [p.summary for p in probes], "seconds": round(time.perf_counter() - t_rung, 1),
+                        "spec_acceptance_rate": acceptance if rung.spec else None, "served_model": served_model})
+        previous_users = max(users, 1)
+        print(f"{rung.name}: {users} users ({time.perf_counter() - t_rung:.0f} s)", flush=True)
+
+    # quality per lossy rung: sieve eval against the bf16 model, on held-out text
+    from sieve.evaluate import evaluate
+
+    eval_data = Path(args.eval_data) if args.eval_data else Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2_test.txt"
+    ref = {"reference": model, "reference_dtype": "bfloat16", "reference_dequantize": True}
+    for res in results:
+        rung = next(r for r in RUNGS if r.key == res["key"])
+        if not rung.lossy:
+            res["quality"] = None
+            continue
+        o = {k: v for k, v in options[rung.key].items() if k not in ("enable_prefix_caching", "dtype")}
+        q = evaluate(res["served_model"], eval_data, dtype="bfloat16", window=256, max_windows=args.eval_windows, **ref, **o)
+        res["quality"] = {"kl_divergence": q["kl_divergence"], "top1_agreement": q["top1_agreement"],
+                          "perplexity": q["perplexity"], "reference_perplexity": q["reference_perplexity"],
+                          "tokens_scored": q["tokens_scored"]}
+        print(f"quality of {rung.key}: KL {q['kl_divergence']:.4f}, top-1 {q['top1_agreement']:.3f}", flush=True)
+
+    # the planner, for the same rungs on this CPU with the memory budget, at the measured mean prompt and answer
+    from sieve.plan.devices import measure_cpu
+    from sieve.plan.roofline import MEMORY_UTILIZATION
+
+    dev = measure_cpu()
+    if args.memory_gb:
+        dev = dataclasses.replace(dev, memory_gb=args.memory_gb / MEMORY_UTILIZATION)
+    prompt_mean = sum(means["prompt"]) / len(means["prompt"]) if means["prompt"] else 300.0
+    output_mean = sum(means["output"]) / len(means["output"]) if means["output"] else args.max_tokens
+    prefix_tokens = _system_tokens(model)
+    plan = planner_ladder(model, dev, prompt_mean + output_mean / 2, output_mean, prefix_tokens, args.slo_ttft_ms,
+                          args.slo_tpot_ms, acceptance if acceptance is not None else 0.0, SPEC_CONFIG["max_num_speculative_tokens"] // 2,
+                          wbytes)
+    base = next((r["users"] for r in results if r["key"] == "naive"), None) or results[0]["users"] or 1
+    pbase = plan["naive"]["users"] or 1
+    prev = prev_p = None
+    for res in results:
+        res["factor"] = res["users"] / base
+        res["gain"] = (res["users"] / prev) if prev else None
+        pu = plan[res["key"]]["users"]
+        res["planner"] = {"users": pu, "factor": pu / pbase, "gain": (pu / prev_p) if prev_p else None,
+                          "binding": plan[res["key"]]["binding"]}
+        prev, prev_p = max(res["users"], 1), max(pu, 1)
+    out = {"schema": SCHEMA_ID, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "threads": args.num_threads, "bandwidth_gbps": dev.bandwidth_gbps,
+                       "tflops": dev.tflops},
+           "slo": {"ttft_p99_ms": args.slo_ttft_ms, "tpot_p99_ms": args.slo_tpot_ms},
+           "workload": {"kind": args.workload, "turns": args.turns, "max_tokens": args.max_tokens, "system_prompt_tokens": prefix_tokens,
+                        "mean_prompt_tokens": prompt_mean, "mean_output_tokens": output_mean, "warmup_s": args.warmup,
+                        "measure_s": args.measure, "ramp_s": args.ramp},
+           "memory_gb": args.memory_gb, "naive": args.naive, "kv_checkpoint": args.kv_checkpoint,
+           "eval_data": str(eval_data), "rungs": results}
+    validate_ladder(out)
+    print_ladder(out)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot_ladder(out, args.plot)
+    return out
+
+
+def _system_tokens(model: str) -> int:
+    from sieve.models.loader import open_checkpoint, resolve_model_path
+
+    tok = open_checkpoint(str(resolve_model_path(model))).tokenizer()
+    return len(tok(SYSTEM_PROMPT, add_special_tokens=False).input_ids)
+
+
+def print_ladder(out: dict) -> None:
+    print(f"\nusers within TTFT p99 <= {out['slo']['ttft_p99_ms']:g} ms and TPOT p99 <= {out['slo']['tpot_p99_ms']:g} ms "
+          f"({out['model']}, memory budget {out['memory_gb'] or 'none'} GB):")
+    print(f"  {'rung':<46}{'users':>6}{'x naive':>9}{'gain':>7}{'planner':>9}{'p. gain':>9}  {'KL':>8}{'top-1':>7}")
+    for r in out["rungs"]:
+        q = r["quality"]
+        gain = f"{r['gain']:.2f}" if r["gain"] else "-"
+        pgain = f"{r['planner']['gain']:.2f}" if r["planner"]["gain"] else "-"
+        qual = f"{q['kl_divergence']:>8.4f}{q['top1_agreement']:>7.3f}" if q else f"{'lossless':>15}"
+        print(f"  {r['name']:<46}{r['users']:>6}{r['factor']:>9.1f}{gain:>7}{r['planner']['users']:>9}{pgain:>9}  {qual}")
+
+
+LADDER_SCHEMA = {
+    "type": "object",
+    "required": ["schema", "model", "machine", "slo", "workload", "memory_gb", "naive", "rungs"],
+    "properties": {
+        "schema": {"const": SCHEMA_ID},
+        "model": {"type": "string"},
+        "slo": {"type": "object", "required": ["ttft_p99_ms", "tpot_p99_ms"],
+                "properties": {"ttft_p99_ms": {"type": "number", "exclusiveMinimum": 0}, "tpot_p99_ms": {"type": "number", "exclusiveMinimum": 0}}},
+        "memory_gb": {"type": ["number", "null"]},
+        "naive": {"enum": ["hf", "sieve"]},
+        "rungs": {"type": "array", "minItems": 1, "items": {
+            "type": "object",
+            "required": ["key", "name", "users", "factor", "gain", "planner", "quality", "probes", "weights", "kv"],
+            "properties": {
+                "key": {"enum": [r.key for r in RUNGS]},
+                "users": {"type": "integer", "minimum": 0},
+                "factor": {"type": "number", "minimum": 0},
+                "gain": {"type": ["number", "null"]},
+                "planner": {"type": "object", "required": ["users", "factor", "gain", "binding"],
+                            "properties": {"users": {"type": "integer", "minimum": 0}}},
+                "quality": {"oneOf": [{"type": "null"}, {"type": "object",
+                                                           "required": ["kl_divergence", "top1_agreement", "perplexity"],
+                                                           "properties": {"kl_divergence": {"type": "number", "minimum": 0},
+                                                                          "top1_agreement": {"type": "number", "minimum": 0, "maximum": 1}}}]},
+                "probes": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["users", "within_slo", "ttft_p99_ms", "tpot_p99_ms", "output_tokens_per_s"]}},
+            }}},
+    },
+}
+
+
+def validate_ladder(out: dict) -> None:
+    """Raises ValueError naming the first place the ladder's JSON departs from LADDER_SCHEMA, or where a rung's
+    users disagree with its own probes (the capacity passed, every larger probe failed)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(out, LADDER_SCHEMA)
+    except jsonschema.ValidationError as e:
+        raise ValueError(f"ladder JSON: {'/'.join(map(str, e.absolute_path))}: {e.message}") from None
+    for r in out["rungs"]:
+        passed = {p["users"] for p in r["probes"] if p["within_slo"]}
+        failed = {p["users"] for p in r["probes"] if not p["within_slo"]}
+        if r["users"] and r["users"] not in passed:
+            raise ValueError(f"ladder JSON: rung {r['key']}: capacity {r['users']} was never probed within the SLO")
+        if any(u <= r["users"] for u in failed):
+            raise ValueError(f"ladder JSON: rung {r['key']}: a probe at or below the capacity {r['users']} failed")
+
+
+def plot_ladder(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rungs = out["rungs"]
+    x = range(len(rungs))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.bar([i - 0.2 for i in x], [r["users"] for r in rungs], width=0.4, label="measured (sieve bench ladder)")
+    ax.bar([i + 0.2 for i in x], [r["planner"]["users"] for r in rungs], width=0.4, alpha=0.6, label="planner")
+    for i, r in enumerate(rungs):
+        label = f"{r['users']}"
+        if r["quality"]:
+            label += f"\nKL {r['quality']['kl_divergence']:.3f}"
+        ax.annotate(label, (i - 0.2, r["users"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([r["key"] for r in rungs])
+    ax.set_ylabel("users within the SLO")
+    ax.set_title(f"users per device, {Path(out['model']).name}: TTFT p99 <= {out['slo']['ttft_p99_ms']:g} ms, "
+                 f"TPOT p99 <= {out['slo']['tpot_p99_ms']:g} ms" + (f", {out['memory_gb']:g} GB" if out["memory_gb"] else ""), fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,159 @@
+"""The naive rung of `sieve bench ladder`: Hugging Face transformers' `generate` behind a minimal OpenAI-style
+server, one request at a time (what serving looks like before an inference engine).
+
+    python -m sieve.bench.naive_server --model FILE.gguf|FOLDER --port 8000 [--dtype bfloat16]
+
+Only what the ladder's clients send is served: GET /v1/models, POST /v1/chat/completions (streamed or not, with
+max_tokens, temperature 0 (greedy) or sampling, ignore_eos) and /v1/completions. Requests queue on one lock: the
+second user waits for the first answer to finish, which is exactly the rung's cost. Anything else is refused with
+an OpenAI error object.
+"""
+
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+
+def create_app(model_path: str, served_name: str, dtype: str = "bfloat16", threads: int | None = None):
+    import torch
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from transformers import TextIteratorStreamer
+
+    from sieve.quant.kv_distill import load_hf_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_hf_model(model_path, getattr(torch, dtype)).eval()
+    from sieve.models.loader import open_checkpoint, resolve_model_path
+
+    tokenizer = open_checkpoint(str(resolve_model_path(model_path))).tokenizer()  # as sieve reads the same file
+    configured = model.generation_config.eos_token_id
+    eos = [configured] if isinstance(configured, int) else list(configured or [])
+    eos += [t for t in [tokenizer.eos_token_id] if t is not None and t not in eos]
+    lock = threading.Lock()  # one request at a time
+    app = FastAPI()
+
+    def error(status: int, message: str, kind: str = "invalid_request_error"):
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "transformers"}]}
+
+    async def complete(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return error(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object")
+        if body.get("model") not in (None, served_name):
+            return error(404, f"model {body.get('model')!r} does not exist", "model_not_found")
+        max_tokens = body.get("max_tokens") or 16
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return error(400, "max_tokens must be a positive integer")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return error(400, "messages must be a non-empty list")
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        else:
+            if not isinstance(body.get("prompt"), str):
+                return error(400, "prompt must be a string")
+            ids = tokenizer(body["prompt"], add_special_tokens=True).input_ids
+        temperature = float(body.get("temperature", 1.0))
+        gen = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, pad_token_id=eos[0] if eos else 0, eos_token_id=eos or None)
+        if temperature > 0:
+            gen["temperature"] = temperature
+        if body.get("ignore_eos"):
+            gen["min_new_tokens"] = max_tokens
+        stream = bool(body.get("stream"))
+        rid, created = f"naive-{uuid.uuid4().hex[:12]}", int(time.time())
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        counted = {"n": 0}
+
+        def run():
+            with lock:
+                with torch.inference_mode():
+                    out = model.generate(torch.tensor([ids]), streamer=streamer, **gen)
+                counted["n"] = out.shape[1] - len(ids)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+
+        def chunk(text: str | None, finish: str | None, usage: dict | None = None) -> str:
+            if chat:
+                choice = {"index": 0, "delta": ({"content": text} if text is not None else {}), "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                   "model": served_name, "choices": [choice]}
+            if usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": counted["n"], "total_tokens": len(ids) + counted["n"]}
+
+        async def pieces():
+            it = iter(streamer)
+            while True:
+                text = await asyncio.to_thread(next, it, None)
+                if text is None:
+                    break
+                if text:
+                    yield text
+
+        if stream:
+            async def events():
+                async for text in pieces():
+                    yield chunk(text, None)
+                await asyncio.to_thread(worker.join)
+                finish = "length" if counted["n"] >= max_tokens else "stop"
+                yield chunk(None, finish, usage() if (body.get("stream_options") or {}).get("include_usage") else None)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        text = "".join([t async for t in pieces()])
+        await asyncio.to_thread(worker.join)
+        finish = "length" if counted["n"] >= max_tokens else "stop"
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": served_name, "choices": [choice], "usage": usage()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, False)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--served-model-name", default="naive")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-threads", type=int, default=None)
+    args = p.parse_args(argv)
+    uvicorn.run(create_app(args.model, args.served_model_name, args.dtype, args.num_threads), host=args.host,
+                port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

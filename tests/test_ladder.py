@@ -1,0 +1,175 @@
+"""`sieve bench ladder`: the capacity search (on a probe and on a fake server of known capacity), the closed
+loop, and the ladder's JSON (its schema, and an end-to-end run on the demo model)."""
+
+
+import argparse
+import asyncio
+import json
+import threading
+
+import pytest
+
+from sieve.bench.ladder import (LADDER_SCHEMA, RUNGS, Probe, add_bench_ladder_args, chat_sessions, closed_loop,
+                                find_capacity, point_summary, run_ladder, validate_ladder)
+
+
+def known_capacity(capacity: int):
+    calls = []
+
+    def probe(users: int) -> Probe:
+        calls.append(users)
+        return Probe(users, users <= capacity)
+
+    return probe, calls
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 2, 3, 7, 16, 33, 100, 255])
+@pytest.mark.parametrize("start", [1, 5, 40])
+def test_find_capacity_finds_a_known_capacity(capacity, start):
+    probe, calls = known_capacity(capacity)
+    users, probes = find_capacity(probe, start=start, growth=1.5, max_users=256, resolution=0.0)
+    assert users == capacity
+    assert [p.users for p in probes] == calls and len(set(calls)) == len(calls)  # never probes a count twice
+    assert len(calls) <= 20
+
+
+def test_find_capacity_resolution_and_cap():
+    probe, calls = known_capacity(100)
+    users, _ = find_capacity(probe, start=1, growth=2.0, max_users=256, resolution=0.1)
+    assert 91 <= users <= 100 and users in calls  # within 10% of the lower end, never above the capacity
+    probe, calls = known_capacity(10_000)
+    users, _ = find_capacity(probe, start=1, growth=2.0, max_users=48)
+    assert users == 48 and max(calls) == 48
+    with pytest.raises(ValueError):
+        find_capacity(probe, growth=1.0)
+
+
+class FakeServer:
+    """A streaming chat server of known capacity: a request that arrives while more than `capacity` are in flight
+    (itself included) streams each token 300 ms apart; otherwise 1 ms apart. With an SLO of TPOT p99 <= 100 ms,
+    up to `capacity` closed-loop users are within it and more are not, whatever the machine's speed."""
+
+    def __init__(self, capacity: int, tokens: int = 6):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import StreamingResponse
+
+        self.capacity, self.in_flight, self.lock = capacity, 0, threading.Lock()
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            with self.lock:
+                self.in_flight += 1
+                slow = self.in_flight > self.capacity
+            delay = 0.3 if slow else 0.001
+
+            async def events():
+                try:
+                    for i in range(tokens):
+                        await asyncio.sleep(delay)
+                        yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}]}) + "\n\n"
+                    usage = {"prompt_tokens": len(json.dumps(body["messages"])), "completion_tokens": tokens}
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    with self.lock:
+                        self.in_flight -= 1
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.app = app
+
+
+@pytest.fixture
+def fake_server():
+    from sieve.server.serve import serve_in_thread
+
+    servers = []
+
+    def make(capacity: int):
+        fake = FakeServer(capacity)
+        url, stop = serve_in_thread(fake.app)
+        servers.append(stop)
+        return url + "/v1"
+
+    yield make
+    for stop in servers:
+        stop()
+
+
+@pytest.mark.parametrize("capacity", [3, 5])
+def test_bisection_over_a_fake_server_finds_its_capacity(fake_server, capacity):
+    from sieve.bench.serving import Target
+    from sieve.bench.serving_stats import SLO
+
+    target = Target(fake_server(capacity), "fake", ignore_eos=False, timeout_s=60)
+    slo = SLO(2.0, 0.1)
+    sessions = chat_sessions(40, 0, 6)
+
+    def probe(users: int) -> Probe:
+        records, duration = asyncio.run(closed_loop(target, sessions, users, warmup_s=0.3, measure_s=1.2, ramp_s=0.0, seed=users))
+        s = point_summary(records, duration, slo)
+        if users <= capacity:
+            assert s["completed"] > users  # every user got answers in the measured window
+        return Probe(users, s["within_slo"], s)
+
+    users, probes = find_capacity(probe, start=1, growth=2.0, max_users=16, resolution=0.0)
+    assert users == capacity, [(p.users, p.within_slo, p.summary["tpot_s"]["p99"]) for p in probes]
+
+
+def _ladder(**over) -> dict:
+    rungs = []
+    for i, r in enumerate(RUNGS):
+        probes = [{"users": u, "within_slo": u <= 4 * (i + 1), "ttft_p99_ms": 10.0, "tpot_p99_ms": 20.0,
+                   "output_tokens_per_s": 100.0} for u in (4 * (i + 1), 4 * (i + 1) + 1)]
+        rungs.append({"key": r.key, "name": r.name, "weights": r.weights, "kv": r.kv, "users": 4 * (i + 1), "factor": i + 1.0,
+                      "gain": None if i == 0 else (i + 1) / i, "planner": {"users": 5 * (i + 1), "factor": i + 1.0, "gain": None, "binding": "compute"},
+                      "quality": {"kl_divergence": 0.01, "top1_agreement": 0.97, "perplexity": 9.0} if r.lossy else None,
+                      "probes": probes})
+    out = {"schema": "sieve.bench.ladder/1", "model": "m.gguf", "machine": {}, "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 100},
+           "workload": {}, "memory_gb": 0.5, "naive": "hf", "rungs": rungs}
+    out.update(over)
+    return out
+
+
+def test_ladder_schema_accepts_a_ladder_and_names_what_is_wrong():
+    validate_ladder(_ladder())
+    for bad, where in [(_ladder(schema="other"), "schema"), (_ladder(naive="vllm"), "naive"), (_ladder(rungs=[]), "rungs"),
+                       (_ladder(slo={"ttft_p99_ms": 2000}), "slo")]:
+        with pytest.raises(ValueError, match=where):
+            validate_ladder(bad)
+    broken = _ladder()
+    broken["rungs"][2]["quality"] = {"kl_divergence": -1, "top1_agreement": 0.9, "perplexity": 1}
+    with pytest.raises(ValueError, match="rungs/2/quality"):
+        validate_ladder(broken)
+    inconsistent = _ladder()
+    inconsistent["rungs"][1]["users"] = 9  # more than its probes showed
+    with pytest.raises(ValueError, match="capacity 9 was never probed"):
+        validate_ladder(inconsistent)
+    assert LADDER_SCHEMA["properties"]["rungs"]["items"]["properties"]["key"]["enum"] == [r.key for r in RUNGS]
+
+
+def test_ladder_end_to_end_on_the_demo_model(tmp_path):
+    """Three rungs on the random demo model, with an SLO so loose that every point meets it: the search grows to
+    --max-users, the int8 rung gets quality figures, the planner a prediction, and the JSON and plot are written."""
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    args = p.parse_args(["--model", "demo", "--rungs", "naive,batching,int8", "--naive", "sieve", "--slo-ttft-ms", "600000",
+                         "--slo-tpot-ms", "600000", "--max-tokens", "8", "--warmup", "0.2", "--measure", "1.0", "--ramp", "0",
+                         "--max-users", "3", "--growth", "2", "--memory-gb", "0.5", "--eval-windows", "1",
+                         "--eval-data", str(tmp_path / "eval.txt"), "--output-json", str(tmp_path / "ladder.json"),
+                         "--plot", str(tmp_path / "ladder.png"), "--log-dir", str(tmp_path / "logs")])
+    (tmp_path / "eval.txt").write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    out = run_ladder(args)
+    saved = json.loads((tmp_path / "ladder.json").read_text())
+    validate_ladder(saved)
+    assert [r["key"] for r in saved["rungs"]] == ["naive", "batching", "int8"]
+    assert [r["users"] for r in saved["rungs"]] == [3, 3, 3]
+    assert [p["users"] for p in saved["rungs"][0]["probes"]] == [1, 2, 3]
+    assert saved["rungs"][1]["probes"][0]["users"] == 3  # a rung's search starts at the previous rung's capacity
+    assert saved["rungs"][0]["quality"] is None and saved["rungs"][2]["quality"]["tokens_scored"] > 0
+    assert saved["rungs"][2]["weight_bytes"] < saved["rungs"][1]["weight_bytes"]
+    assert saved["rungs"][2]["kv_pool_gb"] > saved["rungs"][1]["kv_pool_gb"]  # lighter weights leave more KV memory
+    assert all(r["planner"]["users"] >= 0 for r in saved["rungs"]) and out["rungs"][2]["factor"] == 1.0
+    assert (tmp_path / "ladder.png").stat().st_size > 1000
