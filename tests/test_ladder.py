@@ -169,7 +169,40 @@ def test_ladder_end_to_end_on_the_demo_model(tmp_path):
     assert [p["users"] for p in saved["rungs"][0]["probes"]] == [1, 2, 3]
     assert saved["rungs"][1]["probes"][0]["users"] == 3  # a rung's search starts at the previous rung's capacity
     assert saved["rungs"][0]["quality"] is None and saved["rungs"][2]["quality"]["tokens_scored"] > 0
-    assert saved["rungs"][2]["weight_bytes"] < saved["rungs"][1]["weight_bytes"]
+    # int8 linears: half the bf16 linears' bytes plus scales; the rest unchanged (so more than half in all)
+    assert 0.5 * saved["rungs"][1]["weight_bytes"] < saved["rungs"][2]["weight_bytes"] < saved["rungs"][1]["weight_bytes"]
     assert saved["rungs"][2]["kv_pool_gb"] > saved["rungs"][1]["kv_pool_gb"]  # lighter weights leave more KV memory
     assert all(r["planner"]["users"] >= 0 for r in saved["rungs"]) and out["rungs"][2]["factor"] == 1.0
     assert (tmp_path / "ladder.png").stat().st_size > 1000
+
+
+def test_naive_server_streams_one_request_at_a_time_and_refuses_what_it_does_not_implement(demo_dir, tmp_path):
+    """The naive rung's server (transformers `generate`) with the `openai` client: a streamed chat answer with
+    usage, the same greedy answer unstreamed, and OpenAI-style errors for an unknown field and a bad value."""
+    import sys
+
+    import openai
+
+    from sieve.bench.peers import Server, _free_port
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sieve.bench.naive_server", "--model", str(demo_dir), "--port", str(port),
+           "--served-model-name", "bench"]
+    with Server(cmd, port, tmp_path / "naive.log", timeout=300) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        messages = [{"role": "user", "content": "Hello there"}]
+        stream = client.chat.completions.create(model="bench", messages=messages, max_tokens=6, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens > 0
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        whole = client.chat.completions.create(model="bench", messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert whole.choices[0].message.content == streamed and whole.usage.completion_tokens == 6
+        with pytest.raises(openai.BadRequestError, match="does not support: top_p"):
+            client.chat.completions.create(model="bench", messages=messages, max_tokens=4, top_p=0.5)
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(model="bench", messages=messages, max_tokens=0)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=messages, max_tokens=4)

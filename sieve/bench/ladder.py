@@ -4,7 +4,8 @@ the planner's prediction and each lossy rung's quality cost.
 Rungs are cumulative; each is one server (a subprocess) under a closed loop of streaming chat users:
 
     0 naive           one request at a time: transformers' `generate` behind a minimal server (--naive hf,
-                      sieve/bench/naive_server.py), or sieve with --max-num-seqs 1 (--naive sieve)
+                      sieve/bench/naive_server.py, in float32: transformers' default dtype, and on a CPU without
+                      native bf16 arithmetic several times faster than bf16), or sieve with --max-num-seqs 1 (--naive sieve)
     1 batching        continuous batching with paged KV (sieve, prefix caching off, bf16 weights)
     2 prefix          + prefix caching (the users share a system prompt)
     3 int8            + int8 weights
@@ -264,13 +265,18 @@ def weight_bytes(model: str, o: dict) -> int:
 
     e = LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=4, max_model_len=64, max_num_seqs=1,
                                **{k: v for k, v in o.items() if k != "enable_prefix_caching"}))
-    total = 0
-    seen = set()
-    for t in list(e.runner.model.parameters()) + list(e.runner.model.buffers()):
+    model = e.runner.model
+    total, seen = 0, set()
+    for m in model.modules():  # linears: their format's bytes (a native kernel's packed copy is not a parameter)
+        if isinstance(getattr(type(m), "weight_bytes", None), property):
+            total += m.weight_bytes
+            seen.update(id(t) for t in m.parameters(recurse=False))
+            seen.update(id(t) for t in m.buffers(recurse=False))
+    for t in itertools.chain(model.parameters(), model.buffers()):  # embedding, norms, whatever else
         if id(t) not in seen and isinstance(t, torch.Tensor):
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    q = getattr(e.runner.model, "quantized_embedding", None)
+    q = getattr(model, "quantized_embedding", None)
     total += getattr(q, "nbytes", 0) or 0
     del e
     return total
@@ -338,7 +344,7 @@ SERVED = "bench"  # the name peers.Server probes readiness with
 def _server_cmd(args, model: str, rung: RungSpec, o: dict, port: int, kv_gb: float) -> list[str]:
     if not rung.batching and args.naive == "hf":
         cmd = [sys.executable, "-m", "sieve.bench.naive_server", "--model", model, "--port", str(port),
-               "--served-model-name", SERVED, "--dtype", "bfloat16"]
+               "--served-model-name", SERVED, "--dtype", "float32"]
         return cmd + (["--num-threads", str(args.num_threads)] if args.num_threads else [])
     cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", model, "--port", str(port), "--served-model-name", SERVED,
            "--kv-cache-memory-gb", f"{kv_gb:.4f}", "--max-num-seqs", str(args.max_num_seqs if rung.batching else 1),

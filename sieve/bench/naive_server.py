@@ -1,7 +1,7 @@
 """The naive rung of `sieve bench ladder`: Hugging Face transformers' `generate` behind a minimal OpenAI-style
 server, one request at a time (what serving looks like before an inference engine).
 
-    python -m sieve.bench.naive_server --model FILE.gguf|FOLDER --port 8000 [--dtype bfloat16]
+    python -m sieve.bench.naive_server --model FILE.gguf|FOLDER --port 8000 [--dtype float32]
 
 Only what the ladder's clients send is served: GET /v1/models, POST /v1/chat/completions (streamed or not, with
 max_tokens, temperature 0 (greedy) or sampling, ignore_eos) and /v1/completions. Requests queue on one lock: the
@@ -18,7 +18,10 @@ import time
 import uuid
 
 
-def create_app(model_path: str, served_name: str, dtype: str = "bfloat16", threads: int | None = None):
+KNOWN_FIELDS = {"model", "max_tokens", "temperature", "stream", "stream_options", "ignore_eos"}
+
+
+def create_app(model_path: str, served_name: str, dtype: str = "float32", threads: int | None = None):
     import torch
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -52,10 +55,13 @@ def create_app(model_path: str, served_name: str, dtype: str = "bfloat16", threa
             return error(400, "the body is not JSON")
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - KNOWN_FIELDS - {"messages" if chat else "prompt"})
+        if unknown:  # a field this minimal server does not implement is refused, never silently ignored
+            return error(400, f"this naive server does not support: {', '.join(unknown)}")
         if body.get("model") not in (None, served_name):
             return error(404, f"model {body.get('model')!r} does not exist", "model_not_found")
-        max_tokens = body.get("max_tokens") or 16
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return error(400, "max_tokens must be a positive integer")
         if chat:
             messages = body.get("messages")
@@ -67,7 +73,9 @@ def create_app(model_path: str, served_name: str, dtype: str = "bfloat16", threa
             if not isinstance(body.get("prompt"), str):
                 return error(400, "prompt must be a string")
             ids = tokenizer(body["prompt"], add_special_tokens=True).input_ids
-        temperature = float(body.get("temperature", 1.0))
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+            return error(400, "temperature must be a number in [0, 2]")
         gen = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, pad_token_id=eos[0] if eos else 0, eos_token_id=eos or None)
         if temperature > 0:
             gen["temperature"] = temperature
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--served-model-name", default="naive")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-threads", type=int, default=None)
