@@ -45,9 +45,10 @@ def test_find_capacity_resolution_and_cap():
 
 
 class FakeServer:
-    """A streaming chat server of known capacity: a request that arrives while more than `capacity` are in flight
-    (itself included) streams each token 300 ms apart; otherwise 1 ms apart. With an SLO of TPOT p99 <= 100 ms,
-    up to `capacity` closed-loop users are within it and more are not, whatever the machine's speed."""
+    """A streaming chat server of known capacity: each token comes 20 ms after the last, or 300 ms when more than
+    `capacity` requests are in flight at that token. A request stops counting before its last chunk is sent, so
+    `capacity` closed-loop users never exceed it; one more always does (each request lasts 120 ms and a user's
+    next follows within a millisecond). With TPOT p99 <= 100 ms, the capacity is exact on any machine."""
 
     def __init__(self, capacity: int, tokens: int = 6):
         from fastapi import FastAPI, Request
@@ -61,20 +62,27 @@ class FakeServer:
             body = await request.json()
             with self.lock:
                 self.in_flight += 1
-                slow = self.in_flight > self.capacity
-            delay = 0.3 if slow else 0.001
 
             async def events():
+                counted = True
+
+                def leave():
+                    nonlocal counted
+                    if counted:
+                        with self.lock:
+                            self.in_flight -= 1
+                        counted = False
+
                 try:
                     for i in range(tokens):
-                        await asyncio.sleep(delay)
+                        await asyncio.sleep(0.3 if self.in_flight > self.capacity else 0.02)
                         yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}]}) + "\n\n"
+                    leave()
                     usage = {"prompt_tokens": len(json.dumps(body["messages"])), "completion_tokens": tokens}
                     yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage}) + "\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
-                    with self.lock:
-                        self.in_flight -= 1
+                    leave()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -150,6 +158,22 @@ def test_ladder_schema_accepts_a_ladder_and_names_what_is_wrong():
     assert LADDER_SCHEMA["properties"]["rungs"]["items"]["properties"]["key"]["enum"] == [r.key for r in RUNGS]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--growth", "1"], "--growth must be > 1"), (["--measure", "0"], "--measure must be > 0"),
+    (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be > 0"), (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--memory-gb", "0"], "--memory-gb must be > 0"), (["--rungs", "naive,turbo"], "unknown turbo"),
+    (["--kv-checkpoint", "/no/such/dir"], "no such file"),
+    (["--kv-checkpoint", ".", "--rungs", "naive,batching"], "leaves out"),
+])
+def test_ladder_refuses_bad_flags_before_starting_anything(demo_dir, flags, message):
+    from sieve.config import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    with pytest.raises(ConfigError, match=message):
+        run_ladder(p.parse_args(["--model", str(demo_dir), *flags]))
+
+
 def test_ladder_end_to_end_on_the_demo_model(tmp_path):
     """Three rungs on the random demo model, with an SLO so loose that every point meets it: the search grows to
     --max-users, the int8 rung gets quality figures, the planner a prediction, and the JSON and plot are written."""
@@ -204,5 +228,7 @@ def test_naive_server_streams_one_request_at_a_time_and_refuses_what_it_does_not
             client.chat.completions.create(model="bench", messages=messages, max_tokens=4, top_p=0.5)
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.chat.completions.create(model="bench", messages=messages, max_tokens=0)
+        with pytest.raises(openai.BadRequestError, match="each message"):
+            client.chat.completions.create(model="bench", messages=[{"role": "user", "content": 5}], max_tokens=4)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=messages, max_tokens=4)

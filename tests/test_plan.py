@@ -70,6 +70,22 @@ def test_mla_caches_the_latent():
     assert m.is_mla and m.kv_bytes_per_token("bf16") == 27 * (512 + 64) * 2  # 31,104 B, vs 27*2*16*128*2 for MHA
 
 
+def test_a_shared_prefix_is_held_once():
+    """Prefix caching keeps the tokens every sequence shares once: more sequences fit, as many as the unshared
+    tail of each allows."""
+    from dataclasses import replace
+
+    from sieve.plan.roofline import kv_memory_bytes, sequences_that_fit
+
+    m, h100 = shape("llama-2-7b"), get_device("h100")
+    w = Workload(weights="bf16", kv="bf16", context=4096, output_tokens=512)
+    shared = replace(w, shared_prefix_tokens=3072)
+    alone, together = sequences_that_fit(m, h100, w), sequences_that_fit(m, h100, shared)
+    free, prefix = kv_memory_bytes(m, h100, w), m.kv_bytes(3072, "bf16")
+    assert together == int((free - prefix) // (m.kv_bytes(4096 + 512, "bf16") - prefix)) > 2 * alone
+    assert sequences_that_fit(m, h100, replace(w, shared_prefix_tokens=10**6)) > 0  # never more than the context
+
+
 def test_users_per_device_respects_slo_and_memory_and_ladder_climbs():
     m, h100 = shape("llama-2-7b"), get_device("h100")
     w = Workload(weights="bf16", kv="bf16", context=4096, output_tokens=512, slo_tpot_ms=50)

@@ -285,18 +285,18 @@ def weight_bytes(model: str, o: dict) -> int:
 # ------------------------------------------------------------------------------------------- the planner
 def planner_ladder(model: str, device, context: float, output: float, shared_prefix: float, slo_ttft_ms: float,
                    slo_tpot_ms: float, acceptance: float, spec_tokens: int, weight_bytes_by_rung: dict) -> dict:
-    """Users the planner predicts per rung on `device` (whose memory is the budget), with each rung's measured
-    weight bytes (the planner's own formats differ from a GGUF file's)."""
+    """Users the planner predicts for each rung of `weight_bytes_by_rung` on `device` (whose memory is the budget),
+    with that rung's measured weight bytes (the planner's own formats differ from a GGUF file's)."""
     from sieve.plan.command import load_shape
     from sieve.plan.roofline import Workload, decode_point, max_batch_within_slo, prefill_ms, tpot_ms
 
     shape = load_shape(model)
     out = {}
-    for r in RUNGS:
+    for r in (r for r in RUNGS if r.key in weight_bytes_by_rung):
         w = Workload(weights=r.weights, kv=r.kv, context=int(round(context)), output_tokens=int(round(output)),
                      slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, spec_tokens=spec_tokens if r.spec else 0,
                      acceptance=acceptance, shared_prefix_tokens=int(round(shared_prefix)) if r.prefix else 0)
-        m = dataclasses.replace(shape, weight_bytes_override=weight_bytes_by_rung.get(r.key))
+        m = dataclasses.replace(shape, weight_bytes_override=weight_bytes_by_rung[r.key])
         if not r.batching:
             p = decode_point(m, device, w, 1)
             users, binding = int(tpot_ms(p, w) <= slo_tpot_ms and prefill_ms(m, device, w) <= slo_ttft_ms), "one at a time"
@@ -370,6 +370,28 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
 
 
+def check_args(args, rungs: list[RungSpec]) -> None:
+    """ConfigError for a value the ladder cannot run with, before any server starts."""
+    from sieve.config import ConfigError
+
+    positive = {"--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms, "--measure": args.measure,
+                "--turns": args.turns, "--max-tokens": args.max_tokens, "--max-users": args.max_users,
+                "--max-num-seqs": args.max_num_seqs, "--eval-windows": args.eval_windows, "--kv-cache-memory-gb": args.kv_cache_memory_gb}
+    if args.memory_gb is not None:
+        positive["--memory-gb"] = args.memory_gb
+    bad = [f"{k} must be > 0 (got {v})" for k, v in positive.items() if not v > 0]
+    bad += [f"{k} must be >= 0 (got {v})" for k, v in (("--warmup", args.warmup), ("--ramp", args.ramp), ("--resolution", args.resolution)) if not v >= 0]
+    if not args.growth > 1:
+        bad.append(f"--growth must be > 1 (got {args.growth})")
+    if args.kv_checkpoint:
+        if not Path(args.kv_checkpoint).exists():
+            bad.append(f"--kv-checkpoint {args.kv_checkpoint}: no such file or folder")
+        if not any(r.kv == "fp8" and r.weights != "int4" for r in rungs):
+            bad.append("--kv-checkpoint is served by the kv-fp8 rung, which --rungs leaves out")
+    if bad:
+        raise ConfigError("bench ladder: " + "; ".join(bad))
+
+
 def run_ladder(args) -> dict:
     import httpx
 
@@ -387,6 +409,7 @@ def run_ladder(args) -> dict:
     if unknown:
         raise ConfigError(f"--rungs: unknown {', '.join(unknown)} (known: {', '.join(r.key for r in RUNGS)})")
     rungs = [r for r in RUNGS if r.key in keys]
+    check_args(args, rungs)
     native_int4 = model.endswith(".gguf")
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sieve-ladder-"))
@@ -395,7 +418,11 @@ def run_ladder(args) -> dict:
           f"{args.workload} workload ({args.turns} turns, answers up to {args.max_tokens} tokens); "
           f"memory budget {args.memory_gb if args.memory_gb else 'none'} GB; naive = {args.naive}", flush=True)
     options = {r.key: engine_options(r, native_int4) for r in RUNGS}
-    wbytes = {r.key: weight_bytes(model, options[r.key]) for r in RUNGS}
+    loaded: dict = {}  # rungs that load the same weights are measured once
+    for r in rungs:
+        o = options[r.key]
+        loaded.setdefault((o.get("dequantize"), o.get("quantization")), weight_bytes(model, o))
+    wbytes = {r.key: loaded[(options[r.key].get("dequantize"), options[r.key].get("quantization"))] for r in rungs}
     results = []
     previous_users = 1
     acceptance = None
@@ -481,8 +508,9 @@ def run_ladder(args) -> dict:
     plan = planner_ladder(model, dev, prompt_mean + output_mean / 2, output_mean, prefix_tokens, args.slo_ttft_ms,
                           args.slo_tpot_ms, acceptance if acceptance is not None else 0.0, SPEC_CONFIG["max_num_speculative_tokens"] // 2,
                           wbytes)
-    base = next((r["users"] for r in results if r["key"] == "naive"), None) or results[0]["users"] or 1
-    pbase = plan["naive"]["users"] or 1
+    base_key = "naive" if "naive" in plan else results[0]["key"]  # the factors' base: naive, else the first rung
+    base = next(r["users"] for r in results if r["key"] == base_key) or 1
+    pbase = plan[base_key]["users"] or 1
     prev = prev_p = None
     for res in results:
         res["factor"] = res["users"] / base

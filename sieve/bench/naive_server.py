@@ -67,7 +67,12 @@ def create_app(model_path: str, served_name: str, dtype: str = "float32", thread
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 return error(400, "messages must be a non-empty list")
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+                return error(400, "each message must be an object with a string role and string content")
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the template refuses these messages (roles out of order, ...)
+                return error(400, f"the chat template cannot render these messages: {e}")
             ids = tokenizer(prompt, add_special_tokens=False).input_ids
         else:
             if not isinstance(body.get("prompt"), str):
@@ -84,13 +89,16 @@ def create_app(model_path: str, served_name: str, dtype: str = "float32", thread
         stream = bool(body.get("stream"))
         rid, created = f"naive-{uuid.uuid4().hex[:12]}", int(time.time())
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        counted = {"n": 0}
+        counted: dict = {"n": 0, "error": None}
 
         def run():
-            with lock:
-                with torch.inference_mode():
+            try:
+                with lock, torch.inference_mode():
                     out = model.generate(torch.tensor([ids]), streamer=streamer, **gen)
                 counted["n"] = out.shape[1] - len(ids)
+            except Exception as e:  # reaches the client as an error, and ends the stream it waits on
+                counted["error"] = f"generation failed: {type(e).__name__}: {e}"
+                streamer.end()
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
@@ -123,13 +131,18 @@ def create_app(model_path: str, served_name: str, dtype: str = "float32", thread
                 async for text in pieces():
                     yield chunk(text, None)
                 await asyncio.to_thread(worker.join)
-                finish = "length" if counted["n"] >= max_tokens else "stop"
-                yield chunk(None, finish, usage() if (body.get("stream_options") or {}).get("include_usage") else None)
+                if counted["error"]:
+                    yield f"data: {json.dumps({'error': {'message': counted['error'], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                else:
+                    finish = "length" if counted["n"] >= max_tokens else "stop"
+                    yield chunk(None, finish, usage() if (body.get("stream_options") or {}).get("include_usage") else None)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
         text = "".join([t async for t in pieces()])
         await asyncio.to_thread(worker.join)
+        if counted["error"]:
+            return error(500, counted["error"], "server_error")
         finish = "length" if counted["n"] >= max_tokens else "stop"
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
                   else {"index": 0, "text": text, "finish_reason": finish})

@@ -73,7 +73,7 @@ def kv_memory_bytes(m: ModelShape, dev: Device, w: Workload) -> float:
 
 def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
     """Sequences whose KV fits beside the weights; a shared prefix is held once (prefix caching)."""
-    shared = m.kv_bytes(w.shared_prefix_tokens, w.kv) if w.shared_prefix_tokens else 0.0
+    shared = m.kv_bytes(min(w.shared_prefix_tokens, w.context), w.kv) if w.shared_prefix_tokens else 0.0
     per_seq = m.kv_bytes(w.context + w.output_tokens, w.kv) - shared
     return max(0, int((kv_memory_bytes(m, dev, w) - shared) // per_seq))
 
