@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -43,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N processes (spawned here; or run the same command under torchrun, "
+                        "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -56,11 +60,33 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def _torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the same command: ranks above 0 follow rank 0's engine instead. True if this
+    process was such a rank (and its work is done)."""
+    from sieve.distributed import launched_by_torchrun, run_worker
+
+    if args.tensor_parallel_size <= 1 or not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
+        return False
+    run_worker(config_from_args(args))
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sieve.engine import LLMEngine, RequestError
+    from sieve.engine import LLMEngine
+
+    if _torchrun_worker(args):
+        return 0
+    engine = LLMEngine(config_from_args(args))
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _generate(engine, args: argparse.Namespace) -> int:
+    from sieve.engine import RequestError
     from sieve.sampling_params import SamplingParams
 
-    engine = LLMEngine(config_from_args(args))
     prompt = args.prompt
     if args.chat:
         tok = engine.tokenizer
@@ -108,6 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.server.app import create_app
     from sieve.server.serve import serve
 
+    if _torchrun_worker(args):
+        return 0
     config = config_from_args(args)
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,

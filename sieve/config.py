@@ -60,6 +60,10 @@ class EngineConfig:
     # Speculative decoding (sieve/spec): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
     speculative_config: object = None
 
+    # Tensor parallelism (sieve/distributed): the model split over this many processes (spawned on this host, or
+    # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), gloo on CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
+
     def parsed_hf_overrides(self) -> dict:
         """hf_overrides as a dict (empty when unset); a ConfigError unless it is a JSON object."""
         value = self.hf_overrides
@@ -87,6 +91,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.quantization not in (None, "int8", "fp8", "int4", "awq"):
             raise ConfigError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):

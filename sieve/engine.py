@@ -14,6 +14,7 @@ import copy
 import gc
 import itertools
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -80,8 +81,9 @@ class LLMEngine:
         config.model, self.model_name = resolve_default(config.model)  # model_name: what the server calls it by default
         self.config = config
         self.device = pick_device(config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads())
+        if self.device.type == "cpu":  # ranks of one host share its cores
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+            torch.set_num_threads(config.num_threads or max(1, default_num_threads() // max(1, local_ranks)))
         torch.manual_seed(config.seed)
         ckpt = open_checkpoint(config.model, config.revision, dequantize=config.dequantize)
         path = ckpt.path
@@ -110,12 +112,26 @@ class LLMEngine:
                 log.info("prefix caching is off for this model: its Mamba-2 layers' state is not kept per block")
                 config.enable_prefix_caching = False
 
-        model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
-                           quantization=config.quantization, group_size=config.quantization_group_size,
-                           quantize_lm_head=config.quantize_lm_head)
-        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-        self.structured_stats = StructuredStats()
-        self.runner = ModelRunner(config, self.arch, model, self.dtype, self.device, self.eos_token_ids, self.grammars)
+        self.tp_workers = None  # tensor parallelism: the other ranks (sieve/distributed); this process is rank 0
+        local_arch = self.arch
+        if config.tensor_parallel_size > 1:
+            from sieve.distributed import TensorParallelWorkers, check_shardable, shard_arch
+
+            check_shardable(self.arch, config.tensor_parallel_size)  # before any process starts
+            self.tp_workers = TensorParallelWorkers.start(config, self.device)
+            local_arch = shard_arch(self.arch, config.tensor_parallel_size)
+        try:
+            model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
+                               quantization=config.quantization, group_size=config.quantization_group_size,
+                               quantize_lm_head=config.quantize_lm_head, tp=self.tp_workers.group if self.tp_workers else None)
+            self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+            self.structured_stats = StructuredStats()
+            self.runner = ModelRunner(config, local_arch, model, self.dtype, self.device, self.eos_token_ids, self.grammars)
+            if self.tp_workers is not None:
+                self.tp_workers.ready((self.runner.num_blocks, self.runner.num_window_blocks))
+        except BaseException:
+            self.shutdown()
+            raise
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
@@ -159,6 +175,12 @@ class LLMEngine:
         # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
         gc.collect()
         gc.freeze()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). The engine cannot step afterwards."""
+        if getattr(self, "tp_workers", None) is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     def _calibrate_kv(self) -> None:
         """FP8 KV scales the checkpoint does not give are fixed here, once, from fixed text, so no request's

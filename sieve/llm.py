@@ -15,6 +15,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the object cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

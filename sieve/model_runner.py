@@ -51,8 +51,11 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, arch: ModelArch, model: DecoderModel, dtype: torch.dtype, device: torch.device,
-        eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None,
+        eos_token_ids: tuple[int, ...], grammars: GrammarCompiler | None = None, num_blocks: tuple[int, int] | None = None,
     ):
+        """`arch` is the shape of the model this process holds (one rank's shard under tensor parallelism), so the K/V
+        pool holds its KV heads; `num_blocks` (full-attention, sliding-window group) fixes the pool's size instead of
+        planning it (a tensor-parallel worker takes the driver's)."""
         self.config, self.arch, self.model, self.dtype, self.device = config, arch, model, dtype, device
         if config.batch_invariant:
             if device.type != "cpu":
@@ -73,7 +76,7 @@ class ModelRunner:
         # KV-cache groups: the full-attention layers, and the sliding-window layers' own pool (which gives back
         # blocks as they leave the window; see SlidingWindowBlockManager). Models without sliding layers: one group.
         self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [arch.full_layers]
-        self.num_blocks, self.num_window_blocks = self._plan_num_blocks()
+        self.num_blocks, self.num_window_blocks = num_blocks if num_blocks is not None else self._plan_num_blocks()
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
         for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
             shape = (arch.kv_entries, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
@@ -242,7 +245,7 @@ class ModelRunner:
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
         )
         if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
-            self._copy_blocks(sched.block_copies)
+            self.copy_blocks(sched.block_copies)
         # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
         # forked from it, which samples from the same logits), and each drafted position after it, sampled as
         # if the drafts before it were already generated (`pending`).
@@ -313,7 +316,10 @@ class ModelRunner:
         apply_bitmask(logits, mask, rows)
         return time.perf_counter() - started, len(rows)
 
-    def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """(group, source, destination) block copies in every layer's pool (and recurrent state slots)."""
+        if self.model.tp is not None:  # every rank copies its own heads' blocks
+            self.model.tp.announce(("copy_blocks", copies))
         states = [c for c in copies if c[0] == STATE_GROUP]
         if states:  # forked choices take a copy of their sibling's recurrent state after the prompt
             src = torch.tensor([c[1] for c in states], device=self.device)

@@ -124,3 +124,26 @@ def test_cli_bad_device_and_custom_spec():
     r = run_cli("--model", str(CONFIGS / "llama-2-7b.json"), "--device-spec", spec, "--json", "--context", "1")
     j = json.loads(r.stdout)
     assert j["device"] == "mine" and j["decode_step_ms"] == pytest.approx(13.2, abs=0.2)  # 13.2 GB at 1 TB/s
+
+
+def test_tensor_parallelism_splits_bytes_and_pays_for_its_all_reduces():
+    """Llama-3.1-70B bf16 does not fit one H100; over 2 it fits barely, over 4 it serves many users. A step reads 1/N of
+    the bytes per device, plus its all-reduces: 2 per layer of [batch, hidden] bf16 over NVLink 4 (450 GB/s each way)."""
+    from dataclasses import replace
+
+    from sieve.plan.roofline import comm_seconds
+
+    m, h100 = shape("llama-3.1-70b"), get_device("h100")
+    w = Workload(weights="bf16", kv="bf16", context=2048, output_tokens=512, slo_tpot_ms=50)
+    users = {n: plan(m, h100, replace(w, tensor_parallel=n)).users_per_device for n in (1, 2, 4)}
+    assert users[1] == 0 and 0 < users[2] < users[4]
+    one, four = (decode_point(m, h100, replace(w, tensor_parallel=n), 1) for n in (1, 4))
+    assert four.comm_ms > 0 and one.comm_ms == 0
+    assert four.step_ms == pytest.approx(one.step_ms / 4 + four.comm_ms, rel=1e-6)
+    per_all_reduce = 2 * 3 / 4 * 8192 * 2 / 450e9 + 10e-6  # one row, hidden 8192
+    gather = 3 / 4 * 128256 * 4 / 450e9 + 10e-6
+    assert comm_seconds(m, h100, 4, 1) == pytest.approx(2 * 80 * per_all_reduce + gather)
+    with pytest.raises(ValueError, match="no device-to-device link"):
+        decode_point(m, get_device("m3-max"), replace(w, tensor_parallel=2), 1)
+    r = run_cli("--model", str(CONFIGS / "llama-3.1-70b.json"), "--device", "h100", "-tp", "4", "--context", "2048")
+    assert r.returncode == 0 and "users per 4-device group" in r.stdout and "450 GB/s links" in r.stdout

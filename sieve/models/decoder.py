@@ -32,9 +32,10 @@ from sieve.models.arch import ModelArch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArch, dtype: torch.dtype, index: int = 0):
+    def __init__(self, a: ModelArch, dtype: torch.dtype, index: int = 0, tp=None):
         super().__init__()
         self.a = a
+        self.tp = tp  # tensor parallelism: this layer holds a shard; o_proj's and down_proj's outputs are partial sums
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.window = a.layer_windows[index] if a.layer_windows else None
@@ -77,13 +78,17 @@ class DecoderLayer(nn.Module):
             attn = self.mla(h, rope, cache, meta)
         else:
             attn = self._attention(h, rope, cache, meta)
-        if self.a.gemma:
+        if self.a.gemma:  # Gemma's sandwich: the attention output is normed before the residual add, the MLP both sides
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
-            return self.post_feedforward_layernorm(self.down_proj(self.act(self.gate_up_proj(h)))), residual
+            return self.post_feedforward_layernorm(self._reduce(self.down_proj(self.act(self.gate_up_proj(h))))), residual
         h, residual = self.post_attention_layernorm(attn, residual)
         if self.moe is not None:
             return self.moe(h), residual
-        return self.down_proj(self.act(self.gate_up_proj(h))), residual
+        return self._reduce(self.down_proj(self.act(self.gate_up_proj(h)))), residual
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel layer: every rank's partial sum added (no-op without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def _attention(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         a, T = self.a, h.shape[0]
@@ -101,7 +106,7 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        return self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1))
+        return self._reduce(self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1)))
 
 
 class DecoderModel(nn.Module):
@@ -114,9 +119,12 @@ class DecoderModel(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, a: ModelArch, dtype: torch.dtype, max_positions: int):
+    def __init__(self, a: ModelArch, dtype: torch.dtype, max_positions: int, tp=None):
+        """With `tp` (a sieve.distributed TensorParallelGroup), `a` is one rank's shard (sieve.distributed.shard_arch):
+        its heads and MLP channels, the whole vocabulary for the embedding, its slice of it for the head."""
         super().__init__()
         self.arch = a
+        self.tp = tp
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         # MLA rotates only the rope part of each head (qk_rope_head_dim)
@@ -124,14 +132,14 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(rot, max_positions, a.rope_theta, a.rope_scaling)
         # Gemma 3's sliding layers rotate with their own base and no scaling
         self.rotary_local = RotaryEmbedding(a.head_dim, max_positions, a.rope_local_theta, None) if a.rope_local_theta else None
-        self.layers = nn.ModuleList(DecoderLayer(a, dtype, i) for i in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, dtype, i, tp) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.lm_head = Linear(a.hidden_size, [a.vocab_size], False, dtype)
+        self.lm_head = Linear(a.hidden_size, [tp.vocab_shard(a.vocab_size) if tp else a.vocab_size], False, dtype)
         self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v") -> FP8 KV scale from the checkpoint
         self.quantized_embedding = None  # a checkpoint's quantized embedding table (GGUF), rows dequantized on lookup
         self.native = None  # NativeDecoder (sieve/kernels/decoder.cpp), built by `prepare` where it applies
-        if a.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head
+        if a.tie_word_embeddings and tp is None:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head (sharded: its rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._embed_rows(input_ids)
@@ -152,6 +160,8 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        if self.tp is not None:  # the driver tells the other ranks to run the same step on their shards
+            self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
         if self.native is not None and all(type(c) is KVCacheLayer for c in caches):
             return self._forward_native(x, positions, caches, meta)
@@ -173,7 +183,11 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
-        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            logits = self.lm_head(hidden).float()
+        else:  # vocab-parallel head: each rank scores its slice, every rank gets them all
+            self.tp.announce(("logits", hidden))
+            logits = self.tp.gather_vocab(self.lm_head(hidden).float(), self.arch.vocab_size)
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -188,7 +202,7 @@ class DecoderModel(nn.Module):
                 q = quantization if quantization and (not head or quantize_lm_head) else None
                 if head and q == "awq":  # an AWQ checkpoint has no activation-aware scales for the head
                     q = "int4"
-                if head and q and self.arch.tie_word_embeddings and m.weight is not None and not m.is_prequantized:
+                if head and q and self.arch.tie_word_embeddings and self.tp is None and m.weight is not None and not m.is_prequantized:
                     m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
                 m.prepare(allow_two_layouts, q, group_size)
         self.native = self._build_native()
@@ -199,6 +213,7 @@ class DecoderModel(nn.Module):
         a, ops = self.arch, cpu_ops()
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
         if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
+                or self.tp is not None  # the C++ loop has no collectives
                 or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe  # the C++ loop has no expert routing,
                 or a.gemma or a.has_sliding_layers or a.is_mla  # nor Gemma's norms and GeGLU, windows or latent attention,
                 or a.has_recurrent_state):  # nor Mamba-2 layers
@@ -226,6 +241,10 @@ class DecoderModel(nn.Module):
             return False
         if name == "final_layernorm.weight":  # Bamba's name for the final norm
             name = "norm.weight"
+        if name == "embed_tokens.weight" and self.tp is not None and self.arch.tie_word_embeddings:
+            from sieve.distributed.shard import vocab_rows
+
+            self.lm_head.load("weight", vocab_rows(tensor, self.arch.vocab_size, self.tp))  # the head's rows, its own copy
         if name == "lm_head.weight":
             if self.arch.tie_word_embeddings:
                 return False  # tied: the embedding is the head
@@ -234,7 +253,7 @@ class DecoderModel(nn.Module):
         if name == "embed_tokens.weight" and not isinstance(tensor, torch.Tensor):  # quantized (GGUF): kept so
             self.quantized_embedding = tensor
             self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.new_empty(0), requires_grad=False)
-            if self.arch.tie_word_embeddings:
+            if self.arch.tie_word_embeddings and self.tp is None:
                 self.lm_head.weight = self.embed_tokens.weight  # untied from the empty table; the head takes the codes
                 self.lm_head.load("weight", tensor)
             return True

@@ -128,18 +128,26 @@ def checkpoint_quantization(config: dict) -> tuple[str | None, int | None]:
 
 
 def load_model(ckpt: HFCheckpoint | GGUFCheckpoint, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False) -> DecoderModel:
+               quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False, tp=None) -> DecoderModel:
+    """The model `arch` describes, with its weights. With `tp` (a sieve.distributed TensorParallelGroup of more than one
+    rank), this rank's shard: its heads, MLP channels and vocabulary slice of the head, cut from each tensor as it is read."""
     if ckpt.quantization is not None:
         if quantization not in (None, ckpt.quantization):
             hint = " (--dequantize widens it first)" if ckpt.quantization == "gguf" else ""
             raise ValueError(f"{ckpt.path} is already quantized ({ckpt.quantization}); it cannot be loaded as {quantization}{hint}")
         if ckpt.quantization == "awq":
             quantization, group_size = "awq", ckpt.group_size
+    if tp is not None:
+        from sieve.distributed.shard import check_shardable, shard_arch, shard_tensor
+
+        check_shardable(arch, tp.world_size)
     with torch.device(device):
-        model = DecoderModel(arch, dtype, max_positions)
+        model = DecoderModel(shard_arch(arch, tp.world_size) if tp is not None else arch, dtype, max_positions, tp)
     loaded: set[str] = set()
     for name, tensor in ckpt.tensors():
         is_awq = name.endswith((".qweight", ".qzeros", ".scales"))
+        if tp is not None:
+            tensor = shard_tensor(name, tensor, arch, tp)
         if not isinstance(tensor, torch.Tensor):  # a quantized weight: kept in its format
             tensor = tensor.to(device)
         elif is_awq:

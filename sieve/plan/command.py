@@ -23,6 +23,8 @@ def add_plan_args(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--spec-tokens", type=int, default=0)
     p.add_argument("--acceptance", type=float, default=0.7)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices of one node (their link bandwidth from the device table)")
     p.add_argument("--ladder", action="store_true", help="users per device, one technique at a time")
     p.add_argument("--compare", default=None, help="a second model to put side by side")
     p.add_argument("--plot", default=None, help="write the roofline with the workload's points to this PNG")
@@ -46,8 +48,12 @@ def run_plan(args) -> int:
     if not 0 <= args.acceptance <= 1:
         raise SystemExit("error: --acceptance must be in [0, 1]")
     dev: Device = device_from_spec(args.device_spec) if args.device_spec else get_device(args.device)
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("error: --tensor-parallel-size must be >= 1")
     w = Workload(args.weights, args.kv, args.context, args.output_tokens, args.slo_tpot_ms, args.slo_ttft_ms,
-                 args.spec_tokens, args.acceptance)
+                 args.spec_tokens, args.acceptance, tensor_parallel=args.tensor_parallel_size)
+    if w.tensor_parallel > 1 and dev.link_gbps <= 0:
+        raise SystemExit(f"error: {dev.name} has no device-to-device link in the table (give link_gbps in --device-spec)")
     models = [load_shape(args.model)] + ([load_shape(args.compare)] if args.compare else [])
     plans = [plan(m, dev, w) for m in models]
     ladders = [ladder(m, dev, w, args.spec_tokens or 4, args.acceptance) for m in models] if args.ladder else None
@@ -77,7 +83,9 @@ def print_plans(plans: list[Plan], dev: Device, w: Workload) -> None:
     print(f"device {dev.name}: {dev.memory_gb:g} GB, {dev.bandwidth_gbps:,.0f} GB/s, "
           + ", ".join(f"{k} {v:,.1f} TFLOP/s" for k, v in dev.tflops.items()) + (f"  [{dev.source}]" if dev.source else ""))
     print(f"workload: {w.weights} weights, {w.kv} KV, context {w.context}, {w.output_tokens} output tokens, "
-          f"SLO TPOT {w.slo_tpot_ms:g} ms / TTFT {w.slo_ttft_ms:g} ms" + (f", speculation k={w.spec_tokens} a={w.acceptance:g}" if w.spec_tokens else ""))
+          f"SLO TPOT {w.slo_tpot_ms:g} ms / TTFT {w.slo_ttft_ms:g} ms" + (f", speculation k={w.spec_tokens} a={w.acceptance:g}" if w.spec_tokens else "")
+          + (f", tensor parallel over {w.tensor_parallel} devices ({dev.link_gbps:g} GB/s links): figures per group"
+             if w.tensor_parallel > 1 else ""))
     rows = [
         ("parameters (total / active)", lambda p: f"{p.total_params / 1e9:,.2f}B / {p.active_params / 1e9:,.2f}B"),
         ("weight bytes", lambda p: _gb(p.weight_bytes)),
@@ -91,7 +99,8 @@ def print_plans(plans: list[Plan], dev: Device, w: Workload) -> None:
         ("prefill (TTFT) floor", lambda p: f"{p.prefill_ms:,.0f} ms" + ("" if p.meets_ttft_slo else "  (misses the TTFT SLO)")),
         ("sequences that fit in KV memory", lambda p: f"{p.sequences_that_fit:,}"),
         ("largest batch within TPOT SLO", lambda p: f"{p.max_batch_within_slo:,}"),
-        ("users per device", lambda p: f"{p.users_per_device:,}  (bound: {p.binding})"),
+        ("users per device" if w.tensor_parallel == 1 else f"users per {w.tensor_parallel}-device group",
+         lambda p: f"{p.users_per_device:,}  (bound: {p.binding})"),
         ("tokens/s per user / total there", lambda p: f"{p.tokens_per_s_total_at_users / max(p.max_batch_within_slo, 1):,.1f} / {p.tokens_per_s_total_at_users:,.0f}"),
     ]
     names = [p.model for p in plans]

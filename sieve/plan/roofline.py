@@ -27,6 +27,7 @@ class Workload:
     spec_tokens: int = 0  # speculative tokens per step (0: off)
     acceptance: float = 0.7  # per-token acceptance rate of the speculation
     shared_prefix_tokens: int = 0  # leading prompt tokens every sequence shares (prefix caching keeps them once)
+    tensor_parallel: int = 1  # devices the model is split over (Megatron-style, one all-reduce per attention and MLP block)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Point:
     bound: str  # "bandwidth" | "compute"
     tokens_per_s_per_user: float
     tokens_per_s_total: float
+    comm_ms: float = 0.0  # tensor parallelism: the step's all-reduces and logits gather, not overlapped with compute
 
 
 def compute_dtype(device: Device, weights: str) -> str:
@@ -46,16 +48,36 @@ def compute_dtype(device: Device, weights: str) -> str:
 
 
 def decode_point(m: ModelShape, dev: Device, w: Workload, batch: int) -> Point:
+    """One decode step at `batch`. With tensor parallelism over N devices each reads 1/N of the weights and KV and does
+    1/N of the FLOPs, then the step waits for its collectives (`comm_seconds`). Bytes and FLOPs are the whole group's."""
     ctx = w.context  # KV read per sequence: the given context
     tokens = 1 + w.spec_tokens  # tokens each sequence verifies per step
+    n = w.tensor_parallel
     bytes_ = m.step_weight_bytes(w.weights, batch) + batch * m.kv_bytes(ctx, w.kv)
     flops = batch * tokens * m.flops_per_token(ctx)
-    t_mem = bytes_ / (dev.bandwidth_gbps * 1e9)
-    t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
-    step = max(t_mem, t_cmp)
+    t_mem = bytes_ / n / (dev.bandwidth_gbps * 1e9)
+    t_cmp = flops / n / dev.flops(compute_dtype(dev, w.weights))
+    t_comm = comm_seconds(m, dev, n, batch * tokens)
+    step = max(t_mem, t_cmp) + t_comm
     per_step = expected_tokens_per_step(w)
-    return Point(batch, step * 1e3, bytes_, flops, "bandwidth" if t_mem >= t_cmp else "compute",
-                 per_step / step, batch * per_step / step)
+    bound = "bandwidth" if t_mem >= t_cmp else "compute"
+    if t_comm > max(t_mem, t_cmp):
+        bound = "interconnect"
+    return Point(batch, step * 1e3, bytes_, flops, bound, per_step / step, batch * per_step / step, t_comm * 1e3)
+
+
+def comm_seconds(m: ModelShape, dev: Device, n: int, rows: int) -> float:
+    """Collectives of one tensor-parallel step over `rows` token rows: two ring all-reduces of [rows, hidden] 16-bit per
+    layer (after attention, after the MLP), each 2 (n - 1) / n of its bytes over the link plus a fixed latency, and one
+    all-gather of the float32 logits."""
+    if n <= 1:
+        return 0.0
+    if dev.link_gbps <= 0:
+        raise ValueError(f"{dev.name} has no device-to-device link in the table: tensor parallelism cannot be planned on it")
+    link, lat = dev.link_gbps * 1e9, dev.link_latency_us * 1e-6
+    all_reduce = 2 * (n - 1) / n * rows * m.hidden * 2 / link + lat
+    gather = (n - 1) / n * rows * m.vocab * 4 / link + lat
+    return 2 * m.num_layers * all_reduce + gather
 
 
 def expected_tokens_per_step(w: Workload) -> float:
@@ -68,7 +90,8 @@ def expected_tokens_per_step(w: Workload) -> float:
 
 
 def kv_memory_bytes(m: ModelShape, dev: Device, w: Workload) -> float:
-    return MEMORY_UTILIZATION * dev.memory_gb * 1e9 - m.weight_bytes(w.weights)
+    """KV memory of the whole group (tensor parallelism: N devices hold one copy of the weights between them)."""
+    return MEMORY_UTILIZATION * dev.memory_gb * 1e9 * w.tensor_parallel - m.weight_bytes(w.weights)
 
 
 def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
@@ -80,10 +103,11 @@ def sequences_that_fit(m: ModelShape, dev: Device, w: Workload) -> int:
 
 def prefill_ms(m: ModelShape, dev: Device, w: Workload) -> float:
     """Time to first token floor for one prompt of `context` tokens (compute or bandwidth bound)."""
+    n = w.tensor_parallel
     flops = sum(m.flops_per_token(i) for i in (0, w.context // 2, w.context)) / 3 * w.context
-    t_cmp = flops / dev.flops(compute_dtype(dev, w.weights))
-    t_mem = (m.step_weight_bytes(w.weights, w.context) + m.kv_bytes(w.context, w.kv)) / (dev.bandwidth_gbps * 1e9)
-    return max(t_cmp, t_mem) * 1e3
+    t_cmp = flops / n / dev.flops(compute_dtype(dev, w.weights))
+    t_mem = (m.step_weight_bytes(w.weights, w.context) + m.kv_bytes(w.context, w.kv)) / n / (dev.bandwidth_gbps * 1e9)
+    return (max(t_cmp, t_mem) + comm_seconds(m, dev, n, w.context)) * 1e3
 
 
 def tpot_ms(p: Point, w: Workload) -> float:

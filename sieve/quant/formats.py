@@ -194,3 +194,27 @@ def same_layout(parts: list) -> bool:
 def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
     """[..., 2m] values 0..15 -> [..., m] bytes (low nibble first)."""
     return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def narrow_rows(w, start: int, length: int):
+    """Output rows start..start+length of a quantized weight (a tensor-parallel shard of a column-parallel layer)."""
+    if isinstance(w, ChannelScaledWeight):
+        return ChannelScaledWeight(w.q[start : start + length].contiguous(), w.scale[start : start + length].contiguous())
+    mins = None if w.min is None else w.min[start : start + length].contiguous()
+    return Int4Weight(w.packed[start : start + length].contiguous(), w.scale[start : start + length].contiguous(), mins, w.group, w.k)
+
+
+def narrow_cols(w, start: int, length: int):
+    """Inputs start..start+length of a quantized weight (a shard of a row-parallel layer): exact only where the cut
+    falls on group boundaries, which is checked; a per-channel scale covers every input and is kept whole."""
+    per_channel = isinstance(w, ChannelScaledWeight) and w.scale.dim() == 1
+    group = w.group
+    if not per_channel and (start % group or length % group):
+        raise ValueError(f"a {w.describe()} weight cannot be split at inputs {start}..{start + length}: "
+                         f"the cut must fall on its groups of {group}")
+    if isinstance(w, ChannelScaledWeight):
+        scale = w.scale if per_channel else w.scale[:, start // group : (start + length) // group]
+        return ChannelScaledWeight(w.q[:, start : start + length].contiguous(), scale.contiguous())
+    g0, g1 = start // group, (start + length) // group
+    mins = None if w.min is None else w.min[:, g0:g1].contiguous()
+    return Int4Weight(w.packed[:, start // 2 : (start + length) // 2].contiguous(), w.scale[:, g0:g1].contiguous(), mins, group, length)

@@ -136,6 +136,9 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        engine = getattr(self, "engine", None)
+        if engine is not None and not self._thread.is_alive() and hasattr(engine, "shutdown"):
+            engine.shutdown()  # its worker processes (tensor parallelism), if any
 
     # ---- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:

@@ -1,0 +1,171 @@
+"""Tensor-parallel ranks: starting them, and the loop a worker rank runs.
+
+Two ways to launch, one code path:
+- `--tensor-parallel-size N` alone: the driver (the process that serves) spawns N - 1 worker processes on this host
+  and forms the group with them on a free port of 127.0.0.1;
+- torchrun (or anything that sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, on one host or several):
+  every rank runs the same `sieve serve|generate ... --tensor-parallel-size N` command; rank 0 becomes the driver
+  and the others call `run_worker` (the CLI does this) instead of serving.
+
+A worker loads its shard of the model, builds a K/V pool of the driver's size for its own KV heads, then runs what
+the driver announces (sieve.distributed.parallel) until told to stop or until the driver goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+
+import torch
+
+from sieve.config import ConfigError, EngineConfig
+from sieve.distributed.parallel import TensorParallelGroup
+
+log = logging.getLogger("sieve")
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class TensorParallelWorkers:
+    """The driver's handle on the other ranks: the group, and the processes it spawned (none under torchrun)."""
+
+    def __init__(self, group: TensorParallelGroup, processes: list, errors):
+        self.group, self.processes, self._errors = group, processes, errors
+
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> "TensorParallelWorkers":
+        n = config.tensor_parallel_size
+        if launched_by_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != n:
+                raise ConfigError(f"tensor_parallel_size {n} but torchrun started WORLD_SIZE={world} ranks")
+            log.info("tensor parallelism: rank 0 of %d (torchrun, %s:%s)", n, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+            group = TensorParallelGroup.init(0, n, device, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            return cls(group, [], None)
+        ctx = mp.get_context("spawn")
+        errors, port = ctx.Queue(), _free_port()
+        processes = [ctx.Process(target=_spawned_worker, args=(config, rank, n, "127.0.0.1", port, errors), daemon=True,
+                                 name=f"sieve-tp{rank}") for rank in range(1, n)]
+        for p in processes:
+            p.start()
+        handle = cls(None, processes, errors)
+        handle._wait_for("joining", n - 1)  # every worker is alive and about to join: joining cannot wait forever
+        log.info("tensor parallelism: %d ranks on this host (gloo/NCCL on 127.0.0.1:%d)", n, port)
+        handle.group = TensorParallelGroup.init(0, n, device, "127.0.0.1", port)
+        return handle
+
+    def ready(self, num_blocks: tuple[int, int]) -> None:
+        """After the driver built its K/V pool: the workers build theirs of the same size and start following."""
+        self.group.announce(("init", num_blocks))
+        if self.processes:
+            self._wait_for("ready", len(self.processes))
+
+    def _wait_for(self, what: str, count: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while seen < count:
+            try:
+                kind, rank, detail = self._errors.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.processes if not p.is_alive()]
+                if dead:
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) before it was {what}")
+                if time.monotonic() > deadline:
+                    self.shutdown()
+                    raise RuntimeError(f"tensor-parallel workers not {what} after {timeout_s:.0f} s")
+                continue
+            if kind == "error":
+                self.shutdown()
+                raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
+            seen += kind == what
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.shutdown()
+            except Exception:  # a worker already gone: nothing left to tell
+                pass
+            self.group = None
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+
+
+def _spawned_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int, errors) -> None:
+    try:
+        errors.put(("joining", rank, None))
+        run_worker(config, rank, world, addr, port, report=lambda kind, detail=None: errors.put((kind, rank, detail)))
+    except Exception as e:  # the driver reports it and stops
+        errors.put(("error", rank, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
+
+
+def run_worker(config: EngineConfig, rank: int | None = None, world: int | None = None, addr: str | None = None,
+               port: int | None = None, report=None) -> None:
+    """Run tensor-parallel rank `rank` (> 0) until the driver stops. Without arguments, from torchrun's environment."""
+    from sieve.device import pick_device
+    from sieve.model_runner import ModelRunner
+    from sieve.models.arch import ModelArch
+    from sieve.models.default import resolve_default
+    from sieve.models.loader import default_num_threads, load_model, open_checkpoint, resolve_dtype
+    from sieve.distributed.shard import shard_arch
+
+    rank = env_rank() if rank is None else rank
+    world = int(os.environ["WORLD_SIZE"]) if world is None else world
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1") if addr is None else addr
+    port = int(os.environ["MASTER_PORT"]) if port is None else port
+    report = report or (lambda kind, detail=None: None)
+    config.model, _ = resolve_default(config.model)
+    device = pick_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(config.num_threads or max(1, default_num_threads() // world))
+    group = TensorParallelGroup.init(rank, world, device, addr, port)
+    ckpt = open_checkpoint(config.model, config.revision, dequantize=config.dequantize)
+    arch = ModelArch.from_hf_config({**ckpt.config, **config.parsed_hf_overrides()})
+    dtype = resolve_dtype(config.dtype, arch, device)
+    max_len = config.max_model_len or arch.max_position_embeddings
+    model = load_model(ckpt, arch, dtype, device, max_positions=max_len, quantization=config.quantization,
+                       group_size=config.quantization_group_size, quantize_lm_head=config.quantize_lm_head, tp=group)
+    command = group.next_command()
+    if command[0] == "stop":  # the driver failed to start
+        return
+    if command[0] != "init":
+        raise RuntimeError(f"tensor-parallel rank {rank} expected the driver's pool size, got {command[0]!r}")
+    runner = ModelRunner(config, shard_arch(arch, world), model, dtype, device, (), num_blocks=command[1])
+    report("ready")
+    with torch.inference_mode():
+        while True:
+            command = group.next_command()
+            kind = command[0]
+            if kind == "forward":
+                _, input_ids, positions, meta = command
+                model(input_ids, positions, runner.caches, meta)
+            elif kind == "logits":
+                model.compute_logits(command[1])
+            elif kind == "copy_blocks":
+                runner.copy_blocks(command[1])
+            elif kind == "stop":
+                break
+            else:
+                raise RuntimeError(f"tensor-parallel rank {rank}: unknown command {kind!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,163 @@
+"""Tensor parallelism on torch.distributed (gloo): the model split over 2 processes on this CPU gives the output of the
+unsplit model, float32, for every dense family, through everything that moves K/V (chunked prefill, prefix caching,
+preemption, forked choices), with quantized weights (sharded GGUF codes, int4 quantized after sharding), and when
+launched by torchrun; bad splits are refused before any process starts, and a dead rank fails the step instead of
+hanging it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sieve import LLM, SamplingParams
+from sieve.config import ConfigError
+
+PROMPTS = ["Hello there, how are you", "The quick brown fox jumps over", "Once upon a time in a land far away",
+           "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30"]
+
+
+def _run(llm: LLM, prompts=PROMPTS, **params):
+    params.setdefault("max_tokens", 20)
+    params.setdefault("temperature", 0.0)
+    return llm.generate(prompts, SamplingParams(**params))
+
+
+def _assert_same(a, b, logprob_tol=1e-4):
+    for x, y in zip(a, b):
+        assert len(x.outputs) == len(y.outputs)
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids
+            if cx.logprobs is not None:
+                for dx, dy in zip(cx.logprobs, cy.logprobs):
+                    for t, lp in dx.items():
+                        assert abs(lp.logprob - dy[t].logprob) < logprob_tol
+
+
+@pytest.fixture
+def tp_pair():
+    """(unsplit LLM, 2-rank LLM) on a checkpoint, same options; the workers are stopped afterwards."""
+    made = []
+
+    def make(path, **kwargs):
+        kwargs.setdefault("num_gpu_blocks_override", 256)
+        kwargs.setdefault("dtype", "float32")
+        one = LLM(str(path), device="cpu", **kwargs)
+        two = LLM(str(path), device="cpu", tensor_parallel_size=2, **kwargs)
+        made.append(two)
+        return one, two
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_the_unsplit_output(checkpoints, tp_pair, arch):
+    """llama: untied head, GQA; qwen2: q/k/v biases (column-split) and a tied head (its rows split off the embedding);
+    qwen3: q/k norms and a head size unlike hidden / heads."""
+    one, two = tp_pair(checkpoints[arch])
+    assert two.llm_engine.runner.model.lm_head.out_features == one.llm_engine.arch.vocab_size // 2
+    assert two.llm_engine.runner.kv_pool.shape[-2] == one.llm_engine.runner.kv_pool.shape[-2] // 2  # half the KV heads
+    _assert_same(_run(one, logprobs=3), _run(two, logprobs=3))
+
+
+def test_chunks_prefix_cache_preemption_and_forks(checkpoints, tp_pair):
+    """Chunked prefill (16-token budget), a tiny pool (preemption), a repeated prompt (prefix-cache hit) and n = 2
+    (forked blocks copied on every rank), seeded sampling: the same tokens as unsplit under the same pressure."""
+    one, two = tp_pair(checkpoints["llama"], num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=16,
+                       max_num_seqs=4)
+    _assert_same(*[_run(llm, max_tokens=24) for llm in (one, two)])
+    for _ in range(2):  # the second time, the prompt's blocks are in the prefix cache
+        again = [_run(llm, PROMPTS[3:], max_tokens=24) for llm in (one, two)]
+        _assert_same(*again)
+    assert again[1][0].num_cached_tokens >= 16
+    seeded = [_run(llm, PROMPTS[:2], max_tokens=12, temperature=0.9, seed=7, n=2) for llm in (one, two)]
+    _assert_same(*seeded)
+    assert any(a.outputs[0].token_ids != a.outputs[1].token_ids for a in seeded[0])  # the forks really differ
+
+
+def test_quantized_weights_shard(tmp_path, demo_dir, tp_pair):
+    """A GGUF file's Q8_0 codes are cut, not widened (every rank's linears stay Q8_0), and int4 quantized after
+    sharding on group boundaries equals int4 unsplit: the same greedy tokens."""
+    from sieve.bench.gguf_export import export_gguf
+
+    path = _checkpoint(tmp_path / "ckpt", demo_dir, intermediate_size=192)
+    gguf = export_gguf(path, tmp_path / "model-q8_0.gguf", "q8_0", log=lambda *a: None)
+    one, two = tp_pair(gguf)
+    kinds = {m.kernel_name() for m in two.llm_engine.runner.model.modules() if hasattr(m, "kernel_name")}
+    assert kinds and all("int8 g32" in k or "q8_0" in k.lower() for k in kinds), kinds
+    _assert_same(_run(one), _run(two), logprob_tol=1e-3)
+    one, two = tp_pair(path, quantization="int4", quantization_group_size=32)
+    _assert_same(_run(one), _run(two), logprob_tol=1e-3)
+
+
+def test_splits_that_cannot_work_are_refused(checkpoints, tmp_path, demo_dir):
+    with pytest.raises(ConfigError, match="attention heads"):
+        LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be"):
+        LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", tensor_parallel_size=0)
+    # Q8_0 groups of 32 cannot be cut at 80 of down_proj's 160 inputs: the worker's error reaches the caller
+    from sieve.bench.gguf_export import export_gguf
+
+    gguf = export_gguf(checkpoints["llama"], tmp_path / "q8.gguf", "q8_0", log=lambda *a: None)
+    with pytest.raises(ConfigError, match="groups of 32"):
+        LLM(str(gguf), dtype="float32", device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=64)
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(checkpoints):
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    try:
+        worker = llm.llm_engine.tp_workers.processes[0]
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(Exception):
+            _run(llm, PROMPTS[:1], max_tokens=4)
+    finally:
+        llm.shutdown()
+
+
+def test_torchrun_launch(checkpoints, tmp_path):
+    """Every rank runs the same `sieve generate` under torchrun; rank 0 prints the unsplit model's answer."""
+    path = str(checkpoints["llama"])
+    common = ["generate", "--model", path, "--dtype", "float32", "--device", "cpu", "--max-tokens", "16",
+              "--temperature", "0", "--prompt", PROMPTS[1]]
+    env = dict(os.environ)
+    plain = subprocess.run([sys.executable, "-m", "sieve.cli", *common], capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(_free_port()), "-m", "sieve.cli", *common, "--tensor-parallel-size", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert plain.stdout.strip() and run.stdout.strip() == plain.stdout.strip()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checkpoint(path: Path, tokenizer_dir: Path, **overrides) -> Path:
+    """A random Llama whose MLP width splits on 32-input groups (the conftest shape's 160 does not)."""
+    import shutil
+
+    import transformers
+
+    from conftest import BASE, _widen_init
+
+    cfg = transformers.LlamaConfig(**{**BASE, **overrides}, rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    _widen_init(model, 3)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path
