@@ -96,7 +96,40 @@ class BlockManager:
             hit.append(block)
         return hit
 
+    def prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """Chained hashes of the full blocks of `token_ids` (KV transfer names blocks by them)."""
+        hashes, bs = [], self.block_size
+        for j in range(len(token_ids) // bs):
+            hashes.append(chain_hash(hashes[-1] if hashes else self.root_hash, token_ids[j * bs : (j + 1) * bs]))
+        return hashes
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding `block_hash` in the prefix cache, or None."""
+        return self.cached.get(block_hash) if self.enable_prefix_caching else None
+
     # ---- changes -------------------------------------------------------------------------
+    def import_cached(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Blocks whose contents arrive from elsewhere (KV transfer), the chained hashes of a prompt's leading blocks:
+        each one not cached yet takes a free block, named by its hash and left unreferenced in the cache, where the
+        next lookup finds it. Returns (index in `hashes`, block) of the blocks the caller must fill now; stops early
+        when only blocks imported by this call would be left to take."""
+        if not self.enable_prefix_caching:
+            return []
+        taken: list[tuple[int, int]] = []
+        mine: set[int] = set()
+        for j, h in enumerate(hashes):
+            if h in self.cached:
+                continue
+            if not self.free_blocks and (not self.evictable or next(iter(self.evictable)) in mine):
+                break
+            block = self._take_block()
+            self.cached[h] = block
+            self.block_hash[block] = h
+            self.evictable[block] = None
+            mine.add(block)
+            taken.append((j, block))
+        return taken
+
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Before `seq`'s first step after it (re)enters: share the blocks of its longest cached prefix
         and mark those tokens computed. Returns the number of tokens taken from the cache."""

@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode", "both"],
+                   help="prefill/decode disaggregation: this server's part (KV saved for, or loaded from, another server)")
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='KV transfer as JSON: {"transport": "tcp"|"shm", "kv_ip": ADDRESS, "kv_port": N, "lease_s": S}')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N processes (spawned here; or run the same command under torchrun, "
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
@@ -425,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_balance_args(bb)
     bb.set_defaults(func=run_bench_balance)
+    bpd = bench.add_parser("pd", help="prefill/decode disaggregation (1 + 1 core behind the gateway) against one 2-core server, "
+                                      "under chat turns mixed with long prompts")
+    from sieve.bench.pd import add_bench_pd_args, run_bench_pd
+
+    add_bench_pd_args(bpd)
+    bpd.set_defaults(func=run_bench_pd)
     bl = bench.add_parser("ladder", help="users per device within an SLO, rung by rung (batching, prefix caching, int8, "
                                          "speculation, FP8 KV, int4), beside the planner and each rung's quality cost")
     from sieve.bench.ladder import add_bench_ladder_args

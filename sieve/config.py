@@ -63,6 +63,10 @@ class EngineConfig:
     # Tensor parallelism (sieve/distributed): the model split over this many processes (spawned on this host, or
     # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), gloo on CPU, NCCL on CUDA
     tensor_parallel_size: int = 1
+    # Prefill/decode disaggregation (sieve/distributed/kv_transfer.py): prefill | decode | both (vLLM's kv_producer,
+    # kv_consumer, kv_both); None: no KV transfer. kv_transfer_config: transport (tcp | shm), kv_ip, kv_port, lease_s
+    kv_role: str | None = None
+    kv_transfer_config: object = None
 
     def parsed_hf_overrides(self) -> dict:
         """hf_overrides as a dict (empty when unset); a ConfigError unless it is a JSON object."""

@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -152,6 +153,7 @@ class LLMEngine:
         if self.runner.kv_needs_calibration:
             self._calibrate_kv()
         self.scheduler = Scheduler(config, self.block_manager)
+        self.kv_connector = self._kv_connector(ckpt) if config.kv_role is not None or config.kv_transfer_config is not None else None
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.speculator = None
         if config.speculative_config is not None:
@@ -177,10 +179,40 @@ class LLMEngine:
         gc.freeze()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them). The engine cannot step afterwards."""
+        """Stop the tensor-parallel workers and the KV-transfer server, where there are any. The engine cannot step
+        afterwards."""
         if getattr(self, "tp_workers", None) is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+
+    def _kv_connector(self, ckpt):
+        """Prefill/decode disaggregation: this engine's end of KV transfer (sieve/distributed/kv_transfer.py)."""
+        import hashlib
+        import json
+        import uuid
+
+        from sieve.distributed.kv_transfer import KVConnector, KVTransferConfig
+
+        c = self.config
+        cfg = KVTransferConfig.parse(c.kv_transfer_config, c.kv_role)
+        if len(self.runner.layer_groups) > 1 or self.arch.mamba_layers:
+            raise ConfigError("KV transfer moves one pool of full-attention blocks: not built for sliding-window or Mamba-2 layers")
+        if self.tp_workers is not None:
+            raise ConfigError("KV transfer is not built together with tensor parallelism yet")
+        if not c.enable_prefix_caching:
+            raise ConfigError("KV transfer enters and finds blocks through the prefix cache: it needs prefix caching on")
+        # Both ends must hold the same bytes for the same tokens: the model (its config and the size of its weight
+        # files), the dtypes, the block size and the pool's shape. Paths may differ between hosts; contents may not.
+        files = sorted(p for p in Path(ckpt.path).rglob("*") if p.is_file()) if Path(ckpt.path).is_dir() else [Path(ckpt.path)]
+        model_id = hashlib.blake2b((json.dumps(ckpt.config, sort_keys=True, default=str)
+                                    + "|".join(f"{p.name}:{p.stat().st_size}" for p in files if p.suffix in (".safetensors", ".gguf"))
+                                    ).encode(), digest_size=8).hexdigest()
+        shape = tuple(self.runner.kv_pool.shape[:2]) + tuple(self.runner.kv_pool.shape[3:])
+        layout = f"{model_id}|{self.dtype}|{self.runner.kv_dtype}|{shape}"
+        return KVConnector(cfg, layout, self.runner, self.block_manager, uuid.uuid4().hex[:12])
 
     def _calibrate_kv(self) -> None:
         """FP8 KV scales the checkpoint does not give are fixed here, once, from fixed text, so no request's
@@ -292,10 +324,30 @@ class LLMEngine:
                            grammar=grammar.matcher() if grammar is not None else None)
             init_offsets(seq)
             req.seqs.append(seq)
+        self._kv_transfer(req, ids, params.kv_transfer_params)
         # Choice 0 computes the prompt; the others fork from it when its last chunk runs (see the scheduler).
         self.scheduler.add(req.seqs[0])
         req.unforked = req.seqs[1:]
         self.requests[request_id] = req
+
+    def _kv_transfer(self, req: Request, ids: list[int], params: dict | None) -> None:
+        """A prefill server marks the request for export; a decode server fetches its prompt's blocks now, so the
+        scheduler finds them as a prefix-cache hit (a failed transfer leaves them to compute here)."""
+        if params is None:
+            return
+        if not isinstance(params, dict):
+            raise RequestError("kv_transfer_params must be an object")
+        conn = self.kv_connector
+        if conn is None:
+            raise RequestError("kv_transfer_params: this server does no KV transfer (start it with --role prefill, decode or both)")
+        if params.get("do_remote_decode"):
+            if not conn.cfg.produces:
+                raise RequestError("kv_transfer_params.do_remote_decode: this server is a decode server (--role decode)")
+            req.kv_export = True
+        if params.get("do_remote_prefill"):
+            if not conn.cfg.consumes:
+                raise RequestError("kv_transfer_params.do_remote_prefill: this server is a prefill server (--role prefill)")
+            req.num_transferred_tokens = conn.load(ids, params)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """What depends on the model: token ids inside the vocabulary, top-N within --max-logprobs."""
@@ -416,6 +468,8 @@ class LLMEngine:
             out = self.output_processor.make_output(req)
             if out.finished:
                 del self.requests[req.request_id]
+                if req.kv_export and self.kv_connector is not None:  # its blocks are still cached: nothing ran since
+                    out.kv_transfer_params = self.kv_connector.save(req.seqs[0])
             outputs.append(out)
         if self.speculator is not None:
             auto = self.speculator.config.auto  # only the adaptive depth uses step times and the coming prefill

@@ -316,6 +316,14 @@ class ModelRunner:
         apply_bitmask(logits, mask, rows)
         return time.perf_counter() - started, len(rows)
 
+    def block_tensors(self, block: int) -> list[torch.Tensor]:
+        """Views of one block of the full-attention group in every layer: K/V [entries, layers, block_size, kv_heads,
+        head_dim], and with an int8 KV cache its scales (what KV transfer moves)."""
+        parts = [self.kv_pools[0][:, :, block]]
+        if self.kv_scale_pools[0] is not None:
+            parts.append(self.kv_scale_pools[0][:, :, block])
+        return parts
+
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """(group, source, destination) block copies in every layer's pool (and recurrent state slots)."""
         if self.model.tp is not None:  # every rank copies its own heads' blocks

@@ -63,3 +63,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per choice, the text and token ids produced since the previous output (for streaming).
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Prefill/decode disaggregation: on a prefill server's finished output, where a decode server finds its KV
+    kv_transfer_params: dict | None = None

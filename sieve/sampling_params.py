@@ -30,6 +30,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # output constrained to a schema, regex, choice or grammar
+    # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on a prefill server; on a decode
+    # server, what the prefill server's response returned (where its blocks are). See sieve/distributed/kv_transfer.py.
+    kv_transfer_params: dict | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

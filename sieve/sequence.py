@@ -32,6 +32,8 @@ class Request:
     unforked: list["Sequence"] = field(default_factory=list)  # choices 1..n-1 until choice 0's prompt is computed
     # With params.prompt_logprobs: one entry per prompt token computed so far (the first token's is None).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_export: bool = False  # a prefill server's request ({"do_remote_decode": true}): its KV is saved when it finishes
+    num_transferred_tokens: int = 0  # a decode server's request: prompt tokens whose KV came from the prefill server
 
     @property
     def finished(self) -> bool:

@@ -147,3 +147,24 @@ def test_tensor_parallelism_splits_bytes_and_pays_for_its_all_reduces():
         decode_point(m, get_device("m3-max"), replace(w, tensor_parallel=2), 1)
     r = run_cli("--model", str(CONFIGS / "llama-3.1-70b.json"), "--device", "h100", "-tp", "4", "--context", "2048")
     assert r.returncode == 0 and "users per 4-device group" in r.stdout and "450 GB/s links" in r.stdout
+
+
+def test_disaggregation_weighs_the_kv_transfer_against_the_prefill_it_moves():
+    """A 2,000-token prompt of Llama-3.1-70B bf16 holds 80 layers x 8 KV heads x 128 x 2 x 2 bytes per token = 0.66 GB of
+    KV: 26 ms over a 25 GB/s link, a fraction of its prefill on 4 H100s; over 10 GbE (1.25 GB/s) the transfer costs more
+    than the prefill it takes off the decode devices."""
+    from dataclasses import replace
+
+    from sieve.plan.roofline import disaggregation, prefill_ms
+
+    m, h100 = shape("llama-3.1-70b"), get_device("h100")
+    w = Workload(weights="bf16", kv="bf16", context=2000, tensor_parallel=4)
+    fast, slow = disaggregation(m, h100, w, 25), disaggregation(m, h100, w, 1.25)
+    assert fast.kv_bytes == pytest.approx(2000 * 80 * 8 * 128 * 2 * 2)
+    assert fast.transfer_ms == pytest.approx(fast.kv_bytes / 25e9 * 1e3)
+    assert fast.prefill_ms == pytest.approx(prefill_ms(m, h100, w))
+    assert fast.transfer_per_prefill < 0.5 < 2 < slow.transfer_per_prefill
+    assert disaggregation(m, h100, replace(w, kv="fp8"), 25).transfer_ms == pytest.approx(fast.transfer_ms / 2)
+    r = run_cli("--model", str(CONFIGS / "llama-3.1-70b.json"), "--device", "h100", "-tp", "4", "--context", "2000",
+                "--pd-link-gbps", "25")
+    assert r.returncode == 0 and "P/D pays" in r.stdout

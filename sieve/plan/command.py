@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sieve.plan.devices import Device, device_from_spec, get_device
-from sieve.plan.roofline import Plan, Workload, decode_point, ladder, plan
+from sieve.plan.roofline import Plan, Workload, decode_point, disaggregation, ladder, plan
 from sieve.plan.shape import KV_FORMATS, WEIGHT_FORMATS, ModelShape, shape_from_config
 
 
@@ -25,6 +25,8 @@ def add_plan_args(p) -> None:
     p.add_argument("--acceptance", type=float, default=0.7)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices of one node (their link bandwidth from the device table)")
+    p.add_argument("--pd-link-gbps", type=float, default=None,
+                   help="prefill/decode disaggregation over a link of this many GB/s: KV transfer time against the prefill stall it removes")
     p.add_argument("--ladder", action="store_true", help="users per device, one technique at a time")
     p.add_argument("--compare", default=None, help="a second model to put side by side")
     p.add_argument("--plot", default=None, help="write the roofline with the workload's points to this PNG")
@@ -62,11 +64,20 @@ def run_plan(args) -> int:
         out["device_spec"] = asdict(dev)
         if ladders:
             out["ladder"] = [asdict(r) for r in ladders[0]]
+        if args.pd_link_gbps:
+            out["disaggregation"] = asdict(disaggregation(models[0], dev, w, args.pd_link_gbps))
         if args.compare:
             out["compare"] = asdict(plans[1])
         print(json.dumps(out, indent=2))
     else:
         print_plans(plans, dev, w)
+        if args.pd_link_gbps:
+            d = disaggregation(models[0], dev, w, args.pd_link_gbps)
+            print(f"prefill/decode disaggregation over {d.link_gbps:g} GB/s: KV of one {w.context}-token prompt {_gb(d.kv_bytes)}, "
+                  f"transfer {d.transfer_ms:,.1f} ms against {d.prefill_ms:,.1f} ms of prefill it takes off the decode device "
+                  f"(ratio {d.transfer_per_prefill:.2f}: " + ("P/D pays" if d.transfer_per_prefill < 0.5 else
+                                                          "the transfer costs about as much TTFT as it saves" if d.transfer_per_prefill < 2 else
+                                                          "the link is too slow for P/D") + ")")
         if ladders:
             for m, rungs in zip(models, ladders):
                 print_ladder(m, dev, w, rungs)

@@ -110,6 +110,26 @@ def prefill_ms(m: ModelShape, dev: Device, w: Workload) -> float:
     return (max(t_cmp, t_mem) + comm_seconds(m, dev, n, w.context)) * 1e3
 
 
+@dataclass
+class Disaggregation:
+    """Prefill/decode disaggregation for one prompt of `context` tokens: the KV a prefill device sends a decode device,
+    the time it takes over the link, and the prefill time a colocated device would spend instead of decoding (every
+    running user's next token waits that long, in total, for each such prompt)."""
+
+    link_gbps: float
+    kv_bytes: float
+    transfer_ms: float  # added to that request's TTFT (unless the transfer overlaps the prefill, layer by layer)
+    prefill_ms: float  # the stall P/D removes from the decode device
+    transfer_per_prefill: float  # transfer_ms / prefill_ms: well below 1 where P/D pays; near or above 1 it costs TTFT
+
+
+def disaggregation(m: ModelShape, dev: Device, w: Workload, link_gbps: float) -> Disaggregation:
+    kv = m.kv_bytes(w.context, w.kv)
+    transfer = kv / (link_gbps * 1e9) * 1e3
+    prefill = prefill_ms(m, dev, w)
+    return Disaggregation(link_gbps, kv, transfer, prefill, transfer / prefill)
+
+
 def tpot_ms(p: Point, w: Workload) -> float:
     return p.step_ms / expected_tokens_per_step(w)
 

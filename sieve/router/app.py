@@ -130,7 +130,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
     backends = config.backends
     names = set(backends)
     cache = _make_cache(config, classifier)
-    health = {url: True for b in backends.values() for url in b.urls}  # per replica URL
+    health = {url: True for b in backends.values() for url in (*b.urls, *b.prefill)}  # per replica URL
     balancers = {name: Balancer(b.urls, config.balance, config.balance_abs) for name, b in backends.items()}
     state: dict = {}
 
@@ -142,6 +142,11 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
     picks = Counter("sieve:router_replica_picks", "Replica choices, by reason (prefix: affinity; load: least loaded; "
                     "round_robin; only: one candidate)", ["backend", "replica", "reason"], registry=registry)
     budget_tokens = Counter("sieve:router_budget_tokens", "max_tokens granted by the budget policy", registry=registry)
+    pd_total = Counter("sieve:router_pd_requests", "Disaggregated requests: prefilled remotely (transferred), or decoded "
+                       "from scratch because no prefill server answered (prefill_failed)", ["backend", "outcome"], registry=registry)
+    pd_seconds = Histogram("sieve:router_pd_prefill_seconds", "Time of the prefill leg of a disaggregated request", registry=registry,
+                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+    prefill_turn = {"next": 0}
     latency = Histogram("sieve:router_request_latency_seconds", "Gateway latency (to the response, or to the first byte of a stream)",
                         ["cache"], registry=registry, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
     if cache is not None:
@@ -152,7 +157,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         client: httpx.AsyncClient = state["client"]
         while True:
             for b in backends.values():
-                for url in b.urls:
+                for url in (*b.urls, *b.prefill):
                     try:
                         r = await client.get(url + "/models", headers=_auth(b), timeout=min(5.0, config.health_interval))
                         up = r.status_code < 500
@@ -239,6 +244,39 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                                error_body(str(payload), "upstream_error"))
         payload["model"] = backend.name
         return payload
+
+    async def prefill_first(backend: Backend, kind: str, body: dict) -> dict:
+        """Prefill/decode disaggregation (vLLM's proxy contract): the prompt runs on a prefill server with max_tokens
+        1 and kv_transfer_params {"do_remote_decode": true}; its answer's kv_transfer_params go with the request to the
+        decode server. No prefill server answering is no error: the decode server then computes the prompt itself."""
+        started = time.perf_counter()
+        leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
+        leg.update(model=backend.upstream_model, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        urls = list(backend.prefill)
+        first = prefill_turn["next"] % len(urls)
+        prefill_turn["next"] += 1
+        order = urls[first:] + urls[:first]
+        for url in [u for u in order if health[u]] + [u for u in order if not health[u]]:
+            try:
+                r = await state["client"].post(f"{url}/{_path(kind)}", json=leg, headers=_auth(backend))
+                params = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError) as e:
+                health[url] = False
+                upstream_errors.labels(backend.name).inc()
+                log.warning("prefill server %s: %s", url, e)
+                continue
+            if r.status_code >= 500:
+                health[url] = False
+                upstream_errors.labels(backend.name).inc()
+                continue
+            if r.status_code != 200:  # the request itself is bad: the decode server will say why
+                break
+            if isinstance(params, dict):
+                pd_total.labels(backend.name, "transferred").inc()
+                pd_seconds.observe(time.perf_counter() - started)
+                return dict(body, kv_transfer_params=params)
+        pd_total.labels(backend.name, "prefill_failed").inc()
+        return body
 
     async def open_stream(backend: Backend, kind: str, body: dict) -> tuple[httpx.Response, callable]:
         """The upstream stream, open and 200, and the function that releases its replica when it ends."""
@@ -405,6 +443,8 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                 return _deliver(answer, kind, body, stream, dict(decision.headers(), **_cache_header(key)))
         else:
             decision, sent = await decide(route, body)
+        if decision.backend.prefill:
+            sent = await prefill_first(decision.backend, kind, sent)
 
         if stream:
             (r, release), decision = await with_fallback(decision, route, lambda b: open_stream(b, kind, sent))

@@ -24,6 +24,9 @@ class Backend:
     cost_per_token: float = 0.0  # any currency per generated token; reported in the routing headers and the eval
     api_key: str | None = None
     replicas: tuple[str, ...] = ()  # more base URLs serving the same model (data parallel), balanced by the router
+    # Prefill/decode disaggregation: base URLs of prefill servers (`sieve serve --role prefill`); with them, each
+    # request's prompt runs there first (max_tokens 1) and `url`/`replicas` (--role decode) decode from its KV
+    prefill: tuple[str, ...] = ()
 
     @property
     def upstream_model(self) -> str:
@@ -65,7 +68,7 @@ class RouterConfig:
         return self.backends[self.weak], self.backends[self.strong]
 
 
-_BACKEND_FIELDS = {"name", "url", "model", "version", "cost_per_token", "api_key", "replicas"}
+_BACKEND_FIELDS = {"name", "url", "model", "version", "cost_per_token", "api_key", "replicas", "prefill"}
 _TOP_FIELDS = {"backends", "weak", "strong", "aliases", "classifier", "cache", "timeout", "health_interval", "balance", "balance_abs"}
 _CACHE_FIELDS = {"backend", "redis_url", "ttl", "stale_while_revalidate", "max_entries", "cache_sampled", "semantic_threshold"}
 
@@ -89,12 +92,15 @@ def _backend(d: dict, where: str) -> Backend:
     replicas = d.get("replicas") or []
     if isinstance(replicas, str) or not isinstance(replicas, list):
         raise RouterConfigError(f"{where}: `replicas` is a list of URLs")
-    for u in [d["url"], *replicas]:
+    prefill = d.get("prefill") or []
+    if isinstance(prefill, str) or not isinstance(prefill, list):
+        raise RouterConfigError(f"{where}: `prefill` is a list of URLs (prefill servers)")
+    for u in [d["url"], *replicas, *prefill]:
         url = urlparse(u) if isinstance(u, str) else None
         if url is None or url.scheme not in ("http", "https") or not url.netloc:
             raise RouterConfigError(f"{where}: a URL must be http(s), such as http://127.0.0.1:8001/v1, not {u!r}")
-    if len({u.rstrip("/") for u in [d["url"], *replicas]}) != 1 + len(replicas):
-        raise RouterConfigError(f"{where}: the same URL twice among `url` and `replicas`")
+    if len({u.rstrip("/") for u in [d["url"], *replicas, *prefill]}) != 1 + len(replicas) + len(prefill):
+        raise RouterConfigError(f"{where}: the same URL twice among `url`, `replicas` and `prefill`")
     if d["name"].startswith("route:"):
         raise RouterConfigError(f"{where}: backend names cannot start with `route:` (that prefix selects a policy)")
     try:
@@ -104,7 +110,8 @@ def _backend(d: dict, where: str) -> Backend:
     if cost < 0:
         raise RouterConfigError(f"{where}: `cost_per_token` must be >= 0")
     return Backend(name=d["name"], url=d["url"].rstrip("/"), model=d.get("model"), version=str(d.get("version", "1")),
-                   cost_per_token=cost, api_key=d.get("api_key"), replicas=tuple(u.rstrip("/") for u in replicas))
+                   cost_per_token=cost, api_key=d.get("api_key"), replicas=tuple(u.rstrip("/") for u in replicas),
+                   prefill=tuple(u.rstrip("/") for u in prefill))
 
 
 def parse_config(d: dict) -> RouterConfig:
@@ -196,15 +203,16 @@ def load_config(path: str | None, backends: list[str] | None = None, **overrides
 def _backend_flag(s: str) -> dict:
     name, sep, rest = s.partition("=")
     if not sep or not name:
-        raise RouterConfigError(f"--backend {s!r}: expected NAME=URL[,replica=URL...][,model=ID][,version=V][,cost_per_token=C]")
+        raise RouterConfigError(f"--backend {s!r}: expected NAME=URL[,replica=URL...][,prefill=URL...][,model=ID][,version=V]"
+                                "[,cost_per_token=C]")
     url, *pairs = rest.split(",")
     d: dict = {"name": name, "url": url}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise RouterConfigError(f"--backend {s!r}: {pair!r} is not key=value")
-        if key == "replica":
-            d.setdefault("replicas", []).append(value)
+        if key in ("replica", "prefill"):
+            d.setdefault("replicas" if key == "replica" else "prefill", []).append(value)
         else:
             d[key] = value
     return d

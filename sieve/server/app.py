@@ -477,6 +477,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                     choice["prompt_logprobs"] = _prompt_logprobs_vllm(out)
                 choices.append(choice)
         extra = {"prompt_logprobs": _prompt_logprobs_vllm(finals[0])} if chat and body.prompt_logprobs is not None else {}
+        if finals[0].kv_transfer_params is not None:  # a prefill server's answer: where the decode server finds the KV
+            extra["kv_transfer_params"] = finals[0].kv_transfer_params
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name,
                 "choices": choices, **extra,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,

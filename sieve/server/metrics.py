@@ -38,6 +38,8 @@ class Metrics:
             r.register(_StructuredCollector(engine, model_name))
         if getattr(engine, "speculator", None) is not None:
             r.register(_SpecDecodeCollector(engine.speculator.stats, model_name))
+        if getattr(engine, "kv_connector", None) is not None:
+            r.register(_KVTransferCollector(engine.kv_connector.stats, model_name))
         self.model_name = model_name
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -97,6 +99,29 @@ class _SpecDecodeCollector:
         for pos, value in enumerate(s.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(pos)], value)
         yield per_pos
+
+
+class _KVTransferCollector:
+    """Prefill/decode disaggregation: KV bytes, blocks and seconds moved, by direction (save: a prefill server's
+    blocks for a decode server; load: a decode server's from a prefill server), and transfers that fell back to
+    computing locally, by reason."""
+
+    def __init__(self, stats, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s = self.stats
+        for name, doc, counts in (("bytes", "KV bytes transferred", s.bytes), ("blocks", "KV blocks transferred", s.blocks),
+                                  ("seconds", "Seconds spent transferring KV", s.seconds)):
+            family = CounterMetricFamily(f"sieve:kv_transfer_{name}", doc, labels=["model_name", "direction"])
+            for direction in ("save", "load"):
+                family.add_metric([self.model_name, direction], counts[direction])
+            yield family
+        family = CounterMetricFamily("sieve:kv_transfer_fallbacks", "Transfers cut short (the rest computed locally), by reason",
+                                     labels=["model_name", "reason"])
+        for reason, n in sorted(s.fallbacks.items()):
+            family.add_metric([self.model_name, reason], n)
+        yield family
 
 
 class _StructuredCollector:

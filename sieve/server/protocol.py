@@ -88,6 +88,8 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Prefill/decode disaggregation (vLLM's field): see sieve/distributed/kv_transfer.py
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
@@ -142,6 +144,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured(),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
