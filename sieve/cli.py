@@ -44,6 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="how tensor-parallel ranks start: mp (processes on this host, default) or ray (Ray tasks, any node)")
     g.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode", "both"],
                    help="prefill/decode disaggregation: this server's part (KV saved for, or loaded from, another server)")
     g.add_argument("--kv-transfer-config", default=None,

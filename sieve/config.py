@@ -63,6 +63,7 @@ class EngineConfig:
     # Tensor parallelism (sieve/distributed): the model split over this many processes (spawned on this host, or
     # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), gloo on CPU, NCCL on CUDA
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # how ranks start without torchrun: mp (processes here) or ray (Ray tasks)
     # Prefill/decode disaggregation (sieve/distributed/kv_transfer.py): prefill | decode | both (vLLM's kv_producer,
     # kv_consumer, kv_both); None: no KV transfer. kv_transfer_config: transport (tcp | shm), kv_ip, kv_port, lease_s
     kv_role: str | None = None
@@ -95,6 +96,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ConfigError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.quantization not in (None, "int8", "fp8", "int4", "awq"):

@@ -161,3 +161,21 @@ def _checkpoint(path: Path, tokenizer_dir: Path, **overrides) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
     return path
+
+
+def test_ray_tasks_as_ranks(checkpoints):
+    """--distributed-executor-backend ray: the worker rank is a Ray task (a local Ray instance here); same output."""
+    import ray
+
+    path = str(checkpoints["llama"])
+    one = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=128)
+    two = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=128, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        assert two.llm_engine.tp_workers.ray_refs and not two.llm_engine.tp_workers.processes
+        _assert_same(_run(one), _run(two))
+    finally:
+        two.shutdown()
+        ray.shutdown()
+    with pytest.raises(ConfigError, match="mp or ray"):
+        LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, distributed_executor_backend="slurm")

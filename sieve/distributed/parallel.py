@@ -30,14 +30,20 @@ class TensorParallelGroup:
         self._store, self._control, self._data = store, control, data  # control: gloo (commands); data: gloo or NCCL
 
     @classmethod
-    def init(cls, rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int) -> "TensorParallelGroup":
+    def init(cls, rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int,
+             before_join=None) -> "TensorParallelGroup":
         """Join (or form) the group. Idle workers wait on the driver's next command for as long as the server is idle,
-        so operations get a long timeout; a rank that dies closes its sockets, which fails the others at once."""
+        so operations get a long timeout; a rank that dies closes its sockets, which fails the others at once.
+        `before_join(store)` runs once the rendezvous store is up and before the ranks wait for each other (the driver
+        checks there that the ranks it started are alive and joining)."""
         timeout = datetime.timedelta(hours=float(os.environ.get("SIEVE_TP_TIMEOUT_HOURS", "168")))
         # Under torchrun the launcher may already host the store on MASTER_PORT (as torch's env:// rendezvous reads it)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0 and not agent_store,
                               timeout=datetime.timedelta(minutes=10), wait_for_workers=False)
+        store.set(f"sieve-tp/joining/{rank}", "1")
+        if before_join is not None:
+            before_join(store)
         control = dist.ProcessGroupGloo(dist.PrefixStore("sieve-tp/control", store), rank, world_size, timeout)
         if device.type == "cuda":
             data = dist.ProcessGroupNCCL(dist.PrefixStore("sieve-tp/data", store), rank, world_size)

@@ -52,6 +52,8 @@ class TensorParallelWorkers:
             log.info("tensor parallelism: rank 0 of %d (torchrun, %s:%s)", n, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
             group = TensorParallelGroup.init(0, n, device, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
             return cls(group, [], None)
+        if config.distributed_executor_backend == "ray":
+            return cls._start_ray(config, device)
         ctx = mp.get_context("spawn")
         errors, port = ctx.Queue(), _free_port()
         processes = [ctx.Process(target=_spawned_worker, args=(config, rank, n, "127.0.0.1", port, errors), daemon=True,
@@ -62,6 +64,42 @@ class TensorParallelWorkers:
         handle._wait_for("joining", n - 1)  # every worker is alive and about to join: joining cannot wait forever
         log.info("tensor parallelism: %d ranks on this host (gloo/NCCL on 127.0.0.1:%d)", n, port)
         handle.group = TensorParallelGroup.init(0, n, device, "127.0.0.1", port)
+        return handle
+
+    @classmethod
+    def _start_ray(cls, config: EngineConfig, device: torch.device) -> "TensorParallelWorkers":
+        """Ranks 1..N-1 as Ray tasks, placed by Ray (on this node or any node of the cluster RAY_ADDRESS names); they
+        reach the driver at this node's address."""
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("distributed_executor_backend 'ray' needs Ray: pip install ray") from None
+        n = config.tensor_parallel_size
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("SIEVE_")}})
+        addr, port = ray.util.get_node_ip_address(), _free_port()
+        task = ray.remote(num_cpus=0, num_gpus=1 if device.type == "cuda" else 0)(_ray_worker)
+        refs = [task.remote(config, rank, n, addr, port) for rank in range(1, n)]
+        handle = cls(None, [], None)
+        handle.ray_refs = refs
+
+        def alive_and_joining(store) -> None:  # a task that failed before joining must not leave the driver waiting
+            deadline = time.monotonic() + 600
+            for rank in range(1, n):
+                while not store.check([f"sieve-tp/joining/{rank}"]):
+                    done, _ = ray.wait(refs, timeout=0.2)
+                    if done:
+                        try:
+                            ray.get(done[0])
+                            raise RuntimeError("a tensor-parallel Ray task returned before joining")
+                        except ray.exceptions.RayTaskError as e:
+                            raise ConfigError(f"tensor-parallel Ray task: {e.cause if hasattr(e, 'cause') else e}") from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("tensor-parallel Ray tasks not started after 600 s (are there resources for them?)")
+
+        log.info("tensor parallelism: %d ranks, %d as Ray tasks (driver at %s:%d)", n, n - 1, addr, port)
+        handle.group = TensorParallelGroup.init(0, n, device, addr, port, before_join=alive_and_joining)
         return handle
 
     def ready(self, num_blocks: tuple[int, int]) -> None:
@@ -101,6 +139,17 @@ class TensorParallelWorkers:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        refs, self.ray_refs = getattr(self, "ray_refs", []), []
+        if refs:
+            import ray
+
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=10)
+            for ref in pending:
+                ray.cancel(ref, force=True)
+
+
+def _ray_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
+    run_worker(config, rank, world, addr, port)
 
 
 def _spawned_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int, errors) -> None:
