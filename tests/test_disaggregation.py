@@ -96,6 +96,9 @@ def test_bad_blocks_fall_back_to_computing_and_never_change_a_token(engines):
     check({**params, "remote_block_hashes": other["remote_block_hashes"]}, "block holds other tokens", 0)
     params = _prefill(p, LONG)  # another model / dtype / block size
     check({**params, "kv_layout": "something-else"}, "KV layout differs (another model, dtype, KV dtype or block size)", 0)
+    params = _prefill(p, LONG)  # names that are not block hashes (a path, say) are never looked up
+    check({**params, "transport": "shm", "remote_shm_dir": "/tmp", "remote_block_hashes": ["../../etc/passwd"]},
+          "remote_block_hashes are not block hashes", 0)
     params = _prefill(p, LONG)  # the producer is gone
     p.shutdown()
     check(params, "ConnectionRefusedError", 0)
@@ -163,6 +166,10 @@ def test_router_splits_requests_between_prefill_and_decode_servers(checkpoints):
             loaded = [l for l in page.splitlines() if l.startswith("sieve:kv_transfer_bytes_total") and 'direction="load"' in l]
             assert loaded and float(loaded[0].split()[-1]) > 0
             assert 'outcome="transferred"' in _router_metrics(url)
+            prefill = openai.OpenAI(base_url=servers["prefill"][0] + "/v1", api_key=API_KEY)
+            with pytest.raises(openai.BadRequestError, match="stream false"):  # its answer's params cannot ride a stream
+                prefill.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1, stream=True,
+                                                extra_body={"kv_transfer_params": {"do_remote_decode": True}})
             servers.pop("prefill")[1]()  # the prefill server goes away
             alone = gw.chat.completions.create(model="pd", messages=messages, max_tokens=12, temperature=0)
             assert alone.choices[0].message.content == want.choices[0].message.content

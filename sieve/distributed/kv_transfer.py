@@ -224,6 +224,8 @@ def fetch_blocks(params: dict, timeout_s: float) -> list[bytes | None]:
     hashes = [str(h) for h in params.get("remote_block_hashes") or []]
     if not hashes:
         return []
+    if not all(len(h) == 32 and all(c in "0123456789abcdef" for c in h) for h in hashes):  # names, never paths
+        raise KVTransferError("remote_block_hashes are not block hashes")
     if params.get("transport") == "shm":
         folder = Path(str(params.get("remote_shm_dir", "")))
         out = []

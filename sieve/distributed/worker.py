@@ -39,8 +39,9 @@ def env_rank() -> int:
 class TensorParallelWorkers:
     """The driver's handle on the other ranks: the group, and the processes it spawned (none under torchrun)."""
 
-    def __init__(self, group: TensorParallelGroup, processes: list, errors):
-        self.group, self.processes, self._errors = group, processes, errors
+    def __init__(self, group: TensorParallelGroup | None, processes: list, errors, ray_refs: list | None = None):
+        self.group, self.processes, self._errors, self.ray_refs = group, processes, errors, ray_refs or []
+        self._ready = 0  # spawned workers that reported their pool built
 
     @classmethod
     def start(cls, config: EngineConfig, device: torch.device) -> "TensorParallelWorkers":
@@ -61,9 +62,8 @@ class TensorParallelWorkers:
         for p in processes:
             p.start()
         handle = cls(None, processes, errors)
-        handle._wait_for("joining", n - 1)  # every worker is alive and about to join: joining cannot wait forever
         log.info("tensor parallelism: %d ranks on this host (gloo/NCCL on 127.0.0.1:%d)", n, port)
-        handle.group = TensorParallelGroup.init(0, n, device, "127.0.0.1", port)
+        handle.group = TensorParallelGroup.init(0, n, device, "127.0.0.1", port, before_join=handle._joined)
         return handle
 
     @classmethod
@@ -80,53 +80,63 @@ class TensorParallelWorkers:
                      runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("SIEVE_")}})
         addr, port = ray.util.get_node_ip_address(), _free_port()
         task = ray.remote(num_cpus=0, num_gpus=1 if device.type == "cuda" else 0)(_ray_worker)
-        refs = [task.remote(config, rank, n, addr, port) for rank in range(1, n)]
-        handle = cls(None, [], None)
-        handle.ray_refs = refs
-
-        def alive_and_joining(store) -> None:  # a task that failed before joining must not leave the driver waiting
-            deadline = time.monotonic() + 600
-            for rank in range(1, n):
-                while not store.check([f"sieve-tp/joining/{rank}"]):
-                    done, _ = ray.wait(refs, timeout=0.2)
-                    if done:
-                        try:
-                            ray.get(done[0])
-                            raise RuntimeError("a tensor-parallel Ray task returned before joining")
-                        except ray.exceptions.RayTaskError as e:
-                            raise ConfigError(f"tensor-parallel Ray task: {e.cause if hasattr(e, 'cause') else e}") from None
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("tensor-parallel Ray tasks not started after 600 s (are there resources for them?)")
-
+        handle = cls(None, [], None, [task.remote(config, rank, n, addr, port) for rank in range(1, n)])
         log.info("tensor parallelism: %d ranks, %d as Ray tasks (driver at %s:%d)", n, n - 1, addr, port)
-        handle.group = TensorParallelGroup.init(0, n, device, addr, port, before_join=alive_and_joining)
+        handle.group = TensorParallelGroup.init(0, n, device, addr, port, before_join=handle._joined)
         return handle
 
-    def ready(self, num_blocks: tuple[int, int]) -> None:
-        """After the driver built its K/V pool: the workers build theirs of the same size and start following."""
-        self.group.announce(("init", num_blocks))
-        if self.processes:
-            self._wait_for("ready", len(self.processes))
-
-    def _wait_for(self, what: str, count: int, timeout_s: float = 600.0) -> None:
+    def _joined(self, store, timeout_s: float = 600.0) -> None:
+        """Before the driver waits for the ranks it started: each has signed in on the store, or it fails here, naming
+        why (a rank that died before joining must not leave the driver waiting forever)."""
         deadline = time.monotonic() + timeout_s
-        seen = 0
-        while seen < count:
-            try:
-                kind, rank, detail = self._errors.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in self.processes if not p.is_alive()]
-                if dead:
-                    self.shutdown()
-                    raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) before it was {what}")
+        for rank in range(1, len(self.processes) + len(self.ray_refs) + 1):
+            while not store.check([f"sieve-tp/joining/{rank}"]):
+                self._check_alive("joining")
                 if time.monotonic() > deadline:
                     self.shutdown()
-                    raise RuntimeError(f"tensor-parallel workers not {what} after {timeout_s:.0f} s")
-                continue
-            if kind == "error":
+                    raise RuntimeError(f"tensor-parallel workers not joining after {timeout_s:.0f} s (are there resources for them?)")
+                time.sleep(0.1)
+
+    def _check_alive(self, what: str) -> None:
+        """Raise (after stopping the rest) if a started rank reported an error or is gone."""
+        if self.ray_refs:
+            import ray
+
+            done, _ = ray.wait(self.ray_refs, timeout=0)
+            if done:
+                try:
+                    ray.get(done[0])
+                    error = RuntimeError(f"a tensor-parallel Ray task returned before it was {what}")
+                except ray.exceptions.RayTaskError as e:
+                    error = ConfigError(f"tensor-parallel Ray task: {getattr(e, 'cause', e)}")
                 self.shutdown()
-                raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
-            seen += kind == what
+                raise error
+            return
+        try:
+            kind, rank, detail = self._errors.get_nowait()
+        except queue.Empty:
+            kind = None
+        if kind == "error":
+            self.shutdown()
+            raise ConfigError(f"tensor-parallel rank {rank}: {detail}")
+        if kind == "ready":
+            self._ready += 1
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            self.shutdown()
+            raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) before it was {what}")
+
+    def ready(self, num_blocks: tuple[int, int], timeout_s: float = 600.0) -> None:
+        """After the driver built its K/V pool: the workers build theirs of the same size and start following. Spawned
+        workers report when they have (or why they cannot)."""
+        self.group.announce(("init", num_blocks))
+        deadline = time.monotonic() + timeout_s
+        while self.processes and self._ready < len(self.processes):
+            self._check_alive("ready")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel workers not ready after {timeout_s:.0f} s")
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -139,7 +149,7 @@ class TensorParallelWorkers:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-        refs, self.ray_refs = getattr(self, "ray_refs", []), []
+        refs, self.ray_refs = self.ray_refs, []
         if refs:
             import ray
 
@@ -154,7 +164,6 @@ def _ray_worker(config: EngineConfig, rank: int, world: int, addr: str, port: in
 
 def _spawned_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int, errors) -> None:
     try:
-        errors.put(("joining", rank, None))
         run_worker(config, rank, world, addr, port, report=lambda kind, detail=None: errors.put((kind, rank, detail)))
     except Exception as e:  # the driver reports it and stops
         errors.put(("error", rank, f"{type(e).__name__}: {e}"))

@@ -302,6 +302,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
         if body.n > max_n:
             raise APIError(400, f"n = {body.n} is over this server's limit of {max_n} choices (--max-n)", param="n")
+        if body.stream and isinstance(body.kv_transfer_params, dict) and body.kv_transfer_params.get("do_remote_decode"):
+            raise APIError(400, "kv_transfer_params.do_remote_decode answers with the params a decode server needs: "
+                           "it needs stream false", param="kv_transfer_params")
         if "priority" in body.model_fields_set and not allow_client_priority:
             raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
                            code="unsupported_field")
