@@ -224,11 +224,12 @@ class LLMEngine:
         self.score(ids)
         log.info("FP8 KV scales calibrated at load on %d tokens of fixed text", len(ids))
 
-    def _draft_engine(self, model: str) -> "LLMEngine":
-        """The engine a draft model runs in: same device, dtype and context, its own KV pool and prefix cache."""
+    def _draft_engine(self, model: str, quantization: str | None = None) -> "LLMEngine":
+        """The engine a draft model runs in: same device, dtype and context, its own KV pool and prefix cache (and
+        its own weight format, where speculative_config.quantization names one)."""
         c = self.config
         draft = LLMEngine(EngineConfig(
-            model=model, dtype=c.dtype, device=c.device, max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+            model=model, dtype=c.dtype, device=c.device, quantization=quantization, max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size, kv_cache_memory_gb=c.kv_cache_memory_gb,
             kv_cache_memory_fraction=c.kv_cache_memory_fraction / 2, num_gpu_blocks_override=c.num_gpu_blocks_override,
             num_threads=c.num_threads, seed=c.seed, skip_tokenizer_init=True))

@@ -44,8 +44,10 @@ class StepResult:
     prompt_logprobs: list[tuple[Sequence, int, list[dict[int, Logprob]]]] = field(default_factory=list)
     mask_seconds: float = 0.0  # structured outputs: time spent computing and applying token masks
     num_masked_rows: int = 0
-    # With keep_hidden (Medusa): per sampled sequence, the last hidden state of the row that produced its last token.
-    hidden: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
+    # With keep_hidden (speculative heads): (sequence, position of the first row, hidden states [rows, H]). "last"
+    # (Medusa): per sampled sequence, the row that produced its last token; "all" (EAGLE): every row computed for
+    # each scheduled sequence (drafted rows included: the proposer keeps only those below the committed tokens).
+    hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -68,7 +70,7 @@ class ModelRunner:
             if dtype != torch.bfloat16:
                 log.info("batch_invariant: %s activations already take one kernel per row at every batch size", dtype)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
-        self.keep_hidden = False  # speculative heads draft from the hidden state of each sequence's last token
+        self.keep_hidden: str | None = None  # speculative heads draft from hidden states: "last" or "all" rows (StepResult)
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
@@ -249,10 +251,13 @@ class ModelRunner:
         # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
         # forked from it, which samples from the same logits), and each drafted position after it, sampled as
         # if the drafts before it were already generated (`pending`).
-        seqs, pending, sample_rows, groups, row, prompt_lps = [], [], [], [], 0, []
+        seqs, pending, sample_rows, groups, row, prompt_lps, kept = [], [], [], [], 0, [], []
         for item in items:
             if item.seq.needs_prompt_logprobs:
                 prompt_lps += self._prompt_logprobs(item, hidden, row)
+            if self.keep_hidden == "all":
+                rows = hidden[row: row + item.num_new_tokens]
+                kept += [(seq, item.seq.num_computed_tokens, rows) for seq in [item.seq, *item.forks]]
             last = row + item.num_real_tokens - 1
             row += item.num_new_tokens
             if not item.samples:
@@ -265,7 +270,7 @@ class ModelRunner:
                     sample_rows.append(last + j)
                 groups.append((seq, item if seq is item.seq else None, first))
         if not seqs:
-            return StepResult([], prompt_lps)
+            return StepResult([], prompt_lps, hidden=kept)
         sampled_hidden = hidden[sample_rows]
         logits = self.model.compute_logits(sampled_hidden)
         mask_seconds, masked = self._apply_grammars(logits, groups) if any(s.grammar is not None for s in seqs) else (0.0, 0)
@@ -295,11 +300,10 @@ class ModelRunner:
             else:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
-        kept = []
-        if self.keep_hidden:  # the row that sampled each sequence's last emitted token
+        if self.keep_hidden == "last":  # the row that sampled each sequence's last emitted token, at its position
             last = [first + len(emitted) - 1 for (_, item, first), (_, emitted, _) in zip(groups, result)]
             rows = sampled_hidden.index_select(0, torch.tensor(last, device=self.device))
-            kept = [(seq, rows[i]) for i, (seq, _, _) in enumerate(result)]
+            kept = [(seq, seq.num_tokens + len(emitted) - 2, rows[i: i + 1]) for i, (seq, emitted, _) in enumerate(result)]
         return StepResult(result, prompt_lps, mask_seconds, masked, kept)
 
     def _apply_grammars(self, logits: torch.Tensor, groups: list) -> tuple[float, int]:

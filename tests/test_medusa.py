@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from sieve import SamplingParams
-from sieve.config import ConfigError
 from sieve.spec.distill import add_distill_args, run_distill
 
 from conftest import SHARED
@@ -27,7 +26,7 @@ OPENINGS = ["Once upon a time, there was a little girl named Lily.", "Tom and hi
 def stories(**kwargs):
     from sieve import LLM
 
-    return LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256, **kwargs)
+    return LLM(str(STORIES), dtype="float32", device="cpu", **{"num_gpu_blocks_override": 256, **kwargs})
 
 
 def workload(n: int):
@@ -91,7 +90,8 @@ def test_medusa_auto_depth_is_lossless(heads):
 
 
 def test_bad_medusa_configs_are_refused(heads, tmp_path):
-    """A missing model, a folder without heads, more tokens than heads, heads of another hidden size; eagle."""
+    """A missing model, a folder without heads, more tokens than heads, heads of another hidden size; Medusa heads
+    given as an EAGLE layer."""
     out, _ = heads
     with pytest.raises(ValueError, match='needs "model"'):
         stories(speculative_config={"method": "medusa"})
@@ -106,5 +106,5 @@ def test_bad_medusa_configs_are_refused(heads, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         MedusaProposer(str(out), hidden_size=json.loads((out / "config.json").read_text())["hidden_size"], vocab_size=8,
                        device="cpu", dtype=torch.float32)
-    with pytest.raises(ConfigError, match="not built yet"):
-        run_distill(distill_args("unused", tmp_path, method="eagle"))
+    with pytest.raises(ValueError, match="not an EAGLE layer"):
+        stories(speculative_config={"method": "eagle", "model": str(out)})

@@ -376,7 +376,7 @@ def test_adaptive_depth_follows_the_cost_of_a_step():
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
     ({"method": "ngram", "speculative_tokens": 3}, "unknown field"),
     ({"method": "draft_model"}, "needs \"model\""),
-    ({"method": "eagle", "model": "heads"}, "not built yet"),
+    ({"method": "eagle"}, "needs \"model\""),
     ({"method": "ngram", "model": "x"}, "takes no"),
     ("{not json", "not valid JSON"),
 ])

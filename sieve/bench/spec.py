@@ -169,11 +169,16 @@ def _concurrent(llm, prompts, users: int, args) -> dict:
 
 
 def _simulated_acceptance(config: dict | None) -> float | None:
-    """Trained heads (`sieve distill`) record the mean acceptance length they reached on held-out answers."""
-    if not config or config.get("method") != "medusa" or config.get("num_speculative_tokens") == "auto":
+    """Trained drafts (`sieve distill`: medusa and eagle heads, draft models) record the mean acceptance length they
+    reached on held-out answers."""
+    if not config or config.get("method") not in ("medusa", "eagle", "draft_model") or config.get("num_speculative_tokens") == "auto":
         return None
-    meta = json.loads((Path(config["model"]) / "config.json").read_text())
-    return meta["simulated_mean_acceptance_length"].get(str(config.get("num_speculative_tokens", 4)))
+    folder = Path(config["model"])
+    meta_file = folder / ("sieve_distill.json" if config["method"] == "draft_model" else "config.json")
+    if not meta_file.exists():  # a draft model sieve did not train
+        return None
+    meta = json.loads(meta_file.read_text())
+    return meta.get("simulated_mean_acceptance_length", {}).get(str(config.get("num_speculative_tokens", 4)))
 
 
 def run_bench_spec(args: argparse.Namespace) -> dict:

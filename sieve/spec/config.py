@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
-BUILT = ("ngram", "suffix", "draft_model", "medusa")  # medusa: heads trained by `sieve distill`; eagle not built yet
 
 
 @dataclass
@@ -17,6 +16,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 4
     max_num_speculative_tokens: int = 8  # the ceiling of "auto"
     model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
+    quantization: str | None = None  # draft_model: the draft's weight format (as --quantization: int8, fp8, int4)
     # ngram (prompt lookup): the longest match of the sequence's last n tokens, n from max down to min.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -62,9 +62,6 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method not in BUILT:
-            raise ValueError(f"speculative_config.method {self.method!r} is not built yet in sieve "
-                             f"(available: {', '.join(BUILT)})")
         if not self.auto:
             positive_int("num_speculative_tokens (or \"auto\")", self.num_speculative_tokens)
         positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)
@@ -81,5 +78,9 @@ class SpeculativeConfig:
         if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the path of the "
                              f"{'draft checkpoint' if self.method == 'draft_model' else 'heads trained by `sieve distill`'}")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config.quantization is the draft model's weight format: only for draft_model")
+        if self.quantization not in (None, "int8", "fp8", "int4"):
+            raise ValueError(f"speculative_config.quantization must be int8, fp8 or int4, got {self.quantization!r}")
         if self.method in ("ngram", "suffix") and self.model:
             raise ValueError(f"speculative_config: method {self.method!r} takes no \"model\"")

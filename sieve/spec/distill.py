@@ -10,8 +10,11 @@
    greedy verification (head k counts only if heads 1..k-1 were right), reported as a mean acceptance length.
    `sieve bench spec` then reports the acceptance actually served, next to the simulated one.
 
-Medusa heads are built (sieve/spec/medusa.py), independent (Medusa-1) or sequential (Hydra, the default);
-EAGLE heads and small draft models are not yet.
+`--method draft` (sieve/spec/draft_train.py): a draft model cut from the target's layers, trained on its greedy
+tokens. `--method medusa`: Medusa heads (sieve/spec/medusa.py), independent (Medusa-1) or sequential (Hydra, the default),
+trained on (hidden state at t, token t + 1 + k) pairs. `--method eagle`: an EAGLE draft layer (sieve/spec/eagle.py)
+trained on whole sequences, unrolled `--depth` drafting steps (its own predicted features fed back, as served), on
+the target's next feature and its greedy next token at every position.
 """
 
 from __future__ import annotations
@@ -108,6 +111,30 @@ def collect(llm, messages: list[list[dict]], max_tokens: int, temperature: float
         raise ValueError(f"no distillation prompt fits in {limit} tokens (the context minus --max-tokens)")
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
     return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs]
+
+
+def answers(llm, messages: list[list[dict]], args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """The target's answers; with `--answers FILE`, read from it when it holds answers of this target to these
+    prompts with these settings, else generated and written there (one generation serves several trainings)."""
+    from pathlib import Path
+
+    key = {"target": str(llm.llm_engine.config.model), "prompts": len(messages), "max_tokens": args.max_tokens,
+           "temperature": args.temperature, "seed": args.seed}
+    path = Path(args.answers) if args.answers else None
+    if path is not None and path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            saved = {}
+        if saved.get("key") == key:
+            print(f"distill: the target's answers read from {path}", flush=True)
+            return [(list(ids), int(p)) for ids, p in saved["answers"]]
+        log.info("%s holds answers of other settings: generating again", path)
+    seqs = collect(llm, messages, args.max_tokens, args.temperature, args.seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "answers": seqs}))
+    return seqs
 
 
 def examples(engine, seqs: list[tuple[list[int], int]], num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,21 +237,147 @@ def train_medusa(engine, train: tuple, held: tuple, num_heads: int, draft_vocab_
     return heads.eval(), history, covered
 
 
+def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int = 256, features: bool = True) -> list[tuple]:
+    """Per answer: (token ids [N], prompt length, the target's features at every position [N, H] (None without
+    `features`), and its greedy next token after every position [N]: the label wherever the text is not its own,
+    as in the prompt)."""
+    out = []
+    for ids, p in seqs:
+        if len(ids) - p < 2:
+            continue
+        h = engine.hidden_states(ids)
+        with torch.inference_mode():
+            nxt = torch.cat([engine.runner.model.compute_logits(h[s: s + rows_per_pass]).argmax(dim=-1)
+                             for s in range(0, len(h), rows_per_pass)])
+        out.append((torch.tensor(ids), p, h.float().cpu().clone() if features else None, nxt.cpu().clone()))
+    return out
+
+
+REG_WEIGHT = 1.0  # EAGLE's feature regression beside the token loss (its features are unnormed: it weighs tokens 0.1)
+
+
+def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, depth: int) -> tuple[torch.Tensor, int]:
+    """Mean over levels and positions of the token loss (the target's greedy next token, in the draft vocabulary)
+    and the feature regression (smooth L1 against the target's next feature); and the sequence's positions."""
+    ids, _, feats, nxt = seq
+    T = len(ids) - 1
+    outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
+    total, n = 0.0, 0
+    for s, g in enumerate(outs):
+        i = torch.arange(s, T)
+        if not len(i):
+            break
+        pred = g[i]
+        ce = torch.nn.functional.cross_entropy(layer.logits(pred).float(), index[nxt[i + 1]], ignore_index=-100, reduction="sum")
+        reg = torch.nn.functional.smooth_l1_loss(pred, layer.scale_features(feats[i + 1]), reduction="none").mean(-1).sum()
+        total = total + ce + REG_WEIGHT * reg
+        n += len(i)
+    return total / max(1, n), T
+
+
+def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> dict:
+    """Served greedy acceptance, simulated: for every state of every held-out answer (the target has committed up
+    to some answer token), the layer drafts `depth` tokens the way the proposer does (its own features fed back),
+    and draft s counts when drafts 1..s all equal the answer's next tokens."""
+    right, chain, states = torch.zeros(depth), torch.zeros(depth), 0
+    with torch.inference_mode():
+        for ids, p, feats, _ in seqs:
+            N = len(ids)
+            T = N - 1
+            outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
+            ns = torch.arange(p, N - 1)  # committed up to n - 1, token n sampled: draft s + 1 guesses token n + 1 + s
+            alive = torch.ones(len(ns), dtype=torch.bool)
+            for s, g in enumerate(outs):
+                valid = ns + 1 + s <= N - 1
+                guess = layer.draft_vocab[layer.logits(g[(ns - 1 + s).clamp(max=T - 1)]).argmax(dim=-1)]
+                ok = (guess == ids[(ns + 1 + s).clamp(max=N - 1)]) & valid
+                right[s] += ok.sum()
+                alive &= ok
+                chain[s] += alive.sum()
+            states += len(ns)
+    acc, chained = (right / max(1, states)).tolist(), (chain / max(1, states)).tolist()
+    return {"head_accuracy": acc, "chain_acceptance": chained,
+            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, depth + 1)}}
+
+
+def warmup_decay(opt, steps: int):
+    """The learning rate rises over the first tenth of `steps`, then falls linearly to a tenth of it (any step count,
+    one included; steps past the end stay at the floor)."""
+    warm = max(1, steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: (i + 1) / warm if i < warm else max(0.1, 1 - 0.9 * (i - warm) / max(1, steps - warm)))
+
+
+def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft_vocab_size: int, epochs: int, lr: float,
+                batch_tokens: int, seed: int) -> tuple:
+    from sieve.spec.eagle import EagleLayer
+
+    torch.manual_seed(seed)
+    table = embedding_table(engine)
+    counts = Counter(t for _, p, _, nxt in train for t in nxt[p - 1:].tolist())  # what the target writes in its answers
+    vocab = [t for t, _ in counts.most_common(draft_vocab_size)]
+    for t in engine.eos_token_ids:
+        if t not in vocab and t < engine.arch.vocab_size:
+            vocab.append(t)
+    covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
+    layer = EagleLayer.for_target(engine.arch, vocab)
+    layer.calibrate(torch.cat([f for _, _, f, _ in train[:64]]), table)
+    with torch.no_grad():
+        layer.head.weight.copy_(lm_head_rows(engine, vocab))
+    index = torch.full((engine.arch.vocab_size,), -100, dtype=torch.int64)
+    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    opt = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
+    positions = sum(len(s[0]) - 1 for s in train)
+    steps = max(1, epochs * math.ceil(positions / batch_tokens))
+    sched = warmup_decay(opt, steps)
+    history, rng = [], random.Random(seed)
+    for epoch in range(epochs):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        total, seen, pending = 0.0, 0, 0
+        opt.zero_grad(set_to_none=True)
+        for k, j in enumerate(order):
+            loss, n = eagle_loss(layer, train[j], table, index, depth)
+            (loss * n / batch_tokens).backward()
+            total += loss.item() * n
+            seen += n
+            pending += n
+            if pending >= batch_tokens or k == len(order) - 1:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                pending = 0
+        held_m = measure_eagle(layer.eval(), held, table, depth)
+        layer.train()
+        history.append({"epoch": epoch + 1, "loss": total / max(1, seen), **held_m})
+        log.info("epoch %d: loss %.3f, held-out draft accuracy %s, simulated mean acceptance length %s", epoch + 1,
+                 total / max(1, seen), [round(a, 3) for a in held_m["head_accuracy"]],
+                 {k: round(v, 2) for k, v in held_m["simulated_mean_acceptance_length"].items()})
+    return layer.eval(), history, covered
+
+
 def run_distill(args: argparse.Namespace) -> dict:
     from sieve.config import ConfigError
     from sieve.llm import LLM
 
-    if args.method != "medusa":
-        raise ConfigError(f"sieve distill --method {args.method}: not built yet (medusa is)")
+    if args.method not in ("medusa", "eagle", "draft"):
+        raise ConfigError(f"sieve distill --method {args.method}: unknown (medusa, eagle, draft)")
+    if args.method == "draft" and args.draft_layers < 1:
+        raise ConfigError(f"--draft-layers must be >= 1, got {args.draft_layers}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
     messages = distill_messages(args.prompts, args.seed)
-    seqs = collect(llm, messages, args.max_tokens, args.temperature, args.seed)
+    seqs = answers(llm, messages, args)
     generated = time.perf_counter()
     rng = random.Random(args.seed)
     rng.shuffle(seqs)
     n_held = max(1, len(seqs) // 10)
+    if args.method == "eagle":
+        return _finish_eagle(args, engine, seqs, n_held, len(messages), started, generated)
+    if args.method == "draft":
+        return _finish_draft(args, engine, seqs, n_held, len(messages), started, generated)
     held = examples(engine, seqs[:n_held], args.num_heads)
     train = examples(engine, seqs[n_held:], args.num_heads)
     print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
@@ -238,13 +391,68 @@ def run_distill(args: argparse.Namespace) -> dict:
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
             "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": len(messages)}
     heads.save(args.out, meta)
-    seconds = time.perf_counter() - started
     print(f"draft vocabulary: {len(heads.draft_vocab)} tokens covering {100 * covered:.1f}% of the answers' tokens")
-    print("held-out head accuracy: " + ", ".join(f"head {k + 1} {a:.3f}" for k, a in enumerate(final["head_accuracy"])))
+    seconds = _report(args, final, started, "head accuracy (token k: head k)",
+                      {"method": "medusa", "model": str(args.out), "num_speculative_tokens": args.num_heads})
+    return {**meta, "history": history, "seconds": seconds, "out": str(args.out)}
+
+
+def _report(args, final: dict, started: float, what: str, serve: dict, extra: str = "") -> float:
+    """Print what training measured and how to serve the result; the seconds it all took."""
+    seconds = time.perf_counter() - started
+    print(f"held-out {what}: " + ", ".join(f"token {k + 1} {a:.3f}" for k, a in enumerate(final["head_accuracy"])))
     print("simulated mean acceptance length (greedy): "
-          + ", ".join(f"k={k} {v:.2f}" for k, v in final["simulated_mean_acceptance_length"].items()))
-    print(f"saved to {args.out} in {seconds:.0f} s: serve with --speculative-config "
-          f"'{json.dumps({'method': 'medusa', 'model': str(args.out), 'num_speculative_tokens': args.num_heads})}'")
+          + ", ".join(f"k={k} {v:.2f}" for k, v in final["simulated_mean_acceptance_length"].items()) + extra)
+    print(f"saved to {args.out} in {seconds:.0f} s: serve with --speculative-config '{json.dumps(serve)}'")
+    return seconds
+
+
+def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float) -> dict:
+    held = eagle_examples(engine, seqs[:n_held])
+    train = eagle_examples(engine, seqs[n_held:])
+    n_train, n_held_pos = sum(len(s[0]) - 1 for s in train), sum(len(s[0]) - s[1] for s in held)
+    print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
+          f"{generated - started:.0f} s); training an EAGLE layer on {n_train} positions ({args.depth} drafting steps "
+          f"unrolled), {n_held_pos} answer positions held out", flush=True)
+    layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
+                                          args.batch_tokens, args.seed)
+    final = history[-1]
+    meta = {"target": str(args.target), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
+            "draft_vocab_coverage": covered, "train_positions": n_train, "held_out_positions": n_held_pos,
+            "epochs": args.epochs, "depth": args.depth, "head_accuracy": final["head_accuracy"],
+            "chain_acceptance": final["chain_acceptance"],
+            "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
+            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts}
+    layer.save(args.out, meta)
+    print(f"draft vocabulary: {len(layer.draft_vocab)} tokens covering {100 * covered:.1f}% of the answers' tokens")
+    seconds = _report(args, final, started, "draft accuracy (own features fed back)",
+                      {"method": "eagle", "model": str(args.out), "num_speculative_tokens": args.depth})
+    return {**meta, "history": history, "seconds": seconds, "out": str(args.out)}
+
+
+def _finish_draft(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float) -> dict:
+    from sieve.spec.draft_train import cut_from_target, save_draft, train_draft
+
+    held = eagle_examples(engine, seqs[:n_held], features=False)
+    train = eagle_examples(engine, seqs[n_held:], features=False)
+    model, ckpt, layers = cut_from_target(engine.config.model, args.draft_layers)
+    n_train, n_held_pos = sum(len(s[0]) - s[1] + 1 for s in train), sum(len(s[0]) - s[1] for s in held)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
+          f"{generated - started:.0f} s); a draft of {len(layers)} of its {engine.arch.num_layers} layers ({layers}, "
+          f"{params / 1e6:.1f}M parameters) trained on {n_train} positions, {n_held_pos} answer positions held out", flush=True)
+    history = train_draft(model, train, held, args.depth, args.epochs, args.lr, args.batch_tokens, args.seed)
+    final = history[-1]
+    meta = {"target": str(args.target), "head_type": "draft", "target_layers": layers, "parameters": params,
+            "train_positions": n_train, "held_out_positions": n_held_pos, "epochs": args.epochs,
+            "head_accuracy": final["head_accuracy"], "chain_acceptance": final["chain_acceptance"],
+            "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
+            "before_training": history[0]["simulated_mean_acceptance_length"],
+            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts}
+    save_draft(model, ckpt, args.out, meta)
+    seconds = _report(args, final, started, "agreement with the target (teacher-forced)",
+                      {"method": "draft_model", "model": str(args.out), "num_speculative_tokens": args.depth},
+                      f" (cut, untrained: k={args.depth} {history[0]['simulated_mean_acceptance_length'][str(args.depth)]:.2f})")
     return {**meta, "history": history, "seconds": seconds, "out": str(args.out)}
 
 
@@ -253,7 +461,11 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="medusa", choices=["medusa", "eagle", "draft"])
     p.add_argument("--out", required=True, help="folder the heads are saved to")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-heads", type=int, default=3)
+    p.add_argument("--num-heads", type=int, default=3, help="medusa: heads (one draft token each)")
+    p.add_argument("--depth", type=int, default=3, help="eagle: drafting steps unrolled in training (EAGLE-3's training-time "
+                   "test); eagle and draft: draft tokens the simulated acceptance is reported for")
+    p.add_argument("--draft-layers", type=int, default=4, help="draft: decoder layers of the target the draft keeps (evenly spaced)")
+    p.add_argument("--batch-tokens", type=int, default=256, help="eagle and draft: positions per optimiser step (at least one sequence)")
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-1's independent heads (default: Hydra's sequential heads, each also reading the token before "
                         "the one it guesses)")
@@ -261,6 +473,8 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=240)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="how the target answers (0: its greedy answers)")
+    p.add_argument("--answers", default=None, help="a JSON file the target's answers are kept in and reused from "
+                   "(same target, prompts, --max-tokens, --temperature and --seed)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=256)

@@ -102,7 +102,7 @@ class MedusaProposer:
     """Drafts k tokens per sequence from its last hidden state: one batched pass of the heads per step."""
 
     free = False  # drafting costs a little compute: the depth controller decides before asking
-    needs_hidden = True
+    needs_hidden = "last"
 
     def __init__(self, path: str, hidden_size: int, vocab_size: int, device: torch.device, dtype: torch.dtype, embed=None):
         self.heads, self.config = MedusaHeads.load(path, device, dtype)
@@ -120,8 +120,8 @@ class MedusaProposer:
         self.dtype = dtype
         self.hidden: dict[int, torch.Tensor] = {}  # id(seq) -> hidden state that produced its last token
 
-    def observe_hidden(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        self.hidden[id(seq)] = hidden
+    def observe_hidden(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        self.hidden[id(seq)] = rows[-1]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:

@@ -26,6 +26,11 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
+    if config.method == "eagle":
+        from sieve.spec.eagle import EagleProposer
+
+        return EagleProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"], context["dtype"],
+                             context["embed"])
     if config.method == "medusa":
         from sieve.spec.medusa import MedusaProposer
 
@@ -38,7 +43,7 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
     assert config.method == "draft_model", config.method  # SpeculativeConfig.validate refuses the rest
     from sieve.spec.draft_model import DraftModelProposer
 
-    return DraftModelProposer(context["make_engine"](config.model))
+    return DraftModelProposer(context["make_engine"](config.model, config.quantization))
 
 
 class SpecStats:
@@ -126,14 +131,15 @@ class Speculator:
             self.controller.record(seq, num_draft, num_accepted)
 
     @property
-    def needs_hidden(self) -> bool:
-        """The proposer drafts from the target's last hidden state (Medusa): the runner hands it over each step."""
-        return getattr(self.proposer, "needs_hidden", False)
+    def needs_hidden(self) -> str | None:
+        """Which of the target's last hidden states the proposer drafts from, handed over by the runner each step:
+        "last" (Medusa: the row that produced each sequence's last token), "all" (EAGLE: every row computed), None."""
+        return getattr(self.proposer, "needs_hidden", None)
 
-    def observe_hidden(self, hidden: list[tuple[Sequence, "torch.Tensor"]]) -> None:
-        """Each sampled sequence's hidden state at the position that produced its last token."""
-        for seq, h in hidden:
-            self.proposer.observe_hidden(seq, h)
+    def observe_hidden(self, hidden: list[tuple[Sequence, int, "torch.Tensor"]]) -> None:
+        """(sequence, position of the first row, hidden states [rows, H]) from the step just run."""
+        for seq, start, rows in hidden:
+            self.proposer.observe_hidden(seq, start, rows)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)

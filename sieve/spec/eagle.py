@@ -1,0 +1,326 @@
+"""EAGLE (Li et al. 2024): a one-layer draft model that runs on the target's own features.
+
+Where Medusa heads guess from one hidden state, EAGLE's draft layer is a small decoder layer with attention over
+every earlier position: at position t it reads the target's last hidden state f_t (what the target's LM head
+reads) and the embedding of the token x_{t+1} sampled from it, and predicts the next feature f_{t+1}; a draft
+vocabulary head (the most written tokens, initialised from the target's LM-head rows, EAGLE-3's reduced vocabulary)
+turns that into a guess of x_{t+2}. Drafting the next token feeds the layer its own predicted feature and guess.
+
+- Training (`sieve distill --method eagle`, sieve/spec/distill.py) runs the layer on whole sequences of the
+  target's own answers, unrolled for `depth` drafting steps at once (EAGLE-3's "training-time test"): level s
+  sees the target's features up to s positions back and its own predictions after them, exactly what draft
+  token s + 1 sees when served. The mask that says so is `unroll_mask`.
+- Serving (`EagleProposer`): the runner hands over the target's hidden state of every row it computed for a
+  sequence (`needs_hidden = "all"`); positions committed since the last step enter the layer's own KV cache
+  (dense, per sequence: one layer's K/V is small), then up to k tokens are drafted greedily, their entries
+  overwritten next step. Committed tokens never change, so the cache never needs rolling back; a sequence
+  recomputed after preemption skips positions already entered. Positions the target did not compute (a
+  prefix-cache hit) have no features: the draft's context starts after them, which costs acceptance, never
+  correctness.
+
+Saved as a folder: `config.json` (sizes, the draft vocabulary, what training measured) and `eagle.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sieve.sequence import Sequence
+from sieve.spec.proposer import Draft
+
+CONFIG, WEIGHTS = "config.json", "eagle.safetensors"
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def unroll_mask(T: int, level: int, device=None) -> torch.Tensor:
+    """Which keys level `level`'s query at position i attends, among the keys of levels 0..level laid end to end
+    ([T, (level + 1) T], True: attend): the target-feature keys at positions <= i - level (the context that was
+    committed when drafting started), and level r's key at position i - level + r for r = 1..level (the draft's own
+    entries since, its own included)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    blocks = [j <= i - level] + [j == i - level + r for r in range(1, level + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+                 rope_theta: float, rms_norm_eps: float, draft_vocab: list[int]):
+        super().__init__()
+        H = hidden_size
+        self.sizes = dict(hidden_size=H, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+        self.nh, self.nkv, self.hd, self.eps = num_heads, num_kv_heads, head_dim, rms_norm_eps
+        self.fc = nn.Linear(2 * H, H, bias=False)  # [embedding of x_{t+1}; feature f_t] -> the layer's input
+        self.attn_norm = nn.Parameter(torch.ones(H))
+        self.qkv = nn.Linear(H, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, H, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(H))
+        self.gate_up = nn.Linear(H, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, H, bias=False)
+        self.head = nn.Linear(H, len(draft_vocab), bias=False)
+        self.register_buffer("draft_vocab", torch.tensor(draft_vocab, dtype=torch.int64), persistent=False)
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # The layer works on standardised inputs: the target's features divided per dimension by their RMS over the
+        # training data (a few dimensions carry most of the magnitude), token embeddings by theirs (`calibrate`).
+        self.register_buffer("feature_scale", torch.ones(H))
+        self.register_buffer("embed_scale", torch.ones(1))
+        with torch.no_grad():  # start as "the next feature is this one": the residual branches begin at zero
+            self.fc.weight.zero_()
+            self.fc.weight[:, H:].copy_(torch.eye(H))
+            self.o.weight.mul_(0.1)
+            self.down.weight.mul_(0.1)
+
+    @classmethod
+    def for_target(cls, arch, draft_vocab: list[int]) -> "EagleLayer":
+        """A layer shaped like one of the target's (its heads, KV heads and MLP width), on the target's rotary base."""
+        return cls(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+                   arch.rope_theta, arch.rms_norm_eps, draft_vocab)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, D/2]
+        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    @torch.no_grad()
+    def calibrate(self, feats: torch.Tensor, table: torch.Tensor) -> None:
+        """Fix the input scales from a sample of the target's features [N, H] and its embedding table [V, H]."""
+        self.feature_scale.copy_(feats.float().pow(2).mean(0).sqrt().clamp_min(1e-3))
+        self.embed_scale.fill_(1.0 / table.float().pow(2).mean().sqrt().clamp_min(1e-6).item())
+
+    def scale_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target's features (its last hidden states) in the layer's standardised space."""
+        return feats / self.feature_scale.to(feats.dtype)
+
+    def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
+        """Rows [T, H] of token embeddings and standardised features -> the residual stream and rotated q, k, v."""
+        T = emb.shape[0]
+        x = self.fc(torch.cat([emb * self.embed_scale.to(emb.dtype), feat], dim=-1))
+        q, k, v = self.qkv(_rms(x, self.attn_norm, self.eps)).split(
+            [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = self._rope(q.view(T, self.nh, self.hd), positions)
+        k = self._rope(k.view(T, self.nkv, self.hd), positions)
+        return x, q, k, v.view(T, self.nkv, self.hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [T, heads, D] over k, v [S, kv_heads, D] (mask [T, S], True: attend; None: all) -> [T, heads * D]."""
+        rep = self.nh // self.nkv
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention -> the predicted next feature (standardised)."""
+        x = x + self.o(attn)
+        gate, up = self.gate_up(_rms(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)  # on the scale of the target's features, which the head was made for
+
+    def logits(self, feat: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of a predicted (standardised) feature: the head reads the target's scale."""
+        return self.head((feat * self.feature_scale.to(feat.dtype)).to(self.head.weight.dtype))
+
+    def unrolled(self, emb: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training and measuring: one sequence's positions 0..T-1, `emb` [T, H] the embeddings of the tokens that
+        follow them and `feats` [T, H] the target's features there, run for `depth` drafting steps at once. Level s's
+        row i is draft token s + 1 of the state whose last committed position is i - s (valid for i >= s): it
+        predicts the (standardised) feature at i + 1 and the token at i + 2."""
+        T = emb.shape[0]
+        positions = torch.arange(T, device=emb.device)
+        feats = self.scale_features(feats)
+        keys, values, outs = [], [], []
+        for level in range(depth):
+            f_in = feats if level == 0 else torch.cat([feats[:1], outs[-1][:-1]])  # level s at i reads level s-1 at i-1
+            x, q, k, v = self.project(emb, f_in, positions)
+            keys.append(k)
+            values.append(v)
+            attn = self.attend(q, torch.cat(keys), torch.cat(values), unroll_mask(T, level, emb.device))
+            outs.append(self.finish(x, attn))
+        return outs
+
+    def save(self, out: str | Path, meta: dict) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS))
+        config = {"method": "eagle", **self.sizes, "draft_vocab": self.draft_vocab.tolist(), **meta}
+        (out / CONFIG).write_text(json.dumps(config, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple["EagleLayer", dict]:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        try:
+            config = json.loads((path / CONFIG).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} holds no EAGLE layer ({CONFIG}: {e}); train one with `sieve distill --method eagle`") from e
+        if config.get("method") != "eagle":
+            raise ValueError(f"{path} holds {config.get('method')!r} heads, not an EAGLE layer")
+        sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps")
+        try:
+            layer = cls(*(config[k] for k in sizes), config["draft_vocab"])
+            layer.load_state_dict(load_file(str(path / WEIGHTS)))
+        except Exception as e:  # missing sizes, a truncated or foreign weights file, other shapes
+            raise ValueError(f"{path}: the EAGLE layer does not load ({type(e).__name__}: {e})") from e
+        return layer.to(device=device, dtype=dtype).eval(), config
+
+
+class _SeqState:
+    """One sequence's draft context: the layer's K/V for positions base .. base + n - 1 (entered from the target's
+    features), and features at positions pend_start .. not entered yet."""
+
+    __slots__ = ("base", "n", "k", "v", "pend_start", "pend")
+
+    def __init__(self, start: int):
+        self.base, self.n, self.k, self.v = start, 0, None, None
+        self.pend_start, self.pend = start, None
+
+    @property
+    def entered(self) -> int:
+        return self.base + self.n
+
+    def reserve(self, size: int, like: torch.Tensor) -> None:
+        if self.k is None or self.k.shape[0] < size:
+            cap = max(size, 2 * (self.k.shape[0] if self.k is not None else 16))
+            k, v = like.new_empty((cap, *like.shape[1:])), like.new_empty((cap, *like.shape[1:]))
+            if self.k is not None:
+                k[: self.n], v[: self.n] = self.k[: self.n], self.v[: self.n]
+            self.k, self.v = k, v
+
+
+class EagleProposer:
+    """Drafts k tokens per sequence with the EAGLE layer: the committed positions' features enter each sequence's
+    draft cache in one batched pass, then each further draft token is one batched pass of the layer."""
+
+    free = False
+    needs_hidden = "all"  # the target's hidden state of every row computed, not only the last
+
+    def __init__(self, path: str, hidden_size: int, vocab_size: int, device: torch.device, dtype: torch.dtype, embed):
+        self.layer, self.config = EagleLayer.load(path, device, dtype)
+        if self.config["hidden_size"] != hidden_size:
+            raise ValueError(f"the EAGLE layer at {path} was trained for hidden size {self.config['hidden_size']}, "
+                             f"the target has {hidden_size}")
+        if max(self.config["draft_vocab"]) >= vocab_size:
+            raise ValueError(f"the EAGLE layer at {path} drafts token ids past the target's vocabulary ({vocab_size})")
+        if device.type == "cpu" and dtype == torch.float32:
+            self._int8_linears()
+        self.embed, self.dtype, self.device = embed, dtype, device
+        self.states: dict[int, _SeqState] = {}
+
+    def _int8_linears(self) -> None:
+        """On the CPU a draft pass is bound by the layer's bytes (float32: ~20 MB for SmolLM2's shape, a fifth of
+        its Q4_1 target, 1.5 ms a pass on 2 Zen 3 cores): its linears run as int8 per-channel on the native kernels
+        (a quarter of the bytes). A draft is only a guess, so rounding costs acceptance, never exactness."""
+        from sieve.quant.formats import quantize_int8
+        from sieve.quant.kernels import BlockedKernel, make_kernel
+
+        for name in ("fc", "qkv", "o", "gate_up", "down", "head"):
+            lin = getattr(self.layer, name)
+            kernel = make_kernel(quantize_int8(lin.weight.detach()), torch.float32)
+            if isinstance(kernel, BlockedKernel):  # (no native kernels built here: the float32 layer stays)
+                lin.forward = kernel
+
+    def observe_hidden(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """The target's features at positions start .. start + len(rows) - 1 (some may be rows of drafts that
+        will be rejected: only positions below the sequence's computed tokens are ever entered)."""
+        st = self.states.get(id(seq))
+        if st is None:
+            st = self.states[id(seq)] = _SeqState(start)
+        if start < st.entered:  # recomputed after preemption: those positions are in the cache already
+            rows, start = rows[st.entered - start:], st.entered
+            if not len(rows):
+                return
+        have = st.pend_start + (len(st.pend) if st.pend is not None else 0)
+        if start > have:  # positions nobody computed (cannot follow entered ones): start the context again here
+            st.__init__(start)
+            have = start
+        if st.pend is None or start == st.pend_start:
+            st.pend_start, st.pend = start, rows
+        else:  # replaces what follows `start` (an earlier step's rejected rows)
+            st.pend = torch.cat([st.pend[: start - st.pend_start], rows])
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        batch = []  # (index, state, number of positions to enter)
+        for i, seq in enumerate(seqs):
+            st = self.states.get(id(seq))
+            upto = seq.num_computed_tokens  # the positions whose tokens are committed
+            if st is None or st.pend is None or st.pend_start != st.entered or st.pend_start + len(st.pend) < upto \
+                    or upto <= st.entered:
+                continue
+            batch.append((i, st, upto - st.entered))
+        if not batch:
+            return drafts
+        layer = self.layer
+        # 1. Enter every committed position since the last step: (feature at t, token t + 1) at position t.
+        feats, toks, pos = [], [], []
+        for i, st, m in batch:
+            feats.append(st.pend[:m])
+            toks += seqs[i].token_ids[st.entered + 1: st.entered + 1 + m]
+            pos += range(st.entered, st.entered + m)
+        feats = layer.scale_features(torch.cat(feats).to(self.dtype))
+        emb = self.embed(torch.tensor(toks, device=self.device)).to(self.dtype)
+        x, q, k, v = layer.project(emb, feats, torch.tensor(pos, device=self.device))
+        attn, row, k_max = [], 0, max(ks[i] for i, _, _ in batch)
+        for i, st, m in batch:
+            st.reserve(st.n + m + k_max, k)
+            st.k[st.n: st.n + m], st.v[st.n: st.n + m] = k[row: row + m], v[row: row + m]
+            S = st.n + m
+            mask = None
+            if m > 1:  # causal among the new positions
+                mask = torch.arange(S, device=self.device)[None, :] <= torch.arange(st.n, S, device=self.device)[:, None]
+            attn.append(layer.attend(q[row: row + m], st.k[:S], st.v[:S], mask))
+            st.n, st.pend_start, st.pend = S, st.base + S, None
+            row += m
+        out = layer.finish(x, torch.cat(attn))
+        last = torch.tensor(_cumsum([m for _, _, m in batch]), device=self.device) - 1
+        g = out.index_select(0, last)  # each sequence's prediction of the feature after its last committed position
+        guesses = [[] for _ in batch]
+        active = list(range(len(batch)))
+        for j in range(k_max):
+            d = layer.draft_vocab[layer.logits(g).argmax(dim=-1)]
+            for a, t in zip(active, d.tolist()):
+                guesses[a].append(t)
+            active_next = [n for n, a in enumerate(active) if ks[batch[a][0]] > j + 1]
+            if not active_next:
+                break
+            # 2. The next draft token: the layer on its own predicted feature and guess, one position further.
+            sel = torch.tensor(active_next, device=self.device)
+            g, d = g.index_select(0, sel), d.index_select(0, sel)
+            active = [active[n] for n in active_next]
+            p = torch.tensor([batch[a][1].entered + j for a in active], device=self.device)
+            x, q, k, v = layer.project(self.embed(d).to(self.dtype), g, p)
+            attn = []
+            for r, a in enumerate(active):
+                st = batch[a][1]
+                S = st.n + j + 1
+                st.k[S - 1], st.v[S - 1] = k[r], v[r]
+                attn.append(layer.attend(q[r: r + 1], st.k[:S], st.v[:S], None))
+            g = layer.finish(x, torch.cat(attn))
+        for (i, _, _), gs in zip(batch, guesses):
+            drafts[i] = Draft(gs[: ks[i]])
+        return drafts
+
+    def finish(self, seq: Sequence) -> None:
+        self.states.pop(id(seq), None)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, s = [], 0
+    for x in xs:
+        s += x
+        out.append(s)
+    return out

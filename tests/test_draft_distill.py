@@ -1,0 +1,97 @@
+"""`sieve distill --method draft`: a draft model cut from the target's layers and trained on its greedy tokens is an
+ordinary checkpoint; served as `draft_model` (its own weight format with `quantization`) it is lossless, and it
+drafts far better than the same cut untrained."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sieve import SamplingParams
+from sieve.config import ConfigError
+from sieve.spec.distill import run_distill
+from sieve.spec.draft_train import spaced_layers
+
+from test_medusa import STORIES, distill_args, stories, workload
+from test_spec import assert_pool_clean, ids
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    out = tmp_path_factory.mktemp("draft")
+    answers = tmp_path_factory.mktemp("answers") / "answers.json"
+    report = run_distill(distill_args(STORIES, out, method="draft", draft_layers=2, epochs=3, lr=3e-3, answers=str(answers)))
+    return out, report, answers
+
+
+def test_spaced_layers_keep_first_and_last():
+    assert spaced_layers(30, 4) == [0, 10, 19, 29]
+    assert spaced_layers(5, 2) == [0, 4]
+    assert spaced_layers(5, 1) == [4]
+    assert spaced_layers(3, 8) == [0, 1, 2]
+
+
+def test_a_cut_of_every_layer_is_the_target():
+    """The cut takes the target's weights as they are: with every layer kept, transformers' model of the cut gives
+    sieve's logits."""
+    import torch
+
+    from sieve.spec.draft_train import cut_from_target
+
+    model, _, layers = cut_from_target(str(STORIES), 99)
+    assert layers == [0, 1, 2, 3, 4]
+    ids = list(range(5, 60))
+    with torch.inference_mode():
+        got = model(input_ids=torch.tensor([ids])).logits[0]
+    want = stories().llm_engine.score(ids)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_distilled_draft_is_a_checkpoint_that_drafts_better_than_the_cut(draft):
+    out, report, _ = draft
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and (out / "model.safetensors").exists()
+    meta = json.loads((out / "sieve_distill.json").read_text())
+    assert meta["method"] == "draft" and meta["target_layers"] == [0, 4]
+    history = report["history"]
+    assert history[-1]["loss"] < history[1]["loss"]
+    trained, cut = report["simulated_mean_acceptance_length"]["3"], report["before_training"]["3"]
+    assert trained > cut + 0.5 and trained > 1.8  # training is what makes it a draft
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_distilled_draft_is_lossless_when_served(draft, quantization):
+    out, _, _ = draft
+    plain = stories()
+    spec = stories(max_num_batched_tokens=32, speculative_config={
+        "method": "draft_model", "model": str(out), "num_speculative_tokens": 3, "quantization": quantization})
+    prompts, params = workload(17)
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    stats = spec.llm_engine.speculator.stats
+    assert stats.num_accepted_tokens > 0.5 * stats.num_drafts  # it guesses the target's tokens often
+    sampled = [SamplingParams(max_tokens=p.max_tokens, temperature=0.9, seed=i, ignore_eos=True) for i, p in enumerate(params)]
+    assert ids(spec.generate(prompts, sampled)) == ids(plain.generate(prompts, sampled))
+    assert_pool_clean(spec.llm_engine)
+
+
+def test_bad_draft_requests_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--draft-layers"):
+        run_distill(distill_args(STORIES, tmp_path, method="draft", draft_layers=0))
+    with pytest.raises(ValueError, match="only for draft_model"):
+        stories(speculative_config={"method": "ngram", "quantization": "int8"})
+    with pytest.raises(ValueError, match="int8, fp8 or int4"):
+        stories(speculative_config={"method": "draft_model", "model": "x", "quantization": "q3"})
+
+
+def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys):
+    """One generation serves several trainings (--answers FILE); other settings generate again."""
+    _, report, answers = draft
+    saved = json.loads(answers.read_text())
+    assert 0 < len(saved["answers"]) <= report["prompts"] and saved["key"]["max_tokens"] == 96  # (prompts too long: left out)
+    capsys.readouterr()
+    run_distill(distill_args(STORIES, tmp_path / "m", epochs=1, answers=str(answers)))
+    assert "answers read from" in capsys.readouterr().out
+    run_distill(distill_args(STORIES, tmp_path / "m2", epochs=1, max_tokens=32, answers=str(answers)))
+    assert "answers read from" not in capsys.readouterr().out
+    assert json.loads(answers.read_text())["key"]["max_tokens"] == 32

@@ -1,0 +1,139 @@
+"""EAGLE: `sieve distill --method eagle` trains a one-layer draft model on the target's own features and answers;
+served through `speculative_config`, it drafts from the hidden states of every row the target computed, and the
+output is exactly the output without speculation (greedy and seeded, among other requests, with chunked prefill,
+prefix-cache hits and preemption). The proposer's drafts are what the training-time unrolling simulates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sieve import SamplingParams
+from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
+
+from test_medusa import STORIES, distill_args, stories, workload
+from test_spec import assert_pool_clean, ids
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    from sieve.spec.distill import run_distill
+
+    out = tmp_path_factory.mktemp("eagle")
+    report = run_distill(distill_args(STORIES, out, method="eagle", depth=3, batch_tokens=512))
+    return out, report
+
+
+def test_distill_trains_an_eagle_layer_and_reports_simulated_acceptance(eagle):
+    out, report = eagle
+    config = json.loads((out / "config.json").read_text())
+    assert config["method"] == "eagle" and config["depth"] == 3 and config["num_kv_heads"] >= 1
+    assert (out / "eagle.safetensors").exists()
+    first, last = report["history"][0], report["history"][-1]
+    assert len(report["history"]) == 4 and last["loss"] < first["loss"]  # it learns
+    assert last["chain_acceptance"][0] > first["chain_acceptance"][0] - 0.02 and last["head_accuracy"][0] > 0.4
+    sim = config["simulated_mean_acceptance_length"]
+    assert 1.3 < sim["1"] <= sim["2"] <= sim["3"] <= 4.0  # later draft tokens add acceptance: the unrolling works
+
+
+def test_eagle_greedy_and_seeded_output_equal_no_speculation(eagle):
+    out, _ = eagle
+    plain = stories()
+    spec = stories(max_num_batched_tokens=32,  # chunked prefill: a prompt's features arrive over several steps
+                   speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
+    prompts, params = workload(33)
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    stats = spec.llm_engine.speculator.stats
+    assert stats.num_drafts > 50 and stats.num_accepted_tokens > 0.4 * stats.num_drafts  # the layer guesses right
+    assert stats.accepted_per_pos[2] > 0  # third drafts accepted: drafting on its own features works when served
+    sampled = [SamplingParams(max_tokens=p.max_tokens, temperature=0.9, seed=i, ignore_eos=True) for i, p in enumerate(params)]
+    assert ids(spec.generate(prompts, sampled)) == ids(plain.generate(prompts, sampled))
+    assert not spec.llm_engine.speculator.proposer.states  # every finished sequence's draft context was dropped
+    assert_pool_clean(spec.llm_engine)
+
+
+def test_eagle_with_prefix_hits_preemption_forks_and_auto_depth(eagle):
+    """A pool of 12 blocks preempts (a recomputed sequence re-enters positions its draft cache holds); repeated
+    prompts hit the prefix cache (no features before the hit: the draft context starts after it); n = 2 forks."""
+    out, _ = eagle
+    prompts, params = workload(10)
+    prompts = prompts + prompts[:4]
+    params = params + params[:4]
+    forked = SamplingParams(max_tokens=30, temperature=0.8, seed=7, n=2, ignore_eos=True)
+    for config in ({"num_speculative_tokens": 3}, {"num_speculative_tokens": "auto"}):
+        plain = stories(num_gpu_blocks_override=12, max_num_seqs=4)
+        spec = stories(num_gpu_blocks_override=12, max_num_seqs=4,
+                       speculative_config={"method": "eagle", "model": str(out), **config})
+        assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+        fork_spec = [c.token_ids for c in spec.generate(prompts[:2], forked)[0].outputs]
+        assert fork_spec == [c.token_ids for c in plain.generate(prompts[:2], forked)[0].outputs]
+        engine = spec.llm_engine
+        assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_hit_tokens > 0
+        assert_pool_clean(engine)
+
+
+def test_served_drafts_are_what_training_unrolls(tmp_path):
+    """The proposer (features entered in pieces, rejected rows replaced, a draft cache grown) drafts exactly the
+    tokens the unrolled training pass predicts for the same context and the same tokens: simulated acceptance is the
+    served one."""
+    torch.manual_seed(0)
+    H, V = 32, 50
+    layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):  # not the near-identity start
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    layer.save(tmp_path, {})
+    table = torch.randn(V, H)
+    proposer = EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
+    feats = torch.randn(40, H, dtype=torch.float64)
+    tokens = torch.randint(0, V, (40,)).tolist()
+    seq = SimpleNamespace(token_ids=tokens[:21], num_computed_tokens=20)
+    proposer.observe_hidden(seq, 0, feats[:12])  # a prefill chunk
+    proposer.observe_hidden(seq, 12, torch.randn(9, H, dtype=torch.float64))  # rows of a step whose drafts lost...
+    proposer.observe_hidden(seq, 12, feats[12:20])  # ...replaced from position 12
+    for n in (20, 23):
+        seq.token_ids, seq.num_computed_tokens = tokens[: n + 1], n
+        if n == 23:
+            proposer.observe_hidden(seq, 20, feats[20:24])  # 3 committed, 1 rejected row
+        draft = proposer.propose([seq], [4])[0].token_ids
+        assert len(draft) == 4
+        # the unrolled pass fed the same tokens (the drafts after the committed ones) and the real features
+        path = torch.tensor(tokens[: n + 1] + draft)
+        T = len(path) - 1
+        with torch.inference_mode():
+            outs = proposer.layer.unrolled(table[path[1:]].double(), torch.cat([feats[:n], feats[:T - n]]), 4)
+            sim = [proposer.layer.draft_vocab[proposer.layer.logits(outs[s][n - 1 + s]).argmax()].item() for s in range(4)]
+        assert draft == sim
+        if n == 20:  # the drafts depend on the features entered (so a wrong row entered would show)
+            with torch.inference_mode():
+                other = proposer.layer.unrolled(table[path[1:]].double(), torch.randn(T, H, dtype=torch.float64), 4)
+                assert [proposer.layer.draft_vocab[proposer.layer.logits(other[s][n - 1 + s]).argmax()].item()
+                        for s in range(4)] != sim
+    proposer.finish(seq)
+    assert not proposer.states
+
+
+def test_unroll_mask_is_what_each_draft_token_sees():
+    m = unroll_mask(5, 2)
+    assert m.shape == (5, 15)
+    # level 2 at position 4: target keys 0..2, level 1's key at 3, its own at 4
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert m[0].nonzero().flatten().tolist() == [10]  # nothing committed before it: only itself (never attended empty)
+
+
+def test_bad_eagle_layers_are_refused(eagle, tmp_path):
+    out, _ = eagle
+    with pytest.raises(ValueError, match="holds no EAGLE layer"):
+        stories(speculative_config={"method": "eagle", "model": str(tmp_path)})
+    with pytest.raises(ValueError, match="hidden size"):
+        EagleProposer(str(out), 999, 512, torch.device("cpu"), torch.float32, embed=None)
+    with pytest.raises(ValueError, match="vocabulary"):
+        EagleProposer(str(out), json.loads((out / "config.json").read_text())["hidden_size"], 8, torch.device("cpu"),
+                      torch.float32, embed=None)
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text())}))
+    (tmp_path / "eagle.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="does not load"):
+        stories(speculative_config={"method": "eagle", "model": str(tmp_path)})
