@@ -23,6 +23,7 @@ Saved as a folder: `config.json` (sizes, the draft vocabulary, what training mea
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -244,7 +245,7 @@ class EagleProposer:
                 return
         have = st.pend_start + (len(st.pend) if st.pend is not None else 0)
         if start > have:  # positions nobody computed (cannot follow entered ones): start the context again here
-            st.__init__(start)
+            st = self.states[id(seq)] = _SeqState(start)
             have = start
         if st.pend is None or start == st.pend_start:
             st.pend_start, st.pend = start, rows
@@ -286,7 +287,7 @@ class EagleProposer:
             st.n, st.pend_start, st.pend = S, st.base + S, None
             row += m
         out = layer.finish(x, torch.cat(attn))
-        last = torch.tensor(_cumsum([m for _, _, m in batch]), device=self.device) - 1
+        last = torch.tensor(list(itertools.accumulate(m for _, _, m in batch)), device=self.device) - 1
         g = out.index_select(0, last)  # each sequence's prediction of the feature after its last committed position
         guesses = [[] for _ in batch]
         active = list(range(len(batch)))
@@ -317,10 +318,3 @@ class EagleProposer:
     def finish(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
 
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, s = [], 0
-    for x in xs:
-        s += x
-        out.append(s)
-    return out
