@@ -78,6 +78,10 @@ def test_distilled_draft_is_lossless_when_served(draft, quantization):
 def test_bad_draft_requests_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--draft-layers"):
         run_distill(distill_args(STORIES, tmp_path, method="draft", draft_layers=0))
+    with pytest.raises(ConfigError, match="--depth"):
+        run_distill(distill_args(STORIES, tmp_path, method="eagle", depth=0))
+    with pytest.raises(ConfigError, match="--batch-tokens"):
+        run_distill(distill_args(STORIES, tmp_path, method="eagle", batch_tokens=0))
     with pytest.raises(ValueError, match="only for draft_model"):
         stories(speculative_config={"method": "ngram", "quantization": "int8"})
     with pytest.raises(ValueError, match="int8, fp8 or int4"):

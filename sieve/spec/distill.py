@@ -363,8 +363,9 @@ def run_distill(args: argparse.Namespace) -> dict:
 
     if args.method not in ("medusa", "eagle", "draft"):
         raise ConfigError(f"sieve distill --method {args.method}: unknown (medusa, eagle, draft)")
-    if args.method == "draft" and args.draft_layers < 1:
-        raise ConfigError(f"--draft-layers must be >= 1, got {args.draft_layers}")
+    for flag, value in (("--draft-layers", args.draft_layers), ("--depth", args.depth), ("--batch-tokens", args.batch_tokens)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
