@@ -474,9 +474,9 @@ class LLMEngine:
             outputs.append(out)
         if self.speculator is not None:
             auto = self.speculator.config.auto  # only the adaptive depth uses step times and the coming prefill
-            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
-            if auto:  # the step's time includes drafting for the next one: what a proposer costs counts (Medusa's heads)
+            if auto:  # the target's step alone: the speculator times its proposer's drafting separately
                 self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
         return outputs
 
     @staticmethod

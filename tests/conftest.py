@@ -14,6 +14,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each session gets a fresh SIEVE_CACHE (demo model, tokenizers), but the native kernels keep building in the user's
+# cache: they are keyed by their sources, this CPU and the instruction set, and compiling them takes minutes here.
+os.environ.setdefault("SIEVE_KERNEL_CACHE", str(Path(os.environ.get("SIEVE_CACHE") or Path(
+    os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sieve") / "kernels"))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

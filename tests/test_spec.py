@@ -6,8 +6,10 @@ and unseeded sampling keeps the target's distribution (tested statistically on s
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from sieve.spec.config import SpeculativeConfig
 from sieve.spec.controller import DepthController, StepCostModel
 from sieve.spec.proposer import Draft
 from sieve.spec.rejection import verify_with_q
+from sieve.spec.speculator import PROBE_SHARE, Speculator
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 VOCAB = 4096
@@ -368,6 +371,100 @@ def test_adaptive_depth_follows_the_cost_of_a_step():
     assert fixed.choose([good, bad], [6, 2]) == [3, 2]
 
 
+def test_adaptive_depth_counts_what_the_proposer_costs():
+    """Drafts always accepted, a step cost nearly flat: drafting pays if asking the proposer is cheap, and not if
+    each drafted token costs more than the step it saves."""
+    config = SpeculativeConfig.parse({"method": "eagle", "model": "x", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    cost = StepCostModel()
+    for n in (1, 2, 4, 8, 16):
+        cost.observe(n, 0.005 + 0.0002 * n)
+    c = DepthController(config, cost)
+    seq = object()
+    for _ in range(30):
+        c.record(seq, 4, 4)
+    assert c.choose([seq], [4], draft_cost=0.0002) == [4]
+    assert c.choose([seq], [4], draft_cost=0.01) == [0]
+
+
+class _Seq:
+    """What the speculator reads of a sequence: its tokens (the last one not computed yet), a request, params."""
+
+    def __init__(self, offset: int):
+        self.token_ids, self.offset = [offset], offset
+        self.draft_token_ids, self.draft_probs, self.grammar = [], None, None
+        self.params = SamplingParams(max_tokens=10**6)
+        self.request = SimpleNamespace(unforked=False, metrics=SimpleNamespace(spec_num_drafts=0, spec_num_draft_tokens=0,
+                                                                                spec_num_accepted_tokens=0))
+
+    num_tokens = property(lambda self: len(self.token_ids))
+    num_computed_tokens = property(lambda self: len(self.token_ids) - 1)
+    num_output_tokens = property(lambda self: len(self.token_ids) - 1)
+
+    def truth(self, i: int) -> int:  # the token the target gives at position i
+        return (7 * i + self.offset) % 101
+
+
+def _run_costly_auto(probe_share: float | None, steps: int = 160):
+    """Four sequences under "auto" with a proposer that costs 0.2 ms a drafted token (a fake clock: deterministic)
+    and is always wrong for `steps` steps, then always right for `steps` more. Returns per phase: tokens verified
+    as drafts, tokens the proposer drafted, the proposer's seconds, the target's seconds."""
+    clock = [0.0]
+
+    class Costly:
+        free, right = False, False
+
+        def propose(self, seqs, ks):
+            clock[0] += 0.0002 * sum(ks)
+            return [Draft([s.truth(s.num_tokens + j) + (0 if self.right else 1) for j in range(k)]) for s, k in zip(seqs, ks)]
+
+        def finish(self, seq):
+            pass
+
+    proposer = Costly()
+    config = SpeculativeConfig.parse({"method": "eagle", "model": "x", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    spec = Speculator(config, proposer, max_model_len=10**6, max_num_batched_tokens=4096)
+    spec.clock = lambda: clock[0]
+    if probe_share is not None:
+        spec.probe_share = probe_share
+    t = lambda n: 0.005 + 0.0002 * n  # nearly flat: a drafted row is cheap, so right drafts pay
+    for n in (1, 2, 4, 8, 16, 32):
+        spec.observe_step(n, t(n))
+    seqs = [_Seq(o) for o in range(4)]
+    phases = []
+    for right in (False, True):
+        proposer.right = right
+        verified = drafted = 0
+        started, target = clock[0], 0.0
+        for _ in range(steps):
+            spec.prepare(seqs)
+            rows = 0
+            for s in seqs:
+                d = s.draft_token_ids
+                rows += 1 + len(d)
+                a = 0
+                while a < len(d) and d[a] == s.truth(s.num_tokens + a):
+                    a += 1
+                if d:
+                    spec.record(s, len(d), a)
+                    verified += len(d)
+                s.token_ids += [s.truth(s.num_tokens + j) for j in range(a + 1)]
+            target += t(rows)
+        phases.append((verified, clock[0] - started, target))
+    return phases
+
+
+def test_adaptive_depth_probes_a_proposer_that_costs_something():
+    """A proposer that costs something to ask is not asked every step: once its drafts stop paying, "auto" stops
+    drafting, and probes now and then (unverified, within `probe_share` of the time), so that when the drafts turn
+    right it drafts again. Without probes it never would: nothing verified, nothing learned."""
+    (wrong_verified, wrong_cost, wrong_target), (right_verified, _, _) = _run_costly_auto(None)
+    assert wrong_verified < 20  # a few early drafts, then none: wrong drafts stopped being verified
+    assert 0 < wrong_cost <= PROBE_SHARE * wrong_target * 1.2  # probed, within the share of the time (and the first drafts)
+    assert right_verified > 200  # drafting again, 4 sequences at depth up to 4 over most of 160 steps
+    (_, never_probed, _), (frozen, _, _) = _run_costly_auto(0.0)
+    assert frozen == 0
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"method": "lookahead"}, "method must be one of"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
@@ -426,3 +523,23 @@ def test_cli_refuses_a_bad_speculative_config_in_one_line(llama_dir):
 
     r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--speculative-config", '{"method": "ngram", "k": 2}')
     assert r.returncode == 2 and "unknown field(s) k" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_spec_reports_each_configuration_against_off(llama_dir):
+    """`sieve bench spec` at batch 1 (prompts interleaved across configurations) and with users: every configuration
+    has its figures and its ratio to off, and greedy speculation is token-identical to off."""
+    from sieve.bench.spec import add_bench_spec_args, run_bench_spec
+
+    p = argparse.ArgumentParser()
+    add_bench_spec_args(p)
+    args = p.parse_args(["--model", str(llama_dir), "--dtype", "float32", "--prompts", "3", "--max-tokens", "12", "--repeats", "2",
+                         "--users", "1,3", "--requests-per-user", "1",
+                         "--configs", '{"method":"ngram","num_speculative_tokens":2};{"method":"suffix","num_speculative_tokens":"auto"}'])
+    res = run_bench_spec(args)["results"]
+    assert list(res) == ["off", '{"method":"ngram","num_speculative_tokens":2}', '{"method":"suffix","num_speculative_tokens":"auto"}']
+    for name, r in res.items():
+        one, three = r["users_1"], r["users_3"]
+        assert one["tok_s"] > 0 and len(one["runs_tok_s"]) == 2 and three["tok_s"] > 0
+        assert one["identical_to_off"]
+        assert one["speedup"] == pytest.approx(one["tok_s"] / res["off"]["users_1"]["tok_s"])
+    assert res["off"]["users_1"]["speedup"] == 1.0

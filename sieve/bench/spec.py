@@ -13,8 +13,8 @@ For each configuration (off, then each `--configs` entry) it reports, in one run
             (temperature 0: they must);
   users N   throughput with N requests in flight (each of N users sends its next request when the previous one
             ends, `--requests-per-user` each), and its ratio to off.
-Figures are medians over `--repeats` runs of each measurement, configurations interleaved per repeat so drift on
-a shared machine hits them alike.
+Figures are medians over `--repeats` runs of each measurement, configurations interleaved (at batch 1 prompt by
+prompt, with users per repeat) so drift on a shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -125,26 +125,32 @@ def _params(args, seed: int | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
 
 
-def _batch1(llm, prompts, args) -> dict:
-    tokens = seconds = decode_tokens = decode_seconds = 0.0
-    outs = []
+def _batch1(engines: list, prompts, args) -> list[dict]:
+    """Each prompt alone on each engine, engines interleaved prompt by prompt (so the drift of a shared machine
+    falls on every configuration alike): one result per engine."""
+    acc = [{"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0, "outs": []} for _ in engines]
     for i, p in enumerate(prompts):
-        t0 = time.perf_counter()
-        out = llm.generate([p], _params(args, seed=None if args.temperature == 0 else 1000 + i))[0]
-        seconds += time.perf_counter() - t0
-        n = len(out.outputs[0].token_ids)
-        tokens += n
-        m = out.metrics  # decode: after the first token (prefill is the same work with or without speculation)
-        decode_tokens += n - 1
-        decode_seconds += m.finished_time - m.first_token_time
-        outs.append(out)
-    drafts = sum(o.metrics.spec_num_drafts for o in outs)
-    accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
-    per_request = [o.metrics.spec_mean_acceptance_length for o in outs if o.metrics.spec_num_drafts]
-    return {"tokens": tokens, "seconds": seconds, "e2e_tok_s": tokens / seconds, "tok_s": decode_tokens / decode_seconds,
-            "token_ids": [o.outputs[0].token_ids for o in outs],
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None}
+        for a, llm in zip(acc, engines):
+            t0 = time.perf_counter()
+            out = llm.generate([p], _params(args, seed=None if args.temperature == 0 else 1000 + i))[0]
+            a["seconds"] += time.perf_counter() - t0
+            n = len(out.outputs[0].token_ids)
+            a["tokens"] += n
+            m = out.metrics  # decode: after the first token (prefill is the same work with or without speculation)
+            a["decode_tokens"] += n - 1
+            a["decode_seconds"] += m.finished_time - m.first_token_time
+            a["outs"].append(out)
+    results = []
+    for a in acc:
+        outs = a["outs"]
+        drafts = sum(o.metrics.spec_num_drafts for o in outs)
+        accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
+        per_request = [o.metrics.spec_mean_acceptance_length for o in outs if o.metrics.spec_num_drafts]
+        results.append({"tokens": a["tokens"], "seconds": a["seconds"], "e2e_tok_s": a["tokens"] / a["seconds"],
+                        "tok_s": a["decode_tokens"] / a["decode_seconds"], "token_ids": [o.outputs[0].token_ids for o in outs],
+                        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                        "mean_acceptance_length_per_request": statistics.mean(per_request) if per_request else None})
+    return results
 
 
 def _concurrent(llm, prompts, users: int, args) -> dict:
@@ -205,7 +211,11 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
                 proposer = getattr(llm.llm_engine.speculator, "proposer", None)
                 if not args.keep_history and hasattr(proposer, "reset"):
                     proposer.reset()
-                runs[name].append(_batch1(llm, prompts[: args.prompts], args) if u == 1 else _concurrent(llm, prompts, u, args))
+                if u != 1:
+                    runs[name].append(_concurrent(llm, prompts, u, args))
+            if u == 1:
+                for name, r in zip(names, _batch1(engines, prompts[: args.prompts], args)):
+                    runs[name].append(r)
         for name in names:
             rs = runs[name]
             med = statistics.median(r["tok_s"] for r in rs)

@@ -87,7 +87,7 @@ def cpu_ops():
         name = f"sieve_cpu_ops_{key.replace('-', '_')}"
         if name in _LOADED:  # loaded before in this process (a module registers its classes once)
             return _LOADED[name]
-        build = cache_root() / "kernels" / key
+        build = Path(os.environ.get("SIEVE_KERNEL_CACHE") or cache_root() / "kernels") / key
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
             log.info("building sieve's native CPU kernels (%s) in %s (first use on this machine: about a minute)", isa, build)

@@ -11,17 +11,22 @@ per second of the next step, from two measured things:
   before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
   method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every
   step from a full-depth probe, whatever depth was verified, so a sequence given k = 0 still shows when its
-  drafts start to be right.
+  drafts start to be right. Proposers that cost something to ask (EAGLE, Medusa, a draft model) are probed
+  unverified now and then, at a rate that keeps probing under `PROBE_SHARE` of the time (sieve/spec/speculator.py).
+- `DraftCostModel`: seconds per drafted token of the proposer itself, measured on every call (zero for the free
+  ones: they are asked every step anyway).
 
 With a_s,j those rates, drafting k tokens for sequence s yields 1 + sum_{j<=k} prod_{i<=j} a_s,i tokens in
 expectation. Each sequence's marginal gains decrease with depth, so the best set of M extra rows is the M
 largest marginal gains over all sequences; the controller takes the M (0 included) that maximises
-(expected tokens) / t(base rows + M), and wants a `MARGIN` better rate than not speculating at all, so a
-noisy estimate never makes a step slower. Depth is therefore per sequence, and k = 0 is a choice.
+(expected tokens) / (t(base rows + M) + M * drafting cost per token), and wants a `MARGIN` better rate than not
+speculating at all, so a noisy estimate never makes a step slower. Depth is therefore per sequence, and k = 0 is
+a choice.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from sieve.sequence import Sequence
@@ -31,6 +36,7 @@ MARGIN = 0.03  # speculation must promise at least this much more throughput tha
 PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate
 GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
 SEQ_DECAY = 0.7  # per recorded draft: a sequence's estimate follows its recent drafts (copying starts and stops)
+PROBE_REACH = 0.25  # a probe drafts the positions expected to be reached at least this often, and one more
 
 
 class StepCostModel:
@@ -39,10 +45,12 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self.buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+        self._curve: tuple[list[float], list[float]] | None = None  # (xs, non-decreasing ys), until the next observation
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or not seconds > 0:
             return
+        self._curve = None
         b = round(math.log(num_tokens, self.BASE))
         point = self.buckets.get(b)
         if point is None:
@@ -59,20 +67,38 @@ class StepCostModel:
     def predict(self, num_tokens: float) -> float:
         """Seconds for a step of `num_tokens` tokens: piecewise linear through the bucket means (made
         non-decreasing), extended beyond them along the nearest segment (never decreasing)."""
-        pts = sorted(self.buckets.values())
-        xs, ys = [p[0] for p in pts], []
-        for p in pts:
-            ys.append(max(p[1], ys[-1]) if ys else p[1])
+        if self._curve is None:
+            pts = sorted(self.buckets.values())
+            xs, ys = [p[0] for p in pts], []
+            for p in pts:
+                ys.append(max(p[1], ys[-1]) if ys else p[1])
+            self._curve = xs, ys
+        xs, ys = self._curve
         if len(xs) == 1:
             return ys[0] * max(1.0, num_tokens / xs[0])
         if num_tokens <= xs[0]:
             return ys[0]
-        for i in range(1, len(xs)):
-            if num_tokens <= xs[i]:
-                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
+        i = bisect.bisect_left(xs, num_tokens)
+        if i < len(xs):
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
         x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]
         return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (num_tokens - x1)
+
+
+class DraftCostModel:
+    """Seconds a proposer takes per drafted token (exponential moving average over its calls)."""
+
+    DECAY = 0.8
+
+    def __init__(self) -> None:
+        self.per_token: float | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 1 or not seconds >= 0:
+            return
+        x = seconds / num_tokens
+        self.per_token = x if self.per_token is None else self.DECAY * self.per_token + (1 - self.DECAY) * x
 
 
 class DepthController:
@@ -82,11 +108,11 @@ class DepthController:
         self.global_accepted = [0.0] * self.K
         self.per_seq: dict[int, tuple[list[int], list[int]]] = {}  # id(seq) -> (tried, accepted) per position
 
-    def rates(self, seq: Sequence) -> list[float]:
-        """Estimated acceptance of each draft position given the previous ones were accepted."""
+    def rates(self, seq: Sequence, depth: int | None = None) -> list[float]:
+        """Estimated acceptance of each draft position (the first `depth`) given the previous ones were accepted."""
         tried, accepted = self.per_seq.get(id(seq), (None, None))
         out = []
-        for j in range(self.K):
+        for j in range(self.K if depth is None else min(depth, self.K)):
             g = (self.global_accepted[j] + 1.0) / (self.global_tried[j] + 2.0)
             if tried is None:
                 out.append(g)
@@ -94,8 +120,10 @@ class DepthController:
                 out.append((accepted[j] + PRIOR_WEIGHT * g) / (tried[j] + PRIOR_WEIGHT))
         return out
 
-    def choose(self, seqs: list[Sequence], caps: list[int], extra_tokens: int = 0, budget: int | None = None) -> list[int]:
-        """Draft depth per sequence (each at most its cap); `extra_tokens`: other tokens expected next step."""
+    def choose(self, seqs: list[Sequence], caps: list[int], extra_tokens: int = 0, budget: int | None = None,
+               draft_cost: float = 0.0) -> list[int]:
+        """Draft depth per sequence (each at most its cap); `extra_tokens`: other tokens expected next step;
+        `draft_cost`: seconds the proposer takes per token it drafts."""
         if not self.auto:
             return [min(self.K, c) for c in caps]
         n = len(seqs)
@@ -104,7 +132,7 @@ class DepthController:
         gains = []
         for i, (seq, cap) in enumerate(zip(seqs, caps)):
             g = 1.0
-            for a in self.rates(seq)[:cap]:
+            for a in self.rates(seq, cap):
                 g *= a
                 gains.append((g, i))
         gains.sort(key=lambda x: -x[0])
@@ -112,16 +140,30 @@ class DepthController:
             del gains[max(0, budget - n - extra_tokens):]
         base = n + extra_tokens
         best_rate, best_m = n / self.cost.predict(base) * (1 + MARGIN), 0
-        expected = float(n)
+        expected, most = float(n), n + sum(g for g, _ in gains)
         for m, (g, _) in enumerate(gains, 1):
             expected += g
-            rate = expected / self.cost.predict(base + m)
+            t = self.cost.predict(base + m) + draft_cost * m
+            if most / t <= best_rate:  # t only grows with m: no later m can do better
+                break
+            rate = expected / t
             if rate > best_rate:
                 best_rate, best_m = rate, m
         ks = [0] * n
         for _, i in gains[:best_m]:
             ks[i] += 1
         return ks
+
+    def probe_depth(self, seq: Sequence, cap: int) -> int:
+        """How deep to probe `seq` (unverified): the positions its drafts are expected to reach at least
+        `PROBE_REACH` of the time, and one more, so evidence grows one position past what is believed."""
+        reach, depth = 1.0, 1
+        for a in self.rates(seq, cap - 1):
+            reach *= a
+            if reach < PROBE_REACH:
+                break
+            depth += 1
+        return depth
 
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `num_draft` tokens for `seq` had its first `num_accepted` right (and the next one wrong,

@@ -182,11 +182,11 @@ class _SeqState:
     """One sequence's draft context: the layer's K/V for positions base .. base + n - 1 (entered from the target's
     features), and features at positions pend_start .. not entered yet."""
 
-    __slots__ = ("base", "n", "k", "v", "pend_start", "pend")
+    __slots__ = ("base", "n", "k", "v", "pend_start", "pend", "pend_n")
 
     def __init__(self, start: int):
         self.base, self.n, self.k, self.v = start, 0, None, None
-        self.pend_start, self.pend = start, None
+        self.pend_start, self.pend, self.pend_n = start, None, 0  # pend: a buffer, its first pend_n rows held
 
     @property
     def entered(self) -> int:
@@ -199,6 +199,19 @@ class _SeqState:
             if self.k is not None:
                 k[: self.n], v[: self.n] = self.k[: self.n], self.v[: self.n]
             self.k, self.v = k, v
+
+    def hold(self, start: int, rows: torch.Tensor) -> None:
+        """Features at positions start .. start + len(rows) - 1 (start at most pend_start + pend_n), replacing any
+        held from `start` on: written into a buffer that grows by doubling, not concatenated each step."""
+        off = start - self.pend_start
+        need = off + len(rows)
+        if self.pend is None or self.pend.shape[0] < need:
+            buf = rows.new_empty((max(need, 2 * (self.pend.shape[0] if self.pend is not None else 64)), rows.shape[1]))
+            if self.pend is not None:
+                buf[:off] = self.pend[:off]
+            self.pend = buf
+        self.pend[off:need] = rows
+        self.pend_n = need
 
 
 class EagleProposer:
@@ -243,14 +256,13 @@ class EagleProposer:
             rows, start = rows[st.entered - start:], st.entered
             if not len(rows):
                 return
-        have = st.pend_start + (len(st.pend) if st.pend is not None else 0)
+        have = st.pend_start + st.pend_n
         if start > have:  # positions nobody computed (cannot follow entered ones): start the context again here
             st = self.states[id(seq)] = _SeqState(start)
             have = start
-        if st.pend is None or start == st.pend_start:
-            st.pend_start, st.pend = start, rows
-        else:  # replaces what follows `start` (an earlier step's rejected rows)
-            st.pend = torch.cat([st.pend[: start - st.pend_start], rows])
+        if not st.pend_n:
+            st.pend_start = start
+        st.hold(start, rows)  # replaces what follows `start` (an earlier step's rejected rows)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -259,7 +271,7 @@ class EagleProposer:
         for i, seq in enumerate(seqs):
             st = self.states.get(id(seq))
             upto = seq.num_computed_tokens  # the positions whose tokens are committed
-            if st is None or st.pend is None or st.pend_start != st.entered or st.pend_start + len(st.pend) < upto \
+            if st is None or not st.pend_n or st.pend_start != st.entered or st.pend_start + st.pend_n < upto \
                     or upto <= st.entered:
                 continue
             batch.append((i, st, upto - st.entered))
@@ -284,7 +296,7 @@ class EagleProposer:
             if m > 1:  # causal among the new positions
                 mask = torch.arange(S, device=self.device)[None, :] <= torch.arange(st.n, S, device=self.device)[:, None]
             attn.append(layer.attend(q[row: row + m], st.k[:S], st.v[:S], mask))
-            st.n, st.pend_start, st.pend = S, st.base + S, None
+            st.n, st.pend_start, st.pend_n = S, st.base + S, 0
             row += m
         out = layer.finish(x, torch.cat(attn))
         last = torch.tensor(list(itertools.accumulate(m for _, _, m in batch)), device=self.device) - 1

@@ -8,11 +8,17 @@ scheduler rolls back the slots of rejected tokens (they never enter the prefix c
 
 from __future__ import annotations
 
+import math
+import time
+
 from sieve.sequence import Sequence
 from sieve.spec.config import SpeculativeConfig
-from sieve.spec.controller import DepthController, StepCostModel
+from sieve.spec.controller import DepthController, DraftCostModel, StepCostModel
 from sieve.spec.proposer import Proposer
 from sieve.spec.rejection import accepted_prefix
+
+
+PROBE_SHARE = 0.01  # at most this share of the time goes to probing a proposer that costs something to ask
 
 
 def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
@@ -67,6 +73,14 @@ class Speculator:
         # chosen prefix, and learn acceptance from the whole probe once the tokens it guessed are known.
         self.probing = config.auto and getattr(proposer, "free", False)
         self.probes: dict[int, tuple[int, list[int]]] = {}  # id(seq) -> (index of the first guessed token, guess)
+        # "auto" with a proposer that costs something to ask: its cost per drafted token enters the choice of
+        # depth, and a sequence given k = 0 is probed (drafted for, not verified) once its evidence is older than
+        # an interval that keeps probing under `probe_share` of the time, so acceptance that rises is seen.
+        self.draft_cost = DraftCostModel()
+        self.probe_share = PROBE_SHARE
+        self.num_prepares = 0
+        self.evidence: dict[int, int] = {}  # id(seq) -> the prepare at which it last drafted or was probed
+        self.clock = time.perf_counter
 
     def prepare(self, running: list[Sequence], extra_tokens: int = 0) -> None:
         """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
@@ -93,14 +107,47 @@ class Speculator:
             for seq, k, d in zip(ready, ks, drafts):
                 seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             return
-        ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
+        auto = self.config.auto
+        if auto:
+            self.num_prepares += 1
+            self._resolve_probes(ready)
+        cost = self.draft_cost.per_token or 0.0
+        ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost)
         chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
-        if not chosen:
+        probed = self._due_for_probe(ready, caps, ks, extra_tokens) if auto else []
+        asked = chosen + probed
+        if not asked:
             return
-        drafts = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
+        started = self.clock()
+        drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
+        self.draft_cost.observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
         for (seq, k), d in zip(chosen, drafts):
             seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
+            if auto:  # verification gives evidence from here (a probe still waiting would count it twice)
+                self.evidence[id(seq)] = self.num_prepares
+                self.probes.pop(id(seq), None)
+        for (seq, _), d in zip(probed, drafts[len(chosen):]):
+            self.evidence[id(seq)] = self.num_prepares
+            if d.token_ids:
+                self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
+
+    def _due_for_probe(self, seqs: list[Sequence], caps: list[int], ks: list[int], extra_tokens: int) -> list[tuple[Sequence, int]]:
+        """Sequences given k = 0 whose last evidence is older than the probe interval, with how deep to probe each.
+        The interval: probing all of them once costs (their probe tokens) x (seconds per drafted token); spread
+        over `interval` steps of t(base) seconds, that is at most `probe_share` of the time."""
+        idle = [(s, self.controller.probe_depth(s, c)) for s, c, k in zip(seqs, caps, ks) if k == 0]
+        if not idle or not self.cost.ready or self.probe_share <= 0:
+            return []
+        step = self.cost.predict(len(seqs) + extra_tokens)
+        per_token = self.draft_cost.per_token
+        interval = 1 if per_token is None else math.ceil(sum(d for _, d in idle) * per_token / (self.probe_share * step))
+        due = []
+        for seq, depth in idle:
+            last = self.evidence.setdefault(id(seq), self.num_prepares)  # first seen: its evidence is the global rate
+            if self.num_prepares - last >= interval:
+                due.append((seq, depth))
+        return due
 
     def _resolve_probes(self, seqs: list[Sequence]) -> None:
         """Score each sequence's last probe against the tokens generated since: leading matches, and whether
@@ -112,6 +159,9 @@ class Speculator:
             start, guess = probe
             known = seq.token_ids[start : start + len(guess)]
             a = accepted_prefix(known, guess)
+            if not self.probing and a == len(known) < len(guess):
+                self.probes[id(seq)] = probe  # an unverified probe waits until the tokens that score it are known
+                continue
             # positions 0..a-1 right; position a wrong if it is known, else not yet tried
             self.controller.record(seq, a + 1 if a < len(known) else a, a)
 
@@ -149,6 +199,7 @@ class Speculator:
         self.proposer.finish(seq)
         self.controller.forget(seq)
         self.probes.pop(id(seq), None)
+        self.evidence.pop(id(seq), None)
 
 
 def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
