@@ -14,10 +14,21 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _user_kernel_cache() -> Path | None:
+    path = Path(os.environ.get("SIEVE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sieve") / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None  # unwritable: they build in the session's SIEVE_CACHE
+
+
 # Each session gets a fresh SIEVE_CACHE (demo model, tokenizers), but the native kernels keep building in the user's
 # cache: they are keyed by their sources, this CPU and the instruction set, and compiling them takes minutes here.
-os.environ.setdefault("SIEVE_KERNEL_CACHE", str(Path(os.environ.get("SIEVE_CACHE") or Path(
-    os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sieve") / "kernels"))
+if "SIEVE_KERNEL_CACHE" not in os.environ and (_kernels := _user_kernel_cache()) is not None:
+    os.environ["SIEVE_KERNEL_CACHE"] = str(_kernels)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
