@@ -404,17 +404,22 @@ class _Seq:
         return (7 * i + self.offset) % 101
 
 
-def _run_costly_auto(probe_share: float | None, steps: int = 160):
-    """Four sequences under "auto" with a proposer that costs 0.2 ms a drafted token (a fake clock: deterministic)
-    and is always wrong for `steps` steps, then always right for `steps` more. Returns per phase: tokens verified
-    as drafts, tokens the proposer drafted, the proposer's seconds, the target's seconds."""
+def _run_costly_auto(probe_share: float | None, steps: int = 160, catch_up: float = 0.0):
+    """Four sequences under "auto" with a proposer that costs 0.2 ms a drafted token, plus `catch_up` seconds per
+    position generated since it last saw the sequence (EAGLE enters them), on a fake clock (deterministic), and is
+    always wrong for `steps` steps, then always right for `steps` more. Returns, per phase: tokens verified as
+    drafts, the proposer's seconds, the target's seconds; and the speculator."""
     clock = [0.0]
+    seen: dict[int, int] = {}
 
     class Costly:
         free, right = False, False
 
         def propose(self, seqs, ks):
             clock[0] += 0.0002 * sum(ks)
+            for s in seqs:
+                clock[0] += catch_up * (s.num_tokens - seen.get(id(s), s.num_tokens))
+                seen[id(s)] = s.num_tokens
             return [Draft([s.truth(s.num_tokens + j) + (0 if self.right else 1) for j in range(k)]) for s, k in zip(seqs, ks)]
 
         def finish(self, seq):
@@ -450,19 +455,33 @@ def _run_costly_auto(probe_share: float | None, steps: int = 160):
                 s.token_ids += [s.truth(s.num_tokens + j) for j in range(a + 1)]
             target += t(rows)
         phases.append((verified, clock[0] - started, target))
-    return phases
+    return phases, spec
 
 
 def test_adaptive_depth_probes_a_proposer_that_costs_something():
     """A proposer that costs something to ask is not asked every step: once its drafts stop paying, "auto" stops
     drafting, and probes now and then (unverified, within `probe_share` of the time), so that when the drafts turn
     right it drafts again. Without probes it never would: nothing verified, nothing learned."""
-    (wrong_verified, wrong_cost, wrong_target), (right_verified, _, _) = _run_costly_auto(None)
+    ((wrong_verified, wrong_cost, wrong_target), (right_verified, _, _)), _ = _run_costly_auto(None)
     assert wrong_verified < 20  # a few early drafts, then none: wrong drafts stopped being verified
     assert 0 < wrong_cost <= PROBE_SHARE * wrong_target * 1.2  # probed, within the share of the time (and the first drafts)
     assert right_verified > 200  # drafting again, 4 sequences at depth up to 4 over most of 160 steps
-    (_, never_probed, _), (frozen, _, _) = _run_costly_auto(0.0)
+    (_, (frozen, _, _)), _ = _run_costly_auto(0.0)
     assert frozen == 0
+
+
+def test_probing_a_proposer_that_catches_up_never_stops_and_its_drafting_cost_is_its_own():
+    """A proposer that must catch up the positions it missed (as EAGLE enters them) costs more per probe the longer
+    the interval, which by the share alone would lengthen the interval without end: it is capped
+    (MAX_PROBE_INTERVAL), so drafts that turn right are still found; and the cost the depth choice charges is that
+    of drafting calls (caught up every step), not the probes' catch-up."""
+    from sieve.spec.speculator import MAX_PROBE_INTERVAL
+
+    steps = 3 * MAX_PROBE_INTERVAL
+    ((wrong_verified, _, _), (right_verified, _, _)), spec = _run_costly_auto(None, steps, catch_up=0.00005)
+    assert wrong_verified < 20 and right_verified > 1000  # stopped drafting while wrong, drafted again once right
+    assert spec.probe_cost.per_token > 5 * spec.draft_cost.per_token  # probes paid the catch-up; drafting barely
+    assert spec.draft_cost.per_token < 0.0002 + 2 * 0.00005  # 0.2 ms a token + a step or two of catch-up per call
 
 
 @pytest.mark.parametrize("bad, message", [

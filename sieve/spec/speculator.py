@@ -19,6 +19,7 @@ from sieve.spec.rejection import accepted_prefix
 
 
 PROBE_SHARE = 0.01  # at most this share of the time goes to probing a proposer that costs something to ask
+MAX_PROBE_INTERVAL = 256  # steps: a sequence's evidence is never older
 
 
 def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
@@ -75,8 +76,10 @@ class Speculator:
         self.probes: dict[int, tuple[int, list[int]]] = {}  # id(seq) -> (index of the first guessed token, guess)
         # "auto" with a proposer that costs something to ask: its cost per drafted token enters the choice of
         # depth, and a sequence given k = 0 is probed (drafted for, not verified) once its evidence is older than
-        # an interval that keeps probing under `probe_share` of the time, so acceptance that rises is seen.
-        self.draft_cost = DraftCostModel()
+        # an interval that keeps probing under `probe_share` of the time (and at most MAX_PROBE_INTERVAL steps), so
+        # acceptance that rises is seen.
+        self.draft_cost = DraftCostModel()  # calls that draft for verification
+        self.probe_cost = DraftCostModel()  # calls that only probe: they also catch up a context idle since the last one
         self.probe_share = PROBE_SHARE
         self.num_prepares = 0
         self.evidence: dict[int, int] = {}  # id(seq) -> the prepare at which it last drafted or was probed
@@ -111,7 +114,7 @@ class Speculator:
         if auto:
             self.num_prepares += 1
             self._resolve_probes(ready)
-        cost = self.draft_cost.per_token or 0.0
+        cost = self.draft_cost.per_token or self.probe_cost.per_token or 0.0
         ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost)
         chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
         probed = self._due_for_probe(ready, caps, ks, extra_tokens) if auto else []
@@ -120,7 +123,7 @@ class Speculator:
             return
         started = self.clock()
         drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
-        self.draft_cost.observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
+        (self.draft_cost if chosen else self.probe_cost).observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
         for (seq, k), d in zip(chosen, drafts):
             seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
@@ -140,8 +143,9 @@ class Speculator:
         if not idle or not self.cost.ready or self.probe_share <= 0:
             return []
         step = self.cost.predict(len(seqs) + extra_tokens)
-        per_token = self.draft_cost.per_token
+        per_token = self.probe_cost.per_token or self.draft_cost.per_token
         interval = 1 if per_token is None else math.ceil(sum(d for _, d in idle) * per_token / (self.probe_share * step))
+        interval = min(interval, MAX_PROBE_INTERVAL)
         due = []
         for seq, depth in idle:
             last = self.evidence.setdefault(id(seq), self.num_prepares)  # first seen: its evidence is the global rate
