@@ -116,6 +116,39 @@ def test_served_drafts_are_what_training_unrolls(tmp_path):
     assert not proposer.states
 
 
+def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
+    """A sequence not drafted for over MAX_CATCH_UP positions ("auto" chose k = 0) is not caught up position by
+    position at its next probe: its context restarts at its last MAX_CATCH_UP positions, and the drafts are then
+    exactly those of a proposer that only ever saw those positions."""
+    from sieve.spec.eagle import MAX_CATCH_UP
+
+    torch.manual_seed(1)
+    H, V = 32, 50
+    layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    layer.save(tmp_path, {})
+    table = torch.randn(V, H)
+    make = lambda: EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
+    n, end = 30, 30 + MAX_CATCH_UP + 50
+    feats = torch.randn(end + 1, H, dtype=torch.float64)
+    tokens = torch.randint(0, V, (end + 1,)).tolist()
+    behind, fresh = make(), make()
+    seq = SimpleNamespace(token_ids=tokens[: n + 1], num_computed_tokens=n)
+    behind.observe_hidden(seq, 0, feats[:n])
+    assert len(behind.propose([seq], [2])[0].token_ids) == 2  # the prompt entered whole
+    for p in range(n, end):  # one token a step, never asked
+        behind.observe_hidden(seq, p, feats[p: p + 1])
+    seq.token_ids, seq.num_computed_tokens = tokens[: end + 1], end
+    draft = behind.propose([seq], [3])[0].token_ids
+    st = behind.states[id(seq)]
+    assert (st.base, st.n) == (end - MAX_CATCH_UP, MAX_CATCH_UP)
+    other = SimpleNamespace(token_ids=seq.token_ids, num_computed_tokens=end)
+    fresh.observe_hidden(other, end - MAX_CATCH_UP, feats[end - MAX_CATCH_UP: end])
+    assert fresh.propose([other], [3])[0].token_ids == draft
+
+
 def test_unroll_mask_is_what_each_draft_token_sees():
     m = unroll_mask(5, 2)
     assert m.shape == (5, 15)

@@ -178,6 +178,10 @@ class EagleLayer(nn.Module):
         return layer.to(device=device, dtype=dtype).eval(), config
 
 
+MAX_CATCH_UP = 64  # positions: a context left this far behind restarts at its last ones (the first entry, the
+# prompt, is always whole)
+
+
 class _SeqState:
     """One sequence's draft context: the layer's K/V for positions base .. base + n - 1 (entered from the target's
     features), and features at positions pend_start .. not entered yet."""
@@ -274,6 +278,13 @@ class EagleProposer:
             if st is None or not st.pend_n or st.pend_start != st.entered or st.pend_start + st.pend_n < upto \
                     or upto <= st.entered:
                 continue
+            if st.n and upto - st.entered > MAX_CATCH_UP:
+                # Not asked for a long while ("auto" chose k = 0; now a probe): restart the context at the last
+                # MAX_CATCH_UP positions rather than enter every one missed, so what a probe costs stays bounded.
+                start = upto - MAX_CATCH_UP
+                fresh = _SeqState(start)
+                fresh.hold(start, st.pend[start - st.pend_start: st.pend_n])
+                self.states[id(seq)] = st = fresh
             batch.append((i, st, upto - st.entered))
         if not batch:
             return drafts
