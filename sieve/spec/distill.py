@@ -183,10 +183,7 @@ def measure(heads, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Ten
             ok = guess == labels[s: s + batch]
             right += ok.float().sum(0)
             chain += ok.int().cumprod(dim=1).float().sum(0)
-    n = max(1, len(hidden))
-    acc, chained = (right / n).tolist(), (chain / n).tolist()
-    return {"head_accuracy": acc, "chain_acceptance": chained,
-            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, K + 1)}}
+    return acceptance_summary(right, chain, len(hidden))
 
 
 def train_medusa(engine, train: tuple, held: tuple, num_heads: int, draft_vocab_size: int, epochs: int, lr: float,
@@ -228,13 +225,23 @@ def train_medusa(engine, train: tuple, held: tuple, num_heads: int, draft_vocab_
             step += 1
             total += loss.item() * len(idx)
             seen += len(idx)
-        held_m = measure(heads.eval(), *held, table)
+        _end_epoch(history, epoch, total / max(1, seen), measure(heads.eval(), *held, table), "head accuracy")
         heads.train()
-        history.append({"epoch": epoch + 1, "loss": total / max(1, seen), **held_m})
-        log.info("epoch %d: loss %.3f, held-out head accuracy %s, simulated mean acceptance length %s", epoch + 1,
-                 total / max(1, seen), [round(a, 3) for a in held_m["head_accuracy"]],
-                 {k: round(v, 2) for k, v in held_m["simulated_mean_acceptance_length"].items()})
     return heads.eval(), history, covered
+
+
+def acceptance_summary(right: torch.Tensor, chain: torch.Tensor, states: int) -> dict:
+    """Per draft position s: the share of `states` whose token s was right (`right`), and whose tokens 1..s all were
+    (`chain`); the simulated mean acceptance length at each depth k is 1 + the chained shares up to k."""
+    acc, chained = (right / max(1, states)).tolist(), (chain / max(1, states)).tolist()
+    return {"head_accuracy": acc, "chain_acceptance": chained,
+            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, len(chained) + 1)}}
+
+
+def _end_epoch(history: list, epoch: int, loss: float, held: dict, what: str) -> None:
+    history.append({"epoch": epoch + 1, "loss": loss, **held})
+    log.info("epoch %d: loss %.3f, held-out %s %s, simulated mean acceptance length %s", epoch + 1, loss, what,
+             [round(a, 3) for a in held["head_accuracy"]], {k: round(v, 2) for k, v in held["simulated_mean_acceptance_length"].items()})
 
 
 def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int = 256, features: bool = True) -> list[tuple]:
@@ -295,9 +302,7 @@ def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> 
                 alive &= ok
                 chain[s] += alive.sum()
             states += len(ns)
-    acc, chained = (right / max(1, states)).tolist(), (chain / max(1, states)).tolist()
-    return {"head_accuracy": acc, "chain_acceptance": chained,
-            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, depth + 1)}}
+    return acceptance_summary(right, chain, states)
 
 
 def warmup_decay(opt, steps: int):
@@ -348,12 +353,8 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 pending = 0
-        held_m = measure_eagle(layer.eval(), held, table, depth)
+        _end_epoch(history, epoch, total / max(1, seen), measure_eagle(layer.eval(), held, table, depth), "draft accuracy")
         layer.train()
-        history.append({"epoch": epoch + 1, "loss": total / max(1, seen), **held_m})
-        log.info("epoch %d: loss %.3f, held-out draft accuracy %s, simulated mean acceptance length %s", epoch + 1,
-                 total / max(1, seen), [round(a, 3) for a in held_m["head_accuracy"]],
-                 {k: round(v, 2) for k, v in held_m["simulated_mean_acceptance_length"].items()})
     return layer.eval(), history, covered
 
 

@@ -100,9 +100,9 @@ def measure_draft(model, seqs: list[tuple], depth: int) -> dict:
                 alive &= hit
                 chain[s] += alive.sum()
             states += len(ns)
-    acc, chained = (right / max(1, states)).tolist(), (chain / max(1, states)).tolist()
-    return {"head_accuracy": acc, "chain_acceptance": chained,
-            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, depth + 1)}}
+    from sieve.spec.distill import acceptance_summary
+
+    return acceptance_summary(right, chain, states)
 
 
 def train_draft(model, train: list[tuple], held: list[tuple], depth: int, epochs: int, lr: float, batch_tokens: int,

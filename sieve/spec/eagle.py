@@ -24,7 +24,6 @@ Saved as a folder: `config.json` (sizes, the draft vocabulary, what training mea
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import torch
@@ -32,9 +31,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from sieve.sequence import Sequence
+from sieve.spec.folder import read_config, save_folder
 from sieve.spec.proposer import Draft
 
-CONFIG, WEIGHTS = "config.json", "eagle.safetensors"
+WEIGHTS = "eagle.safetensors"
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,25 +150,14 @@ class EagleLayer(nn.Module):
         return outs
 
     def save(self, out: str | Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS))
-        config = {"method": "eagle", **self.sizes, "draft_vocab": self.draft_vocab.tolist(), **meta}
-        (out / CONFIG).write_text(json.dumps(config, indent=1))
+        save_folder(self, out, WEIGHTS, {"method": "eagle", **self.sizes, "draft_vocab": self.draft_vocab.tolist(), **meta})
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple["EagleLayer", dict]:
         from safetensors.torch import load_file
 
         path = Path(path)
-        try:
-            config = json.loads((path / CONFIG).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} holds no EAGLE layer ({CONFIG}: {e}); train one with `sieve distill --method eagle`") from e
-        if config.get("method") != "eagle":
-            raise ValueError(f"{path} holds {config.get('method')!r} heads, not an EAGLE layer")
+        config = read_config(path, "eagle", "EAGLE layer", article="an ")
         sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps")
         try:
             layer = cls(*(config[k] for k in sizes), config["draft_vocab"])

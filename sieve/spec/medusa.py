@@ -13,16 +13,16 @@ state of the position that produced each sequence's last token, so no extra targ
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from sieve.sequence import Sequence
+from sieve.spec.folder import read_config, save_folder
 from sieve.spec.proposer import Draft
 
-CONFIG, WEIGHTS = "config.json", "heads.safetensors"
+WEIGHTS = "heads.safetensors"
 
 
 class MedusaHeads(nn.Module):
@@ -73,26 +73,15 @@ class MedusaHeads(nn.Module):
         return torch.stack(guesses, dim=1)
 
     def save(self, out: str | Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS))
-        config = {"method": "medusa", "hidden_size": self.hidden_size, "num_heads": self.num_heads,
-                  "sequential": self.sequential, "draft_vocab": self.draft_vocab.tolist(), **meta}
-        (out / CONFIG).write_text(json.dumps(config, indent=1))
+        save_folder(self, out, WEIGHTS, {"method": "medusa", "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+                                         "sequential": self.sequential, "draft_vocab": self.draft_vocab.tolist(), **meta})
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple["MedusaHeads", dict]:
         from safetensors.torch import load_file
 
         path = Path(path)
-        try:
-            config = json.loads((path / CONFIG).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} holds no Medusa heads ({CONFIG}: {e}); train them with `sieve distill --method medusa`") from e
-        if config.get("method") != "medusa":
-            raise ValueError(f"{path} holds {config.get('method')!r} heads, not medusa")
+        config = read_config(path, "medusa", "Medusa heads")
         heads = cls(config["hidden_size"], config["num_heads"], config["draft_vocab"], config.get("sequential", False))
         heads.load_state_dict(load_file(str(path / WEIGHTS)))
         return heads.to(device=device, dtype=dtype).eval(), config

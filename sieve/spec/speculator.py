@@ -123,7 +123,8 @@ class Speculator:
             return
         started = self.clock()
         drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
-        (self.draft_cost if chosen else self.probe_cost).observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
+        if auto:  # only the adaptive depth weighs what drafting costs
+            (self.draft_cost if chosen else self.probe_cost).observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
         for (seq, k), d in zip(chosen, drafts):
             seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
