@@ -239,16 +239,16 @@ class LLMEngine:
         return draft
 
     def _calibrate_step_cost(self, reps: int = 3) -> None:
-        """Seed the step-cost model of adaptive speculation: time decode steps of 1, 2, 4, ... rows (the shape
-        speculation adds) on this machine, before any request. Every real step refines it afterwards."""
+        """Seed the step-cost model of adaptive speculation: time decode steps of every row count up to the
+        model's exact range (where kernels that take rows in groups make the cost a staircase), then of 64, 128,
+        256 rows, on this machine, before any request. Every real step refines it afterwards."""
         from sieve.model_runner import time_decode_rows
 
+        cap = min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
         with self._borrowed_blocks(1) as tables:
-            n, cap = 1, min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
-            while n <= cap:
+            for n in self.speculator.calibration_rows(cap):
                 times = sorted(time_decode_rows(self.runner, n, tables) for _ in range(reps))
                 self.speculator.observe_step(n, times[len(times) // 2])
-                n *= 2
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):

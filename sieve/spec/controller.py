@@ -4,8 +4,10 @@ Fixed depth: `num_speculative_tokens` for every sequence. "auto": the depth that
 per second of the next step, from two measured things:
 
 - `StepCostModel`: seconds per engine step as a function of the tokens it computes, measured on this machine
-  (a calibration at load, then every step, as exponential moving averages per geometric bucket of token
-  counts, interpolated). Decode on a small batch is bound by the weights' bytes, so extra rows are nearly free;
+  (a calibration at load, then every step, as exponential moving averages per token count up to 32 and per
+  geometric bucket above, interpolated, times a scale that follows the machine's drift). Small counts are
+  kept apart because the cost is a staircase there: the AVX2 int4 kernels take rows four at a time, so on
+  SmolLM2 the 9th row of a step costs ~6 ms and the 10th to 12th ~1 ms each. Decode on a small batch is bound by the weights' bytes, so extra rows are nearly free;
   on a large batch, or on a CPU where compute is the limit, every row costs — the model sees which.
 - Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
   before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
@@ -40,25 +42,42 @@ PROBE_REACH = 0.25  # a probe drafts the positions expected to be reached at lea
 
 
 class StepCostModel:
-    BASE = 1.25  # bucket width: token counts within 25% share a bucket
-    DECAY = 0.8
+    """Seconds per step = `scale` x the shape stored per bucket. A step observed in a bucket it has already seen
+    moves both towards itself, mostly the scale: a shared machine's speed drifts by tens of percent from minute
+    to minute, and the buckets seen only at calibration must drift with the ones every step refreshes. Were
+    only the refreshed ones to follow, the curve would lose its shape (after a slowdown the 8-row bucket
+    rises past the 9-to-16-row ones, and drafted rows look free)."""
+
+    EXACT = 32  # token counts up to this have a bucket each: kernels that take rows in groups make a staircase there
+    BASE = 1.25  # above it, bucket width: token counts within 25% share a bucket
+    DECAY = 0.8  # of a bucket's mean token count
+    SCALE_RATE, SHAPE_RATE = 0.18, 0.02  # shares of an observation's log error taken by the scale and by its bucket
 
     def __init__(self) -> None:
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, seconds / scale]
+        self.scale = 1.0
         self._curve: tuple[list[float], list[float]] | None = None  # (xs, non-decreasing ys), until the next observation
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or not seconds > 0:
             return
         self._curve = None
-        b = round(math.log(num_tokens, self.BASE))
+        b = num_tokens if num_tokens <= self.EXACT else self.EXACT + 1 + round(math.log(num_tokens / self.EXACT, self.BASE))
         point = self.buckets.get(b)
         if point is None:
-            self.buckets[b] = [float(num_tokens), seconds]
+            self.buckets[b] = [float(num_tokens), seconds / self.scale]
         else:
-            d = self.DECAY
-            point[0] = d * point[0] + (1 - d) * num_tokens
-            point[1] = d * point[1] + (1 - d) * seconds
+            error = seconds / (self.scale * point[1])
+            self.scale *= error**self.SCALE_RATE
+            point[1] *= error**self.SHAPE_RATE
+            point[0] = self.DECAY * point[0] + (1 - self.DECAY) * num_tokens
+
+    def calibration_rows(self, cap: int) -> list[int]:
+        """Every count of the exact range, then doublings, up to `cap`."""
+        rows = list(range(1, min(cap, self.EXACT) + 1))
+        while rows and rows[-1] * 2 <= cap:
+            rows.append(rows[-1] * 2)
+        return rows
 
     @property
     def ready(self) -> bool:
@@ -73,6 +92,9 @@ class StepCostModel:
             for p in pts:
                 ys.append(max(p[1], ys[-1]) if ys else p[1])
             self._curve = xs, ys
+        return self.scale * self._shape(num_tokens)
+
+    def _shape(self, num_tokens: float) -> float:
         xs, ys = self._curve
         if len(xs) == 1:
             return ys[0] * max(1.0, num_tokens / xs[0])

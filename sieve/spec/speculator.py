@@ -196,6 +196,10 @@ class Speculator:
         for seq, start, rows in hidden:
             self.proposer.observe_hidden(seq, start, rows)
 
+    def calibration_rows(self, cap: int) -> list[int]:
+        """Row counts worth timing at load for the step-cost model (at most `cap`)."""
+        return self.cost.calibration_rows(cap)
+
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
 
