@@ -398,7 +398,8 @@ def test_step_cost_keeps_its_shape_when_the_machine_slows_down():
     calibration, 200 steps of 8 rows at 1.5x the calibrated time (the host slowed). The rows above 8, seen only at
     calibration, must slow with them: the 9th row still costs its new group, and 8 sequences whose drafts are
     accepted 0.6 of the time draft nothing. With only the refreshed bucket following, 8 rows overtook the
-    calibrated 9 to 12 (made equal, as the curve never decreases) and rows there looked free."""
+    calibrated 9 to 12 (made equal, as the curve never decreases) and rows there looked free. Prefill-sized steps
+    learn their own bucket and leave the rest alone."""
     stair = lambda n: 0.004 * math.ceil(n / 4) + 0.0008 * n + 0.0002
     cost = StepCostModel()
     for n in cost.calibration_rows(256):
@@ -416,6 +417,13 @@ def test_step_cost_keeps_its_shape_when_the_machine_slows_down():
             c.record(s, 1, int(i % 5 in (0, 2, 4)))  # 3 of 5 accepted
     assert 0.5 < c.rates(seqs[0])[0] < 0.7
     assert c.choose(seqs, [4] * 8) == [0] * 8
+    # Prefill-sized steps cost more than the calibration's rows of one short sequence (attention over the prompt):
+    # that is their own shape, not the machine's drift, and must not move the decode-sized predictions.
+    before = [cost.predict(n) for n in range(1, 33)]
+    for _ in range(100):
+        cost.observe(256, 2 * 1.5 * stair(256))
+    assert cost.predict(256) == pytest.approx(2 * 1.5 * stair(256), rel=0.05)
+    assert [cost.predict(n) for n in range(1, 33)] == pytest.approx(before, rel=1e-9)
 
 
 def test_adaptive_depth_counts_what_the_proposer_costs():

@@ -42,11 +42,12 @@ PROBE_REACH = 0.25  # a probe drafts the positions expected to be reached at lea
 
 
 class StepCostModel:
-    """Seconds per step = `scale` x the shape stored per bucket. A step observed in a bucket it has already seen
-    moves both towards itself, mostly the scale: a shared machine's speed drifts by tens of percent from minute
-    to minute, and the buckets seen only at calibration must drift with the ones every step refreshes. Were
-    only the refreshed ones to follow, the curve would lose its shape (after a slowdown the 8-row bucket
-    rises past the 9-to-16-row ones, and drafted rows look free)."""
+    """Seconds per step = `scale` x the shape stored per bucket. A decode-sized step (up to `EXACT` tokens)
+    observed in a bucket it has already seen moves both towards itself, mostly the scale: a shared machine's
+    speed drifts by tens of percent from minute to minute, and the buckets seen only at calibration must drift
+    with the ones every step refreshes. Were only the refreshed ones to follow, the curve would lose its shape
+    (after a slowdown the 8-row bucket rises past the 9-to-16-row ones, and drafted rows look free). Larger
+    steps (prefill) move only their own bucket: they differ from the calibration's rows by more than drift."""
 
     EXACT = 32  # token counts up to this have a bucket each: kernels that take rows in groups make a staircase there
     BASE = 1.25  # above it, bucket width: token counts within 25% share a bucket
@@ -68,8 +69,11 @@ class StepCostModel:
             self.buckets[b] = [float(num_tokens), seconds / self.scale]
         else:
             error = seconds / (self.scale * point[1])
-            self.scale *= error**self.SCALE_RATE
-            point[1] *= error**self.SHAPE_RATE
+            if num_tokens <= self.EXACT:  # decode-sized: the steps speculation chooses between
+                self.scale *= error**self.SCALE_RATE
+                point[1] *= error**self.SHAPE_RATE
+            else:  # prefill-sized: its own shape (causal attention over the prompt), learnt by its bucket alone
+                point[1] *= error ** (self.SCALE_RATE + self.SHAPE_RATE)
             point[0] = self.DECAY * point[0] + (1 - self.DECAY) * num_tokens
 
     def calibration_rows(self, cap: int) -> list[int]:
