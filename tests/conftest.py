@@ -17,7 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _user_kernel_cache() -> Path | None:
-    path = Path(os.environ.get("SIEVE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sieve") / "kernels"
+    from sieve.demo import cache_root
+
+    path = cache_root() / "kernels"  # read before the session sets its own SIEVE_CACHE (the `demo_dir` fixture)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:

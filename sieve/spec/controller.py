@@ -5,10 +5,11 @@ per second of the next step, from two measured things:
 
 - `StepCostModel`: seconds per engine step as a function of the tokens it computes, measured on this machine
   (a calibration at load, then every step, as exponential moving averages per token count up to 32 and per
-  geometric bucket above, interpolated, times a scale that follows the machine's drift). Small counts are
-  kept apart because the cost is a staircase there: the AVX2 int4 kernels take rows four at a time, so on
-  SmolLM2 the 9th row of a step costs ~6 ms and the 10th to 12th ~1 ms each. Decode on a small batch is bound by the weights' bytes, so extra rows are nearly free;
-  on a large batch, or on a CPU where compute is the limit, every row costs — the model sees which.
+  geometric bucket above, interpolated, times a scale that follows the machine's drift). Decode on a small
+  batch is bound by the weights' bytes, so extra rows are nearly free; on a large batch, or on a CPU where
+  compute is the limit, every row costs — the model sees which. Small counts are kept apart because the cost
+  is a staircase there: the AVX2 int4 kernels take rows four at a time, so on SmolLM2 the 9th row of a step
+  costs ~6 ms and the 10th to 12th ~1 ms each.
 - Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
   before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
   method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every

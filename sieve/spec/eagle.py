@@ -35,6 +35,7 @@ from sieve.spec.folder import read_config, save_folder
 from sieve.spec.proposer import Draft
 
 WEIGHTS = "eagle.safetensors"
+MAX_CATCH_UP = 64  # positions: a context left this far behind restarts at its last ones (the prompt is always whole)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,10 +166,6 @@ class EagleLayer(nn.Module):
         except Exception as e:  # missing sizes, a truncated or foreign weights file, other shapes
             raise ValueError(f"{path}: the EAGLE layer does not load ({type(e).__name__}: {e})") from e
         return layer.to(device=device, dtype=dtype).eval(), config
-
-
-MAX_CATCH_UP = 64  # positions: a context left this far behind restarts at its last ones (the first entry, the
-# prompt, is always whole)
 
 
 class _SeqState:
