@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq"],
                    help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ)")
     g.add_argument("--quantization-group-size", type=int, default=128)
+    g.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="int4 weights (GGUF Q4_0/Q4_1, int4, AWQ) against int8 activations per 32 inputs, as llama.cpp "
+                        "(CPU; lossy, see docs/quality.md): cheaper arithmetic for batches and drafted tokens")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="KV cache storage: fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold ~2x the tokens")
     g.add_argument("--quantize-lm-head", action="store_true")
@@ -159,7 +162,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     options = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "quantization_group_size": args.quantization_group_size, "quantize_lm_head": args.quantize_lm_head,
-               "dequantize": args.dequantize}
+               "dequantize": args.dequantize, "activation_quantization": args.activation_quantization}
     try:
         r = evaluate(args.model, args.data, dtype=args.dtype, window=args.window, max_windows=args.max_windows,
                      chunk=args.chunk, reference=args.reference, reference_dtype=args.reference_dtype,

@@ -23,6 +23,10 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    # int8: int4 weights (GGUF Q4_0 / Q4_1, int4, AWQ; groups of a multiple of 32) multiply activations quantized
+    # per row and 32 inputs to int8, as llama.cpp does (CPU, sieve/kernels/qmatmul_q8act.cpp). Lossy (its cost is
+    # in docs/quality.md); several rows per step (a batch, drafted tokens) then cost less arithmetic. None: exact.
+    activation_quantization: str | None = None
     # Fields merged over the checkpoint's config before the model is built (vLLM's hf_overrides), e.g.
     # {"sliding_window": null} to run a sliding-window model with full attention; a dict or its JSON
     hf_overrides: object = None
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.quantization not in (None, "int8", "fp8", "int4", "awq"):
             raise ConfigError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
+        if self.activation_quantization not in (None, "int8"):
+            raise ConfigError(f"activation_quantization must be int8 (or None), got {self.activation_quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size < 1:

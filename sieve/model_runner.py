@@ -69,6 +69,8 @@ class ModelRunner:
                 native.batch_invariant = True  # (the native layer loop holds the same objects)
             if dtype != torch.bfloat16:
                 log.info("batch_invariant: %s activations already take one kernel per row at every batch size", dtype)
+        if config.activation_quantization is not None:
+            self._quantize_activations(model, device)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
         self.keep_hidden: str | None = None  # speculative heads draft from hidden states: "last" or "all" rows (StepResult)
         self.eos_token_ids = eos_token_ids
@@ -98,6 +100,26 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
+
+    @staticmethod
+    def _quantize_activations(model: DecoderModel, device: torch.device) -> None:
+        """activation_quantization="int8": every int4 linear's native kernel multiplies int8 activations."""
+        from sieve.config import ConfigError
+
+        ops = cpu_ops() if device.type == "cpu" else None
+        natives = [m.native for m in model.modules() if getattr(m, "native", None) is not None and hasattr(m.native, "q8_activations")]
+        int4 = [n for n in natives if ops is not None and n.kind == ops.LINEAR_INT4]
+        if ops is None or not hasattr(ops, "qmatmul_int4"):
+            raise ConfigError("activation_quantization int8 is built for sieve's CPU kernels (AVX2); this device or CPU build has none")
+        if not int4:
+            raise ConfigError("activation_quantization int8 takes int4 weights (a GGUF Q4_0/Q4_1 file, --quantization int4 or awq); "
+                              "this model has no int4 linear layer")
+        bad = [n for n in int4 if n.group % 32]
+        if bad:
+            raise ConfigError(f"activation_quantization int8 takes weight groups of a multiple of 32 inputs, got {bad[0].group}")
+        for native in int4:
+            native.q8_activations = True  # (the native layer loop holds the same objects)
+        log.info("activation_quantization int8: %d of %d linear layers (the int4 ones) multiply int8 activations", len(int4), len(natives))
 
     def _cache_layer(self, model: DecoderModel, pool: torch.Tensor, scales: torch.Tensor | None, j: int, layer: int) -> KVCacheLayer:
         """Layer `layer`'s view of its group's pool, where it is the group's j-th layer. Multi-head latent attention

@@ -111,6 +111,8 @@ def add_bench_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-user", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="int4 weights against int8 activations, for speculation off and on alike (lossy; see docs/quality.md)")
     p.add_argument("--keep-history", action="store_true",
                    help="keep suffix decoding's index of past outputs across repeats (by default each repeat starts "
                         "without it: the same prompts again would otherwise be drafted from their own earlier answers)")
@@ -123,6 +125,8 @@ def _engine(args, spec: dict | None, max_num_seqs: int):
     kw = dict(max_num_seqs=max(max_num_seqs, 1), kv_cache_memory_gb=1.0, seed=0)
     if args.num_threads:
         kw["num_threads"] = args.num_threads
+    if args.activation_quantization:
+        kw["activation_quantization"] = args.activation_quantization
     return LLM(args.model, dtype=args.dtype, speculative_config=spec, **kw)
 
 
@@ -211,7 +215,8 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     prompts = _prompt_ids(engines[0], make(max(args.prompts, max_users)))
     names = ["off"] + [json.dumps(c, separators=(",", ":")) for c in configs[1:]]
     print(f"bench spec: {args.workload}, {args.prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-          f"model {engines[0].llm_engine.model_name}, {args.repeats} repeats")
+          f"model {engines[0].llm_engine.model_name}, {args.repeats} repeats"
+          + (f", activation_quantization {args.activation_quantization}" if args.activation_quantization else ""))
     for llm in engines:  # warm-up: first-call costs (allocations, kernel selection) out of the figures
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
     results: dict = {name: {} for name in names}
@@ -269,4 +274,5 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
             if isinstance(e, dict):
                 e.pop("token_ids", None)
     return {"workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "prompts": args.prompts, "repeats": args.repeats, "results": results}
+            "prompts": args.prompts, "repeats": args.repeats, "activation_quantization": args.activation_quantization,
+            "results": results}

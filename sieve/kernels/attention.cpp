@@ -13,7 +13,7 @@
 //
 // Work is split over (sequence, kv head): each item holds its G = num_heads / num_kv_heads query heads
 // (grouped-query attention: they share every K/V row read) and walks the sequence's blocks once. With
-// AVX-512, consecutive rows of one sequence (a decode and its speculative drafts: context lengths L, L + 1,
+// AVX-512 or AVX2, consecutive rows of one sequence (a decode and its speculative drafts: context lengths L, L + 1,
 // ... through one table) form one item, so the drafts' rows add no K/V reads. Per
 // block: the block's keys become float32 (once, in a small scratch) and give G x block_size scores, 16
 // tokens' dot products summed by one transpose-and-add tree; an online
@@ -94,6 +94,31 @@ inline std::vector<int64_t> row_groups(const int64_t* tables, const int64_t* len
   }
   starts.push_back(num_seqs);
   return starts;
+}
+
+// The queries of one work item (rows s0 .. s0 + R - 1 of a row group, the G query heads of kv head kh), scaled,
+// as float32 [Q = R G, D]: query i is row i / G, head i % G, and sees keys [qlo[i], qlen[i]). Returns the
+// first key any of them sees. The per-item state (m, l, acc) starts empty.
+template <typename T>
+int64_t item_queries(const T* q, const int64_t* lens, const Layout& lay, int64_t s0, int64_t R, int64_t G, int64_t kh, int64_t D,
+                     float scale, std::vector<float>& qf, std::vector<int64_t>& qlen, std::vector<int64_t>& qlo, std::vector<float>& acc,
+                     std::vector<float>& m, std::vector<float>& l) {
+  const int64_t Q = R * G;
+  qf.resize(Q * D);
+  acc.assign(Q * D, 0.f);
+  m.assign(Q, -1e30f);  // finite: the build uses -ffast-math
+  l.assign(Q, 0.f);
+  qlen.resize(Q);
+  qlo.resize(Q);
+  int64_t lo = lens[s0 + R - 1];
+  for (int64_t i = 0; i < Q; ++i) {
+    const int64_t r = i / G, g = i % G;
+    qlen[i] = lens[s0 + r];
+    qlo[i] = lay.start(s0 + r);
+    lo = std::min(lo, qlo[i]);
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(q[(s0 + r) * lay.q_stride + (kh * G + g) * D + d]) * scale;
+  }
+  return lo;
 }
 
 // ---- scalar path ------------------------------------------------------------------------------------------
@@ -219,21 +244,8 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
       const int64_t L = lens[s0 + R - 1];
       const int64_t* table = tables + s0 * lay.max_blocks;
-      qf.resize(Q * D);
-      acc.assign(Q * D, 0.f);
       scores.resize(Q * bs);
-      m.assign(Q, -1e30f);  // finite: the build uses -ffast-math
-      l.assign(Q, 0.f);
-      qlen.resize(Q);
-      qlo.resize(Q);
-      int64_t lo = L;  // the first key any query of the item sees
-      for (int64_t i = 0; i < Q; ++i) {
-        const int64_t r = i / G, g = i % G;
-        qlen[i] = lens[s0 + r];
-        qlo[i] = lay.start(s0 + r);
-        lo = std::min(lo, qlo[i]);
-        for (int d = 0; d < D; ++d) qf[i * D + d] = static_cast<float>(q[(s0 + r) * lay.q_stride + (kh * G + g) * D + d]) * scale;
-      }
+      const int64_t lo = item_queries(q, lens, lay, s0, R, G, kh, D, scale, qf, qlen, qlo, acc, m, l);
       for (int64_t j = lo / bs; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;  // row of token 0 of this block; token t is row0 + t * KVH
@@ -378,33 +390,39 @@ template <typename T, at::ScalarType kKV, int V>  // V = head_dim / 8
 void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t num_seqs, const Layout& lay, float scale) {
   constexpr int D = 8 * V;
-  const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
-  at::parallel_for(0, num_seqs * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores(G * (bs + 8)), kf(bs * D), vf(bs * D), m(G), l(G);
+  const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size, SW = bs + 8;
+  const std::vector<int64_t> starts = row_groups(tables, lens, num_seqs, lay);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, groups * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, kf(bs * D), vf(bs * D), m, l;
+    std::vector<int64_t> qlen, qlo;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, kh = item % KVH, L = lens[s], st = lay.start(s);
-      const int64_t* table = tables + s * lay.max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[s * lay.q_stride + (kh * G + g) * D + d]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -1e30f);
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = st / bs; j * bs < L; ++j) {
-        const int64_t n = std::min(bs, L - j * bs), tb = std::max<int64_t>(0, st - j * bs);  // keys [tb, n) of the block
+      // As the AVX-512 path: the rows of a group (consecutive positions of one sequence) times the G query heads
+      // of kv head kh share every K/V read; query i is row i / G, head i % G, and sees exactly its own keys, with
+      // the arithmetic it would get alone (scores past its keys are padding, as past a block's end).
+      const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
+      const int64_t L = lens[s0 + R - 1];
+      const int64_t* table = tables + s0 * lay.max_blocks;
+      scores.resize(Q * SW);
+      const int64_t lo = item_queries(q, lens, lay, s0, R, G, kh, D, scale, qf, qlen, qlo, acc, m, l);
+      for (int64_t j = lo / bs; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = row0 + t * KVH;
           const float rs = row_scale<kKV>(k, row);
           for (int i = 0; i < V; ++i) _mm256_storeu_ps(&kf[t * D + 8 * i], load8<kKV>(k.data, row * D + 8 * i, rs));
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < Q; ++g) {
+          const int64_t ng = std::min(n, qlen[g] - j * bs), tb = std::max<int64_t>(0, qlo[g] - j * bs);  // keys [tb, ng)
+          if (ng <= tb) continue;
           __m256 qv[V];
           for (int i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(&qf[g * D + 8 * i]);
-          float* sg = &scores[g * (bs + 8)];
-          for (int64_t t0 = 0; t0 < n; t0 += 8) {
+          float* sg = &scores[g * SW];
+          for (int64_t t0 = 0; t0 < ng; t0 += 8) {
             __m256 dots[8];
             for (int t = 0; t < 8; ++t) {
-              if (t0 + t >= n) {
+              if (t0 + t >= ng) {
                 dots[t] = _mm256_setzero_ps();
                 continue;
               }
@@ -421,34 +439,37 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           const float rs = row_scale<kKV>(v, row);
           for (int i = 0; i < V; ++i) _mm256_storeu_ps(&vf[t * D + 8 * i], load8<kKV>(v.data, row * D + 8 * i, rs));
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = &scores[g * (bs + 8)];
+        for (int64_t g = 0; g < Q; ++g) {
+          const int64_t ng = std::min(n, qlen[g] - j * bs), tb = std::max<int64_t>(0, qlo[g] - j * bs);
+          if (ng <= tb) continue;
+          float* sg = &scores[g * SW];
           float mx = m[g];
-          for (int64_t t = tb; t < n; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = tb; t < ng; ++t) mx = std::max(mx, sg[t]);
           const float alpha = std::exp(m[g] - mx);
-          for (int64_t t = n; t < ((n + 7) / 8) * 8; ++t) sg[t] = -1e30f;  // padding: exp -> 0
+          for (int64_t t = ng; t < ((ng + 7) / 8) * 8; ++t) sg[t] = -1e30f;  // padding: exp -> 0
           float sum = 0.f;
-          for (int64_t t = 0; t < n; t += 8) {
+          for (int64_t t = 0; t < ng; t += 8) {
             const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(mx)));
             _mm256_storeu_ps(sg + t, p);
             alignas(32) float tmp[8];
             _mm256_store_ps(tmp, p);
-            for (int64_t i = std::max<int64_t>(0, tb - t); i < std::min<int64_t>(8, n - t); ++i) sum += tmp[i];
+            for (int64_t i = std::max<int64_t>(0, tb - t); i < std::min<int64_t>(8, ng - t); ++i) sum += tmp[i];
           }
           l[g] = l[g] * alpha + sum;
           m[g] = mx;
           __m256 a[V];
           for (int i = 0; i < V; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(&acc[g * D + 8 * i]), _mm256_set1_ps(alpha));
-          for (int64_t t = tb; t < n; ++t) {
+          for (int64_t t = tb; t < ng; ++t) {
             const __m256 p = _mm256_set1_ps(sg[t]);
             for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(&vf[t * D + 8 * i]), a[i]);
           }
           for (int i = 0; i < V; ++i) _mm256_storeu_ps(&acc[g * D + 8 * i], a[i]);
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) out[s * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t r = i / G, g = i % G;
+        const float inv = 1.f / l[i];
+        for (int d = 0; d < D; ++d) out[(s0 + r) * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[i * D + d] * inv);
       }
     }
   });

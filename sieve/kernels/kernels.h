@@ -65,12 +65,16 @@ void gemm_bf16_avx2_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tensor scale, int64_t group,
                          c10::optional<torch::Tensor> bias, int64_t n);
 torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
-                           c10::optional<torch::Tensor> bias, int64_t n);
+                           c10::optional<torch::Tensor> bias, int64_t n, bool q8_activations);
 // x and y: bf16, or float32 where `f32` (x is rounded to bf16 for the dot products, y is written in float32)
 void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
                      const float* row_scale, const c10::Half* gscale, int64_t group, const float* bias, int64_t n, void* y);
 void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                        const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
+// qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
+// dot products, in both builds); group a multiple of 32
+void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
+                             const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
 #endif
 
 // linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch
@@ -85,6 +89,8 @@ struct NativeLinear {
   // bf16: every batch through the GEMV, kGemvMaxRows rows at a time, so that a row's result never depends on
   // how many rows share the call (oneDNN's GEMM above the GEMV's rows accumulates in another order)
   bool batch_invariant = false;
+  // int4: multiply int8 activations (per row and 32 inputs) by the codes (qmatmul_q8act.cpp); lossy, opt-in
+  bool q8_activations = false;
   NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> packed, c10::optional<torch::Tensor> scale,
                c10::optional<torch::Tensor> aux, bool fp8, int64_t group, int64_t n, int64_t k, c10::optional<torch::Tensor> bias);
   torch::Tensor forward(const torch::Tensor& x) const;

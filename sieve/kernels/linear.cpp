@@ -5,7 +5,8 @@
 //          ones where the loader kept one (`packed`); without it, ATen's linear on the plain weight.
 //          The AVX2 build runs larger batches on float32 panels too (gemm_bf16_avx2_into).
 //   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
-//   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min)
+//   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min); with
+//          `q8_activations`, against int8 activations (qmatmul_q8act.cpp)
 // Shapes and dtypes are checked once, here; the calls check only the input.
 #include "kernels.h"
 
@@ -90,11 +91,12 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor w, bool fp8, torch::Tens
 // w [NBlocks, Kp / 4, 32] uint8 (int4, blocked), scale and min float16 [NBlocks, G, 16] (no min: w = (q - 8) s),
 // group a multiple of 4 dividing Kp, bias [n] or none; returns [M, n] in x's dtype
 torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> min, int64_t group,
-                           c10::optional<torch::Tensor> bias, int64_t n) {
+                           c10::optional<torch::Tensor> bias, int64_t n, bool q8_activations) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(2) == 32 && w.is_contiguous(),
               "qmatmul_int4 takes blocked uint8 [N/16, K/4, 32]");
   const int64_t blocks = w.size(0), K2 = w.size(1) * 4;
   TORCH_CHECK(group > 0 && group % 4 == 0 && K2 % group == 0, "qmatmul_int4: the group must be a multiple of 4 dividing K");
+  TORCH_CHECK(!q8_activations || group % 32 == 0, "qmatmul_int4: int8 activations take weight groups of a multiple of 32 inputs");
   const int64_t G = K2 / group;
   const bool has_min = min.has_value() && min->defined();
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == blocks * G * 16 && n <= blocks * 16 &&
@@ -108,8 +110,9 @@ torch::Tensor qmatmul_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale
   torch::Tensor bkeep;
   const float* bp = bias_pointer(bias, n, bkeep);
   auto y = torch::empty({xc.size(0), n}, x.options());
-  qmatmul_int4_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2,
-                    sc.data_ptr<c10::Half>(), has_min ? mc.data_ptr<c10::Half>() : nullptr, group, bp, n, y.data_ptr());
+  auto* kernel = q8_activations ? &qmatmul_int4_q8act_into : &qmatmul_int4_into;
+  kernel(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<uint8_t>(), blocks, K2, sc.data_ptr<c10::Half>(),
+         has_min ? mc.data_ptr<c10::Half>() : nullptr, group, bp, n, y.data_ptr());
   return y;
 }
 #endif
@@ -183,6 +186,9 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
       return qmatmul_q8_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 2, fp8, group == 0 ? scale.data_ptr<float>() : nullptr,
                              group == 0 ? nullptr : scale.data_ptr<c10::Half>(), group, bf, n, y);
     case kInt4:
+      if (q8_activations)
+        return qmatmul_int4_q8act_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),
+                                       aux.defined() ? aux.data_ptr<c10::Half>() : nullptr, group, bf, n, y);
       return qmatmul_int4_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),
                                aux.defined() ? aux.data_ptr<c10::Half>() : nullptr, group, bf, n, y);
 #endif

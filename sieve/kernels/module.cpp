@@ -17,7 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights", nogil);
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
   m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout", nogil);
-  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout", nogil);
+  m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (optionally against int8 activations)",
+        nogil, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("min"), py::arg("group"), py::arg("bias"), py::arg("n"),
+        py::arg("q8_activations") = false);
 #endif
   py::class_<sieve::NativeLinear, std::shared_ptr<sieve::NativeLinear>>(m, "NativeLinear")
       .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
@@ -25,7 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("w"), py::arg("packed"), py::arg("scale"), py::arg("aux"), py::arg("fp8"), py::arg("group"),
            py::arg("n"), py::arg("k"), py::arg("bias"))
       .def("__call__", &sieve::NativeLinear::forward, nogil)
-      .def_readwrite("batch_invariant", &sieve::NativeLinear::batch_invariant);
+      .def_readwrite("batch_invariant", &sieve::NativeLinear::batch_invariant)
+      .def_readwrite("q8_activations", &sieve::NativeLinear::q8_activations)
+      .def_readonly("kind", &sieve::NativeLinear::kind)
+      .def_readonly("group", &sieve::NativeLinear::group);
   m.attr("LINEAR_BF16") = static_cast<int64_t>(sieve::NativeLinear::kBF16);
   m.attr("LINEAR_Q8") = static_cast<int64_t>(sieve::NativeLinear::kQ8);
   m.attr("LINEAR_INT4") = static_cast<int64_t>(sieve::NativeLinear::kInt4);

@@ -1,0 +1,176 @@
+// int4 weights against int8 activations (CPU, AVX2): llama.cpp's Q4 x Q8 dot products, for
+// `activation_quantization="int8"`. The weights stay in the blocked int4 layout of qmatmul.cpp (block_int4 in
+// sieve/quant/kernels.py); each call quantizes its input rows, per row and per 32 inputs b, to int8:
+//   d_b = max|x| * (1/127),  q = round-half-even(x * (1 / d_b)) in [-127, 127],  xs_b = sum of x (float32)
+// and an output is, over b in order,
+//   acc = fma(float(sum_k w_k q_k), s * d_b, acc),  acc = fma(m, xs_b, acc)
+// with w_k the codes 0..15, s and m the scale and min of b's weight group (Q4_0: m = -8 s). The integer sums
+// are exact, so a row's result does not depend on the batch (every row takes the same path), and
+// sieve/quant/q8_activations.py computes the same numbers in PyTorch. Lossy: the activations keep 8 bits
+// (their cost is measured in docs/quality.md); the weights are the file's, exactly.
+//
+// Why: above one row the float32 kernels are bound by this CPU's FMAs (a 4-row int4 step runs two-thirds of
+// the 2 cores' float32 peak), which is what a decode step that verifies drafted tokens pays. Here one
+// vpmaddubsw multiplies 32 weight nibbles (unsigned) by 32 activation bytes (signed) and adds them in pairs:
+// the 16-bit word r of a unit (inputs 4u .. 4u + 3 of the block's 16 rows) holds row r's codes for inputs
+// 4u, 4u + 1 in its low nibbles and 4u + 2, 4u + 3 in its high ones, so the masked low nibbles against the
+// broadcast pair (q_4u, q_4u+1) give each row's two products summed, and the high nibbles the next two.
+// A word sums at most 4 units (4 x 4 x 15 x 127 = 30480 < 2^15) before it widens to 32 bits.
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace sieve {
+
+namespace {
+
+constexpr int64_t kQ8Block = 32;  // inputs per activation scale
+constexpr int64_t kPrefetchQ = 384;
+constexpr int64_t kMR = 4;  // rows per pass over a block (its bytes stay in L1 between passes)
+
+// The input rows, quantized: per unit u two broadcastable words (q_4u, q_4u+1) x 2 and (q_4u+2, q_4u+3) x 2,
+// per block of 32 the scale and the float sum
+struct Q8Rows {
+  int64_t units = 0, nb = 0;
+  std::vector<int32_t> pairs;  // [M, units, 2]
+  std::vector<float> d, xs;    // [M, nb]
+};
+
+Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2) {
+  Q8Rows r;
+  r.units = K2 / 4, r.nb = K2 / kQ8Block;
+  r.pairs.assign(M * r.units * 2, 0);
+  r.d.assign(M * r.nb, 0.f), r.xs.assign(M * r.nb, 0.f);
+  std::vector<float> row(K2);
+  std::vector<int8_t> q(K2);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K2; ++k)
+      row[k] = k >= K ? 0.f : f32 ? static_cast<const float*>(x)[m * K + k] : static_cast<float>(static_cast<const c10::BFloat16*>(x)[m * K + k]);
+    for (int64_t b = 0; b < r.nb; ++b) {
+      const float* v = row.data() + b * kQ8Block;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(v[i])), sum += v[i];
+      const float d = amax * (1.f / 127.f), id = d > 0.f ? 1.f / d : 0.f;  // a product: -ffast-math leaves it as it is
+      for (int64_t i = 0; i < kQ8Block; ++i)
+        q[b * kQ8Block + i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * id), -127.f, 127.f));
+      r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = sum;
+    }
+    for (int64_t u = 0; u < r.units; ++u)
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = static_cast<uint8_t>(q[4 * u + 2 * h]), hi = static_cast<uint8_t>(q[4 * u + 2 * h + 1]);
+        const uint32_t word = lo | (hi << 8);
+        r.pairs[(m * r.units + u) * 2 + h] = static_cast<int32_t>(word | (word << 16));
+      }
+  }
+  return r;
+}
+
+// 16 float16 values of rows 0..15 -> float32, even rows in `e`, odd rows in `o`
+inline void even_odd_h(const c10::Half* p, __m256& e, __m256& o) {
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), even);
+  const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), even);
+  e = _mm256_permute2f128_ps(a, b, 0x20), o = _mm256_permute2f128_ps(a, b, 0x31);
+}
+
+struct OutQ {
+  void* y;
+  bool f32;
+  int64_t N;
+  const float* bias;
+  void store(__m256 acc_e, __m256 acc_o, int64_t m, int64_t blk) const {  // even/odd rows back in order
+    const __m256 lo = _mm256_unpacklo_ps(acc_e, acc_o), hi = _mm256_unpackhi_ps(acc_e, acc_o);
+    alignas(32) float v[16];
+    _mm256_store_ps(v, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_store_ps(v + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    const int64_t n0 = blk * 16, cnt = std::min<int64_t>(16, N - n0);
+    for (int64_t i = 0; i < cnt; ++i) {
+      const float r = v[i] + (bias ? bias[n0 + i] : 0.f);
+      if (f32) static_cast<float*>(y)[m * N + n0 + i] = r;
+      else static_cast<c10::BFloat16*>(y)[m * N + n0 + i] = c10::BFloat16(r);
+    }
+  }
+};
+
+// One block of 16 outputs against rows m0 .. m0 + MR - 1
+template <int MR>
+void int4_q8_rows(const Q8Rows& X, const uint8_t* w, int64_t K2, const c10::Half* scale, const c10::Half* min, int64_t group, int64_t m0,
+                  int64_t blk, const OutQ& out) {
+  const int64_t G = K2 / group, per_group = group / kQ8Block;
+  const uint8_t* base = w + blk * (K2 / 4) * 32;
+  const c10::Half* sp = scale + blk * G * 16;
+  const c10::Half* mp = min ? min + blk * G * 16 : nullptr;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256 acc_e[MR], acc_o[MR];
+  for (int m = 0; m < MR; ++m) acc_e[m] = acc_o[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 se, so, me, mo;
+    even_odd_h(sp + g * 16, se, so);
+    if (mp) even_odd_h(mp + g * 16, me, mo);
+    else me = _mm256_mul_ps(se, _mm256_set1_ps(-8.f)), mo = _mm256_mul_ps(so, _mm256_set1_ps(-8.f));
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m256i sum_e[MR], sum_o[MR];
+      for (int m = 0; m < MR; ++m) sum_e[m] = sum_o[m] = _mm256_setzero_si256();
+      for (int half = 0; half < 2; ++half) {  // 4 units decoded once (8 registers), then each row against them
+        const int64_t u0 = b * 8 + half * 4;
+        _mm_prefetch(reinterpret_cast<const char*>(base + u0 * 32 + kPrefetchQ), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(base + u0 * 32 + kPrefetchQ + 64), _MM_HINT_T0);
+        __m256i lo[4], hi[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (u0 + j) * 32));
+          lo[j] = _mm256_and_si256(v, nib), hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int32_t* xp = X.pairs.data() + ((m0 + m) * X.units + u0) * 2;
+          __m256i a = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(xp[0]));
+          __m256i c = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(xp[1]));
+          for (int j = 1; j < 4; ++j) {
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(xp[2 * j])));
+            c = _mm256_add_epi16(c, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(xp[2 * j + 1])));
+          }
+          a = _mm256_add_epi16(a, c);  // words -> even rows (low words) and odd rows (high words), 32 bits
+          sum_e[m] = _mm256_add_epi32(sum_e[m], _mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16));
+          sum_o[m] = _mm256_add_epi32(sum_o[m], _mm256_srai_epi32(a, 16));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 d = _mm256_set1_ps(X.d[(m0 + m) * X.nb + b]), xs = _mm256_set1_ps(X.xs[(m0 + m) * X.nb + b]);
+        acc_e[m] = _mm256_fmadd_ps(me, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_e[m]), _mm256_mul_ps(se, d), acc_e[m]));
+        acc_o[m] = _mm256_fmadd_ps(mo, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_o[m]), _mm256_mul_ps(so, d), acc_o[m]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) out.store(acc_e[m], acc_o[m], m0 + m, blk);
+}
+
+}  // namespace
+
+void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
+                             const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y) {
+  const Q8Rows X = quantize_rows(x, f32, M, K, K2);
+  const OutQ out{y, f32, n, bias};
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        switch (std::min<int64_t>(kMR, M - m0)) {
+          case 4: int4_q8_rows<4>(X, w, K2, scale, min, group, m0, b, out); break;
+          case 3: int4_q8_rows<3>(X, w, K2, scale, min, group, m0, b, out); break;
+          case 2: int4_q8_rows<2>(X, w, K2, scale, min, group, m0, b, out); break;
+          default: int4_q8_rows<1>(X, w, K2, scale, min, group, m0, b, out); break;
+        }
+      }
+  });
+}
+
+}  // namespace sieve
+
+#endif
