@@ -35,7 +35,7 @@ namespace {
 
 constexpr int64_t kQ8Block = 32;  // inputs per activation scale
 constexpr int64_t kPrefetchQ = 384;
-constexpr int64_t kMR = 4;  // rows per pass over a block (its bytes stay in L1 between passes)
+constexpr int64_t kMR = 8;  // rows per pass over a block (its bytes stay in L1 between passes)
 
 // The input rows, quantized: per unit u two broadcastable words (q_4u, q_4u+1) x 2 and (q_4u+2, q_4u+3) x 2,
 // per block of 32 the scale and the float sum
@@ -162,6 +162,10 @@ void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, cons
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {
         switch (std::min<int64_t>(kMR, M - m0)) {
+          case 8: int4_q8_rows<8>(X, w, K2, scale, min, group, m0, b, out); break;
+          case 7: int4_q8_rows<7>(X, w, K2, scale, min, group, m0, b, out); break;
+          case 6: int4_q8_rows<6>(X, w, K2, scale, min, group, m0, b, out); break;
+          case 5: int4_q8_rows<5>(X, w, K2, scale, min, group, m0, b, out); break;
           case 4: int4_q8_rows<4>(X, w, K2, scale, min, group, m0, b, out); break;
           case 3: int4_q8_rows<3>(X, w, K2, scale, min, group, m0, b, out); break;
           case 2: int4_q8_rows<2>(X, w, K2, scale, min, group, m0, b, out); break;
