@@ -21,6 +21,9 @@ no arithmetic there. fp8 decodes with a shift and a mask (its codes carry no sub
 two conversions, so fp8 is the cheaper of the two one-byte formats on this CPU, which has no FP8
 arithmetic.
 
+With `activation_quantization="int8"` (CPU, opt-in, lossy), the int4 `NativeLinear`s switch to int8 activations
+per 32 inputs and AVX2 integer dot products (sieve/kernels/qmatmul_q8act.cpp; ModelRunner sets the flag).
+
 On CUDA (fp16 / bf16 activations): int8 and int4 in every layout run one Triton GEMM that dequantizes
 tiles inside the product (sieve/quant/triton_kernels.py), fp8 the FP8 matmul (`_scaled_mm`) on GPUs
 that have it. On CPUs without native kernels: int8 uses PyTorch's packed kernel for small batches,
