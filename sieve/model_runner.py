@@ -76,7 +76,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
-        self.kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kv_kind]
+        self.kv_dtype = {"auto": dtype, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+                         "int8": torch.int8}[self.kv_kind]
         # KV-cache groups: the full-attention layers, and the sliding-window layers' own pool (which gives back
         # blocks as they leave the window; see SlidingWindowBlockManager). Models without sliding layers: one group.
         self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [arch.full_layers]
@@ -125,12 +126,12 @@ class ModelRunner:
         """Layer `layer`'s view of its group's pool, where it is the group's j-th layer. Multi-head latent attention
         caches one tensor, read as both K and V."""
         if self.arch.is_mla:
-            if self.kv_kind != "auto":
+            if self.kv_kind in ("fp8", "int8"):
                 from sieve.config import ConfigError
 
                 raise ConfigError("a quantized KV cache (kv_cache_dtype fp8/int8) is not built for multi-head latent attention")
             return KVCacheLayer(pool[0, j], pool[0, j])
-        if self.kv_kind == "auto":
+        if self.kv_kind not in ("fp8", "int8"):  # the model dtype, or a 16-bit float one (written rounded, read widened)
             return KVCacheLayer(pool[0, j], pool[1, j])
         if self.kv_kind == "int8":
             return QuantizedKVCacheLayer(pool[0, j], pool[1, j], "int8", scales[0, j], scales[1, j])

@@ -62,6 +62,20 @@ def test_bench_bandwidth_prints_the_floor(llama_dir):
     assert "triad" in r.stdout and "decode floor at batch 1" in r.stdout
 
 
+def test_bench_kv_times_each_cache_dtype_and_counts_what_fits(llama_dir, tmp_path):
+    out = tmp_path / "kv.json"
+    r = run_cli("bench", "kv", "--model", str(llama_dir), "--kv-dtypes", "auto,float16,int8", "--contexts", "20,40",
+                "--batch-sizes", "1,2", "--steps", "3", "--memory-gb", "0.02", "--output-json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert rows["float16"]["kv_bytes_per_token"] * 2 == rows["auto"]["kv_bytes_per_token"]  # a float32 model
+    assert rows["float16"]["sequences_fit"]["40"] >= 2 * rows["auto"]["sequences_fit"]["40"] - 1
+    for k in ("auto", "float16", "int8"):
+        assert set(rows[k]["step_ms"]) == {"20x1", "20x2", "40x1", "40x2"} and all(v > 0 for v in rows[k]["step_ms"].values())
+    assert "context    40, batch   2:" in r.stdout
+
+
 def test_bench_offline_small_run(llama_dir, tmp_path):
     out = tmp_path / "r.json"
     r = run_cli("bench", "offline", "--model", str(llama_dir), "--dtype", "float32", "--num-prompts", "6",

@@ -252,3 +252,22 @@ def test_native_decode_attention_reads_quantized_cache_codes(kind, dtype):
     ref = decode_attention_reference(q, cache, meta, head_dim**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16])
+def test_native_decode_attention_reads_a_16bit_cache_under_float32_queries(kv):
+    """A float16 / bfloat16 cache under float32 activations (`kv_cache_dtype`): the kernel widens each K/V element
+    as it reads it and agrees with the PyTorch path, which widens the gathered blocks."""
+    rng = random.Random(5)
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    lens = [1, 16, 17, 100, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    meta = decode_meta(lens, block_size, num_blocks, rng)
+    got = cpu_ops().paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    ref = decode_attention_reference(q, KVCacheLayer(k, v), meta, head_dim**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -177,7 +177,7 @@ def test_awq_beats_plain_rounding_and_its_checkpoint_reloads(stories, tmp_path):
         LLM(str(tmp_path / "awq"), quantization="int8")
 
 
-@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("kv", ["fp8", "int8", "float16", "bfloat16"])
 def test_quantized_kv_cache_attention_is_close(stories, kv):
     """Logits read through a quantized cache (prefill in chunks, so later chunks read it back) against
     the model-dtype cache, on the real checkpoint; and greedy decoding through the decode path."""
@@ -190,7 +190,8 @@ def test_quantized_kv_cache_attention_is_close(stories, kv):
     got = _engine(str(stories), "float32", 128, kv_cache_dtype=kv).score(ids, chunk=16)
     lr, lg = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lr.exp() * (lr - lg)).sum(-1).mean().item()
-    assert 0 < kl < {"fp8": 0.05, "int8": 0.01}[kv]  # e4m3 keeps 3 mantissa bits; int8 per token-head ~7
+    # e4m3 keeps 3 mantissa bits; int8 per token-head ~7; bfloat16 8; float16 11
+    assert 0 < kl < {"fp8": 0.05, "int8": 0.01, "bfloat16": 0.005, "float16": 1e-4}[kv]
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
     from sieve import LLM, SamplingParams
@@ -214,6 +215,20 @@ def test_kv_capacity_doubles_in_the_same_memory(llama_dir):
     int8, _ = blocks("int8")
     assert fp8 == pytest.approx(2 * base, abs=1)
     assert int8 == pytest.approx(2 * base * d / (d + 2), abs=1)  # a float16 scale per token and head
+    assert blocks("float16")[0] == base  # a bf16 model's cache is 16-bit already
+
+
+def test_16bit_kv_cache_holds_twice_the_tokens_of_a_float32_one(llama_dir):
+    from sieve import EngineConfig, LLMEngine
+
+    def blocks(kv):
+        e = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype=kv,
+                                   max_num_seqs=1024))
+        return e.block_manager.num_blocks
+
+    base = blocks("auto")
+    assert blocks("float16") == pytest.approx(2 * base, abs=1)
+    assert blocks("bfloat16") == pytest.approx(2 * base, abs=1)
 
 
 def test_unsupported_combinations_are_clear_errors(llama_dir):

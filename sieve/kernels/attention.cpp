@@ -2,7 +2,8 @@
 // through each sequence's block table (no gather, no padding to the longest context).
 //
 //   q             [num_seqs, num_heads, head_dim]                   float32 | bfloat16 | float16
-//   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]  q's dtype, or fp8 (e4m3) / int8 codes
+//   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]  float32 | bfloat16 | float16 (q's dtype or
+//                 another: a 16-bit cache under float32 activations), or fp8 (e4m3) / int8 codes
 //   block_tables  [num_seqs, max_blocks] int64
 //   context_lens  [num_seqs] int64
 //   starts        [num_seqs] int64 or absent: the first key each row sees, as an index into its table's slots
@@ -504,31 +505,36 @@ Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& sc
 }  // namespace
 
 template <class T>
-void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, int64_t block_size, int64_t num_kv_heads,
-                                 int64_t head_dim, const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t num_seqs,
-                                 int64_t num_heads, float scale, T* out) {
-  constexpr auto kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
+                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
+                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out) {
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf, "the layer loop's K/V pools hold float32, bf16 or float16");
   const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
-  const Pool k{k_pool, kType}, v{v_pool, kType};
+  const Pool k{k_pool, kv}, v{v_pool, kv};
   bool done = false;
 #if defined(SIEVE_DECODE_VEC)
-  done = decode_vec_any<T, kType>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale);
+  switch (kv) {
+    case at::kFloat: done = decode_vec_any<T, at::kFloat>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+    case at::kBFloat16: done = decode_vec_any<T, at::kBFloat16>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+    default: done = decode_vec_any<T, at::kHalf>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+  }
 #endif
   if (!done) decode_scalar<T>(q, k, v, tables, lens, out, num_seqs, lay, scale);
 }
 
-template void paged_decode_attention_into<bf16>(const bf16*, int64_t, const bf16*, const bf16*, int64_t, int64_t, int64_t, const int64_t*,
-                                                int64_t, const int64_t*, int64_t, int64_t, float, bf16*);
-template void paged_decode_attention_into<float>(const float*, int64_t, const float*, const float*, int64_t, int64_t, int64_t,
-                                                 const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*);
+template void paged_decode_attention_into<bf16>(const bf16*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t, int64_t,
+                                                const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, bf16*);
+template void paged_decode_attention_into<float>(const float*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t,
+                                                 int64_t, const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*);
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts) {
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "inputs must be contiguous");
   const auto kv = k_pool.scalar_type();
-  TORCH_CHECK(kv == v_pool.scalar_type() && (kv == q.scalar_type() || kv == at::kFloat8_e4m3fn || kv == at::kChar),
-              "K/V pools must hold q's dtype, fp8 or int8");
+  TORCH_CHECK(kv == v_pool.scalar_type() && (kv == q.scalar_type() || kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf ||
+                                               kv == at::kFloat8_e4m3fn || kv == at::kChar),
+              "K/V pools must hold float32, bf16, float16, fp8 or int8 (both the same)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64, "int64 tables");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();

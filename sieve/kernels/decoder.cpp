@@ -1,5 +1,5 @@
-// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, model-dtype KV cache), for every step: the same
-// operations, in the same order and with the same kernels, as sieve/models/decoder.py and
+// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, a KV cache of the model dtype, bf16 or float16),
+// for every step: the same operations, in the same order and with the same kernels, as sieve/models/decoder.py and
 // sieve/layers/attention.py, so that both give the same bits. A step of a small model is mostly
 // fixed costs when it runs from Python: SmolLM2-135M has 30 layers of ~15 small operations, and
 // at batch 1 their dispatch took ~4 ms of a 15 ms step; here the loop costs what the kernels cost.
@@ -93,11 +93,15 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   const int64_t* lens = num_decodes ? contiguous_ptr<int64_t>(*decode_lens, at::kLong, "decode lengths") : nullptr;
   const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
   const int64_t block_size = k_pools[0].size(1);
+  const at::ScalarType kv = k_pools.empty() ? dtype : k_pools[0].scalar_type();
+  TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf, "K/V pools hold the model's dtype, bf16 or float16");
   for (size_t l = 0; l < layers.size(); ++l) {
-    TORCH_CHECK(k_pools[l].scalar_type() == dtype && v_pools[l].scalar_type() == dtype && k_pools[l].is_contiguous() &&
+    TORCH_CHECK(k_pools[l].scalar_type() == kv && v_pools[l].scalar_type() == kv && k_pools[l].is_contiguous() &&
                 v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D,
-                "K/V pools must be [blocks, block_size, kv_heads, head_dim] in the model's dtype");
+                "K/V pools must be [blocks, block_size, kv_heads, head_dim], every one of one dtype");
   }
+  const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
+  auto slots_t = slots.contiguous();
   std::vector<torch::Tensor> masks(chunks);  // the same for every layer
   for (size_t c = 0; c < chunks; ++c)
     if (chunk_ctx[c] != chunk_lens[c]) masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
@@ -139,15 +143,20 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       rotary_into<E>(K, T, KVH, kvs, D, pos, cp, sp, P);
       q = Q, k = K, q_stride = qs, k_stride = kvs;
     }
-    E* kp = k_pools[l].data_ptr<E>();
-    E* vp = v_pools[l].data_ptr<E>();
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(E));
-      std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(E));
+    if (same_kv) {
+      E* kp = k_pools[l].data_ptr<E>();
+      E* vp = v_pools[l].data_ptr<E>();
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(E));
+        std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(E));
+      }
+    } else {  // as KVCacheLayer.write_kv: the rows rounded to the pool's dtype
+      k_pools[l].view({-1, kvs}).index_copy_(0, slots_t, strided(k, T, KVH, D, k_stride).reshape({T, kvs}).to(kv));
+      v_pools[l].view({-1, kvs}).index_copy_(0, slots_t, strided(v, T, KVH, D, width).reshape({T, kvs}).to(kv));
     }
     if (num_decodes)
-      paged_decode_attention_into<E>(q, q_stride, kp, vp, block_size, KVH, D, tables, max_blocks, lens, num_decodes, H,
-                                     static_cast<float>(scale), A);
+      paged_decode_attention_into<E>(q, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D, tables, max_blocks,
+                                     lens, num_decodes, H, static_cast<float>(scale), A);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
@@ -156,8 +165,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
         kc = strided(k + s * k_stride, n, KVH, D, k_stride);
         vc = strided(v + s * width, n, KVH, D, width);
       } else {
-        kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx);
-        vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx);
+        kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
+        vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
       }
       auto oc = at::scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
                                                  masks[c].defined() ? c10::optional<torch::Tensor>(masks[c]) : c10::nullopt, 0.0,

@@ -27,10 +27,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts);
 
-template <class T>  // bf16 or float: q, the pools and the output of one type
-void paged_decode_attention_into(const T* q, int64_t q_stride, const T* k_pool, const T* v_pool, int64_t block_size, int64_t num_kv_heads,
-                                 int64_t head_dim, const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t num_seqs,
-                                 int64_t num_heads, float scale, T* out);
+template <class T>  // q and the output bf16 or float; the pools `kv`: float32, bf16 or float16
+void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
+                                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
+                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out);
 
 // layer_ops.cpp: a decoder layer's small operations, fused; the raw cores take bf16 or float
 // add_rms_norm_into: with `residual`, residual += x and out = norm(residual); without, out = norm(x)
