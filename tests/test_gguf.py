@@ -306,6 +306,25 @@ def test_16bit_kv_cache_under_float32_runs_in_the_native_layer_loop(checkpoints,
     assert 0 < max_logprob_diff(native, plain) < 0.05
 
 
+def test_16bit_kv_cache_keeps_batching_and_speculation_lossless(checkpoints, tmp_path):
+    """On a float16 cache (native layer loop), a request gives the same tokens and logprobs alone and in a crowd, and
+    n-gram speculation (drafted rows written rounded and read back in the step that verifies them) changes no token."""
+    path = export_gguf(checkpoints["qwen2"], tmp_path / "q.gguf", "q4_1", **QUIET)
+    kw = dict(dtype="float32", kv_cache_dtype="float16", num_gpu_blocks_override=256)
+    prompts = [{"prompt_token_ids": ([5, 6, 7, 8, 9] * 8)[: 12 + 3 * i] + [100 + i]} for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    plain = LLM(str(path), **kw)
+    crowd = plain.generate(prompts, params)
+    alone = plain.generate([prompts[2]], params)[0].outputs[0]
+    assert alone.token_ids == crowd[2].outputs[0].token_ids
+    assert [d[t].logprob for d, t in zip(alone.logprobs, alone.token_ids)] == \
+        [d[t].logprob for d, t in zip(crowd[2].outputs[0].logprobs, crowd[2].outputs[0].token_ids)]
+    spec = LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == [o.outputs[0].token_ids for o in crowd]
+    stats = spec.llm_engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
 def write_minimal(path, arch="llama", tensors=None, fields=True):
     """A tiny GGUF written by hand: `tensors` maps name -> (array, raw type or None)."""
     w = gguf.GGUFWriter(str(path), arch)

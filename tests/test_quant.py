@@ -202,6 +202,31 @@ def test_quantized_kv_cache_attention_is_close(stories, kv):
     assert a[0].outputs[0].token_ids[:16] == b[0].outputs[0].token_ids[:16]
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int8", "float16"])
+def test_lossy_kv_cache_attends_to_keys_as_stored_so_prefix_hits_and_chunks_change_nothing(stories, kv):
+    """A cache that rounds (fp8, int8, float16 under float32): prefill attends to K/V as stored, its own chunk's too,
+    so a prompt prefilled cold in one chunk, in chunks of 16, or after a prefix-cache hit gives the same logprobs."""
+    from sieve import LLM, SamplingParams
+
+    ids = list(range(40, 40 + 45))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(llm, prompt):
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        return out.token_ids, [{t: v.logprob for t, v in d.items()} for d in out.logprobs]
+
+    def same(a, b):  # SDPA rounds a 45-row chunk and a 13-row one differently in the last digits, no more
+        return a[0] == b[0] and all(abs(x[t] - y[t]) < 1e-5 for x, y in zip(a[1], b[1]) for t in x)
+
+    kw = dict(dtype="float32", kv_cache_dtype=kv, num_gpu_blocks_override=64)
+    cold = run(LLM(str(stories), enable_prefix_caching=False, **kw), ids)
+    assert same(run(LLM(str(stories), enable_prefix_caching=False, max_num_batched_tokens=16, **kw), ids), cold)
+    warm = LLM(str(stories), **kw)
+    run(warm, ids[:33] + [7, 8])  # caches the first two blocks of 16
+    assert same(run(warm, ids), cold)
+    assert warm.llm_engine.block_manager.num_hit_tokens == 32
+
+
 def test_kv_capacity_doubles_in_the_same_memory(llama_dir):
     from sieve import EngineConfig, LLMEngine
 

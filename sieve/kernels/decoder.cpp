@@ -161,7 +161,7 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
       torch::Tensor kc, vc;
-      if (ctx == n) {
+      if (ctx == n && same_kv) {  // (a 16-bit cache: the keys as stored, as KVCacheLayer.stores_exactly says)
         kc = strided(k + s * k_stride, n, KVH, D, k_stride);
         vc = strided(v + s * width, n, KVH, D, width);
       } else {

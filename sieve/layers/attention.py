@@ -94,6 +94,12 @@ class KVCacheLayer:
         self.block_size = k.shape[1]
         self.k_scale = self.v_scale = None  # quantized caches: what the native decode kernel needs to read codes
 
+    def stores_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether K/V of `dtype` read back equal what was written. If not (a 16-bit cache under float32, fp8, int8),
+        prefill attends to the keys as stored, its own included, so that a chunk sees what a later chunk, a decode
+        step or a prefix-cache hit sees."""
+        return self.k.dtype == dtype
+
     def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slots, k.to(self.k.dtype))
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slots, v.to(self.v.dtype))
@@ -139,6 +145,9 @@ class QuantizedKVCacheLayer(KVCacheLayer):
         for pool, x, scale in ((self.k, k, self.k_scale), (self.v, v, self.v_scale)):
             pool.view(torch.uint8).view(-1, *pool.shape[2:]).index_copy_(0, slots, self._quant(x, scale, slots).view(torch.uint8))
 
+    def stores_exactly(self, dtype: torch.dtype) -> bool:
+        return False
+
     def read_kv(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k.view(torch.uint8)[block_table].view(self.k.dtype).flatten(-4, -3).float()
         v = self.v.view(torch.uint8)[block_table].view(self.v.dtype).flatten(-4, -3).float()
@@ -170,7 +179,8 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if chunk.context_len == chunk.num_tokens or chunk.key_start >= chunk.context_len - chunk.num_tokens:
+            own = chunk.context_len == chunk.num_tokens or chunk.key_start >= chunk.context_len - chunk.num_tokens
+            if own and cache.stores_exactly(q.dtype):
                 kc, vc, first = k[rows], v[rows], chunk.context_len - chunk.num_tokens  # the chunk's own keys suffice
             else:
                 kc, vc = cache.read_kv(chunk.block_table, q.dtype)
