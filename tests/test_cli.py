@@ -74,6 +74,9 @@ def test_bench_kv_times_each_cache_dtype_and_counts_what_fits(llama_dir, tmp_pat
     for k in ("auto", "float16", "int8"):
         assert set(rows[k]["step_ms"]) == {"20x1", "20x2", "40x1", "40x2"} and all(v > 0 for v in rows[k]["step_ms"].values())
     assert "context    40, batch   2:" in r.stdout
+    for bad in (["--kv-dtypes", "auto,fp4"], ["--contexts", "0"], ["--batch-sizes", "x"]):
+        r = run_cli("bench", "kv", "--model", str(llama_dir), *bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "expected comma-separated" in r.stderr
 
 
 def test_bench_offline_small_run(llama_dir, tmp_path):

