@@ -59,6 +59,21 @@ const T* contiguous_ptr(const torch::Tensor& t, at::ScalarType type, const char*
   return t.data_ptr<T>();
 }
 
+// Rows t of `src` (n elements each, `stride` apart) into rows slot[t] of a 16-bit pool, rounded to nearest even as
+// `Tensor.to` rounds (what KVCacheLayer.write_kv stores on the Python path).
+template <class H, class E>
+void store_rounded(void* pool, const int64_t* slot, const E* src, int64_t T, int64_t stride, int64_t n) {
+  H* p = static_cast<H*>(pool);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i) p[slot[t] * n + i] = H(static_cast<float>(src[t * stride + i]));
+}
+
+template <class E>
+void store_rows(const torch::Tensor& pool, const int64_t* slot, const E* src, int64_t T, int64_t stride, int64_t n) {
+  if (pool.scalar_type() == at::kHalf) store_rounded<c10::Half>(pool.data_ptr(), slot, src, T, stride, n);
+  else store_rounded<c10::BFloat16>(pool.data_ptr(), slot, src, T, stride, n);
+}
+
 }  // namespace
 
 torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
@@ -101,7 +116,6 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                 "K/V pools must be [blocks, block_size, kv_heads, head_dim], every one of one dtype");
   }
   const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
-  auto slots_t = slots.contiguous();
   std::vector<torch::Tensor> masks(chunks);  // the same for every layer
   for (size_t c = 0; c < chunks; ++c)
     if (chunk_ctx[c] != chunk_lens[c]) masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
@@ -150,9 +164,9 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
         std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(E));
         std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(E));
       }
-    } else {  // as KVCacheLayer.write_kv: the rows rounded to the pool's dtype
-      k_pools[l].view({-1, kvs}).index_copy_(0, slots_t, strided(k, T, KVH, D, k_stride).reshape({T, kvs}).to(kv));
-      v_pools[l].view({-1, kvs}).index_copy_(0, slots_t, strided(v, T, KVH, D, width).reshape({T, kvs}).to(kv));
+    } else {  // as KVCacheLayer.write_kv: the rows rounded to the pool's 16-bit dtype
+      store_rows<E>(k_pools[l], slot, k, T, k_stride, kvs);
+      store_rows<E>(v_pools[l], slot, v, T, width, kvs);
     }
     if (num_decodes)
       paged_decode_attention_into<E>(q, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D, tables, max_blocks,
