@@ -276,23 +276,27 @@ def test_native_quantized_path_is_batch_invariant_in_float32(checkpoints, tmp_pa
     assert [{k: v.logprob for k, v in d.items()} for d in alone.logprobs] == [{k: v.logprob for k, v in d.items()} for d in among.logprobs]
 
 
-@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "int8"])
 def test_16bit_kv_cache_under_float32_runs_in_the_native_layer_loop(checkpoints, tmp_path, kv):
-    """`kv_cache_dtype` float16 / bfloat16 under float32 activations: the C++ layer loop writes K/V rounded to the
-    pool's dtype and reads them back widened (decode attention and every prefill chunk), giving the bits the Python
-    loop gives over the same cache; and the result is close to the float32 cache's, not equal to it."""
+    """`kv_cache_dtype` float16 / bfloat16 / int8 under float32 activations: the C++ layer loop writes K/V rounded to
+    the pool's dtype (int8: codes and a float16 scale per token and head) and reads them back widened (decode attention
+    and every prefill chunk), giving the bits the Python loop gives over the same cache; and the result is close to the
+    float32 cache's, not equal to it."""
     path = export_gguf(checkpoints["qwen2"], tmp_path / "q.gguf", "q4_1", **QUIET)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (5, 37, 70)]  # 37, 70: prefill in chunks of 16
 
     def run(kv_cache_dtype, native=True):
         llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_gpu_blocks_override=64, max_num_batched_tokens=16)
-        runner = llm.llm_engine.runner
-        assert runner.model.native is not None
+        model = llm.llm_engine.runner.model
+        assert model.native is not None
+        steps, loop = [], model._forward_native
+        model._forward_native = lambda *a: steps.append(1) or loop(*a)
         if not native:
-            runner.model.native = None
+            model.native = None
         outs = llm.generate(prompts, params)
-        return runner.kv_pool.dtype, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert bool(steps) == native  # every step in C++, or none
+        return llm.llm_engine.runner.kv_pool.dtype, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
     def max_logprob_diff(a, b):
         return max(abs(x[t].logprob - y[t].logprob) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb) for t in x if t in y)

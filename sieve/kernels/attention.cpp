@@ -507,25 +507,30 @@ Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& sc
 template <class T>
 void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
-                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out) {
-  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf, "the layer loop's K/V pools hold float32, bf16 or float16");
+                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out,
+                                 const c10::Half* k_scales, const c10::Half* v_scales) {
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf || (kv == at::kChar && k_scales && v_scales),
+              "the layer loop's K/V pools hold float32, bf16, float16, or int8 codes with their scales");
   const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
-  const Pool k{k_pool, kv}, v{v_pool, kv};
+  const Pool k{k_pool, kv, 1.f, k_scales}, v{v_pool, kv, 1.f, v_scales};
   bool done = false;
 #if defined(SIEVE_DECODE_VEC)
   switch (kv) {
     case at::kFloat: done = decode_vec_any<T, at::kFloat>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
     case at::kBFloat16: done = decode_vec_any<T, at::kBFloat16>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
-    default: done = decode_vec_any<T, at::kHalf>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+    case at::kHalf: done = decode_vec_any<T, at::kHalf>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+    default: done = decode_vec_any<T, at::kChar>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
   }
 #endif
   if (!done) decode_scalar<T>(q, k, v, tables, lens, out, num_seqs, lay, scale);
 }
 
 template void paged_decode_attention_into<bf16>(const bf16*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t, int64_t,
-                                                const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, bf16*);
+                                                const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, bf16*, const c10::Half*,
+                                                const c10::Half*);
 template void paged_decode_attention_into<float>(const float*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t,
-                                                 int64_t, const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*);
+                                                 int64_t, const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*,
+                                                 const c10::Half*, const c10::Half*);
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,

@@ -1,4 +1,4 @@
-// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, a KV cache of the model dtype, bf16 or float16),
+// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, a KV cache of the model dtype, bf16, float16 or int8),
 // for every step: the same operations, in the same order and with the same kernels, as sieve/models/decoder.py and
 // sieve/layers/attention.py, so that both give the same bits. A step of a small model is mostly
 // fixed costs when it runs from Python: SmolLM2-135M has 30 layers of ~15 small operations, and
@@ -9,6 +9,8 @@
 // kernel), each prefill chunk through SDPA over its earlier context plus itself; o = attn W_o;
 // h = norm(o + residual); x = silu(h W_gate) * (h W_up) W_down. Then the final norm.
 #include "kernels.h"
+
+#include <cmath>
 
 namespace sieve {
 
@@ -68,6 +70,35 @@ void store_rounded(void* pool, const int64_t* slot, const E* src, int64_t T, int
     for (int64_t i = 0; i < n; ++i) p[slot[t] * n + i] = H(static_cast<float>(src[t * stride + i]));
 }
 
+// Rows t of `src` (KVH heads of D elements, `stride` apart) as int8 codes and a float16 scale per head, the
+// arithmetic of QuantizedKVCacheLayer._quant to the bit: s = max(amax / 127, 1e-8) rounded to float16, then
+// code = round-half-even(x / s) clamped to +-127. The build is -ffast-math: the divisors pass through an empty asm so
+// that the compiler keeps true divisions (no reciprocal), as PyTorch computes them.
+template <class E>
+void store_int8(const torch::Tensor& pool, const torch::Tensor& scales, const int64_t* slot, const E* src, int64_t T, int64_t stride,
+                int64_t KVH, int64_t D) {
+  int8_t* p = static_cast<int8_t*>(pool.data_ptr());
+  c10::Half* sp = scales.data_ptr<c10::Half>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const E* x = src + t * stride + h * D;
+      float amax = 0.f;
+      for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+      float d127 = 127.f;
+      asm volatile("" : "+x"(d127));
+      const c10::Half hs(std::max(amax / d127, 1e-8f));
+      float s = static_cast<float>(hs);
+      asm volatile("" : "+x"(s));
+      sp[slot[t] * KVH + h] = hs;
+      int8_t* out = p + (slot[t] * KVH + h) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        float v = static_cast<float>(x[i]);
+        asm volatile("" : "+x"(v));
+        out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(v / s))));
+      }
+    }
+}
+
 template <class E>
 void store_rows(const torch::Tensor& pool, const int64_t* slot, const E* src, int64_t T, int64_t stride, int64_t n) {
   if (pool.scalar_type() == at::kHalf) store_rounded<c10::Half>(pool.data_ptr(), slot, src, T, stride, n);
@@ -80,13 +111,14 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                                      std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                                      std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
-                                     std::vector<torch::Tensor> v_pools) const {
+                                     std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales,
+                                     std::vector<torch::Tensor> v_scales) const {
   TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
   if (dtype == at::kFloat)
     return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                      k_pools, v_pools);
+                      k_pools, v_pools, k_scales, v_scales);
   return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                   k_pools, v_pools);
+                   k_pools, v_pools, k_scales, v_scales);
 }
 
 template <class E>
@@ -94,7 +126,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                  c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                                  std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                                  std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
-                                 std::vector<torch::Tensor> v_pools) const {
+                                 std::vector<torch::Tensor> v_pools, const std::vector<torch::Tensor>& k_scales,
+                                 const std::vector<torch::Tensor>& v_scales) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
@@ -109,11 +142,19 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
   const int64_t block_size = k_pools[0].size(1);
   const at::ScalarType kv = k_pools.empty() ? dtype : k_pools[0].scalar_type();
-  TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf, "K/V pools hold the model's dtype, bf16 or float16");
+  const bool int8 = kv == at::kChar;
+  TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf || int8,
+              "K/V pools hold the model's dtype, bf16, float16 or int8 codes");
+  TORCH_CHECK(!int8 || (k_scales.size() == layers.size() && v_scales.size() == layers.size()),
+              "an int8 K/V pool needs its float16 scales per token and head, one K and one V tensor per layer");
   for (size_t l = 0; l < layers.size(); ++l) {
     TORCH_CHECK(k_pools[l].scalar_type() == kv && v_pools[l].scalar_type() == kv && k_pools[l].is_contiguous() &&
                 v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D,
                 "K/V pools must be [blocks, block_size, kv_heads, head_dim], every one of one dtype");
+    TORCH_CHECK(!int8 || (k_scales[l].scalar_type() == at::kHalf && v_scales[l].scalar_type() == at::kHalf &&
+                          k_scales[l].is_contiguous() && v_scales[l].is_contiguous() &&
+                          k_scales[l].numel() * D == k_pools[l].numel() && v_scales[l].numel() * D == v_pools[l].numel()),
+                "int8 K/V scales must be contiguous float16 [blocks, block_size, kv_heads]");
   }
   const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
   std::vector<torch::Tensor> masks(chunks);  // the same for every layer
@@ -164,13 +205,17 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
         std::memcpy(kp + slot[t] * kvs, k + t * k_stride, kvs * sizeof(E));
         std::memcpy(vp + slot[t] * kvs, v + t * width, kvs * sizeof(E));
       }
+    } else if (int8) {  // as QuantizedKVCacheLayer.write_kv: codes and a float16 scale per token and head
+      store_int8<E>(k_pools[l], k_scales[l], slot, k, T, k_stride, KVH, D);
+      store_int8<E>(v_pools[l], v_scales[l], slot, v, T, width, KVH, D);
     } else {  // as KVCacheLayer.write_kv: the rows rounded to the pool's 16-bit dtype
       store_rows<E>(k_pools[l], slot, k, T, k_stride, kvs);
       store_rows<E>(v_pools[l], slot, v, T, width, kvs);
     }
     if (num_decodes)
       paged_decode_attention_into<E>(q, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D, tables, max_blocks,
-                                     lens, num_decodes, H, static_cast<float>(scale), A);
+                                     lens, num_decodes, H, static_cast<float>(scale), A,
+                                     int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr, int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
@@ -178,6 +223,11 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       if (ctx == n && same_kv) {  // (a 16-bit cache: the keys as stored, as KVCacheLayer.stores_exactly says)
         kc = strided(k + s * k_stride, n, KVH, D, k_stride);
         vc = strided(v + s * width, n, KVH, D, width);
+      } else if (int8) {  // as QuantizedKVCacheLayer.read_kv: codes x their scales, in float32
+        kc = (k_pools[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat) *
+              k_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
+        vc = (v_pools[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat) *
+              v_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
       } else {
         kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
         vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);

@@ -27,10 +27,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts);
 
-template <class T>  // q and the output bf16 or float; the pools `kv`: float32, bf16 or float16
+template <class T>  // q and the output bf16 or float; the pools `kv`: float32, bf16, float16, or int8 codes with float16
+                   // scales per token and head (k_scales / v_scales, else null)
 void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
-                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out);
+                                 const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out,
+                                 const c10::Half* k_scales = nullptr, const c10::Half* v_scales = nullptr);
 
 // layer_ops.cpp: a decoder layer's small operations, fused; the raw cores take bf16 or float
 // add_rms_norm_into: with `residual`, residual += x and out = norm(residual); without, out = norm(x)
@@ -110,14 +112,16 @@ class NativeDecoder {
                         c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                         std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                         std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
-                        std::vector<torch::Tensor> v_pools) const;
+                        std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales = {},
+                        std::vector<torch::Tensor> v_scales = {}) const;
 
  private:
   template <class T>
   torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, int64_t num_decodes,
                     c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                     std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
-                    std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools) const;
+                    std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+                    const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;

@@ -37,5 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<sieve::NativeDecoder>(m, "NativeDecoder")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def("add_layer", &sieve::NativeDecoder::add_layer)
-      .def("forward", &sieve::NativeDecoder::forward, nogil);
+      .def("forward", &sieve::NativeDecoder::forward, nogil, py::arg("x"), py::arg("positions"), py::arg("slots"),
+           py::arg("num_decodes"), py::arg("decode_tables"), py::arg("decode_lens"), py::arg("chunk_starts"), py::arg("chunk_lens"),
+           py::arg("chunk_ctx"), py::arg("chunk_tables"), py::arg("k_pools"), py::arg("v_pools"),
+           py::arg("k_scales") = std::vector<torch::Tensor>{}, py::arg("v_scales") = std::vector<torch::Tensor>{});
 }

@@ -163,7 +163,7 @@ class DecoderModel(nn.Module):
         if self.tp is not None:  # the driver tells the other ranks to run the same step on their shards
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
-        if self.native is not None and all(type(c) is KVCacheLayer for c in caches):
+        if self.native is not None and all(type(c) is KVCacheLayer or getattr(c, "kind", None) == "int8" for c in caches):
             return self._forward_native(x, positions, caches, meta)
         rope = self.rotary(positions, x.dtype)
         rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
@@ -179,7 +179,8 @@ class DecoderModel(nn.Module):
         return self.native.forward(
             x, positions, meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
             [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
-            [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches])
+            [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches],
+            [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
