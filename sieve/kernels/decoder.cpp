@@ -141,7 +141,7 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   const int64_t* lens = num_decodes ? contiguous_ptr<int64_t>(*decode_lens, at::kLong, "decode lengths") : nullptr;
   const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
   const int64_t block_size = k_pools[0].size(1);
-  const at::ScalarType kv = k_pools.empty() ? dtype : k_pools[0].scalar_type();
+  const at::ScalarType kv = k_pools[0].scalar_type();
   const bool int8 = kv == at::kChar;
   TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf || int8,
               "K/V pools hold the model's dtype, bf16, float16 or int8 codes");

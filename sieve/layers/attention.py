@@ -89,6 +89,8 @@ def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefi
 class KVCacheLayer:
     """One layer's view of the pool: K and V as [num_blocks, block_size, kv_heads, head_dim]."""
 
+    native_loop = True  # the C++ layer loop (sieve/kernels/decoder.cpp) reads and writes this cache
+
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.block_size = k.shape[1]
@@ -125,6 +127,7 @@ class QuantizedKVCacheLayer(KVCacheLayer):
                  v_scale: torch.Tensor | None = None, calibrate: bool = False):
         super().__init__(k, v)
         self.kind = kind
+        self.native_loop = kind == "int8"  # (fp8's e4m3 encoding is not in the C++ loop)
         self.k_scale, self.v_scale = k_scale, v_scale  # fp8: float32 scalars; int8: [num_blocks, block_size, kv_heads]
         self.calibrate = calibrate and kind == "fp8"
 

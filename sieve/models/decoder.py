@@ -163,7 +163,7 @@ class DecoderModel(nn.Module):
         if self.tp is not None:  # the driver tells the other ranks to run the same step on their shards
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
-        if self.native is not None and all(type(c) is KVCacheLayer or getattr(c, "kind", None) == "int8" for c in caches):
+        if self.native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
             return self._forward_native(x, positions, caches, meta)
         rope = self.rotary(positions, x.dtype)
         rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
