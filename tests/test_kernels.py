@@ -49,18 +49,20 @@ def test_native_decode_attention_matches_reference(dtype, tol, block_size, kv_he
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("block_size, L", [(16, 40), (4, 15), (8, 1)])
-def test_native_decode_attention_rows_of_one_sequence_equal_each_row_alone(block_size, L):
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size, L, rows", [(16, 40, 5), (4, 15, 5), (8, 1, 5), (16, 3, 37)])
+def test_native_decode_attention_rows_of_one_sequence_equal_each_row_alone(block_size, L, rows, dtype, tol):
     """A decode and its drafts are rows with context L, L + 1, ... through one block table, which the kernel walks
-    once for all of them: each row's result is bit for bit what it gets alone, and matches the reference."""
+    once for all of them: each row's result is bit for bit what it gets alone, and matches the reference. 37 rows
+    are a prefill chunk's shape (the bf16 layer loop sends chunks through this kernel), split into groups of 16."""
     ops = cpu_ops()
-    rows, heads, kv_heads, head_dim = 5, 6, 2, 64
+    heads, kv_heads, head_dim = 6, 2, 64
     need = -(-(L + rows) // block_size)
     num_blocks = 2 * need + 1
     g = torch.Generator().manual_seed(1)
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    q = torch.randn(rows + 1, heads, head_dim, generator=g)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(rows + 1, heads, head_dim, generator=g).to(dtype)
     table, other = list(range(need))[::-1], list(range(need, 2 * need))
     tables = torch.tensor([table] * rows + [other])  # the last row: another sequence at the same length as row 0
     lens = torch.tensor([L + i for i in range(rows)] + [L])
@@ -70,7 +72,8 @@ def test_native_decode_attention_rows_of_one_sequence_equal_each_row_alone(block
         alone = ops.paged_decode_attention(q[r : r + 1].contiguous(), k, v, tables[r : r + 1], lens[r : r + 1], scale)
         assert torch.equal(got[r], alone[0]), r
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), rows + 1, tables, lens, [])
-    torch.testing.assert_close(got, decode_attention_reference(q, KVCacheLayer(k, v), meta, scale), atol=1e-5, rtol=1e-5)
+    ref = decode_attention_reference(q, KVCacheLayer(k, v), meta, scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def test_engine_outputs_equal_with_and_without_native_kernel(llama_engine_factory, monkeypatch):
@@ -220,6 +223,40 @@ def test_bf16_engine_agrees_with_and_without_native_kernels(checkpoints):
         token = b.outputs[0].token_ids[0]
         assert a.outputs[0].token_ids[0] == token
         assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)
+
+
+def test_bf16_prefill_chunks_through_the_decode_kernel_agree_with_sdpa(checkpoints):
+    """In bf16 with AVX512-BF16 the layer loop sends prefill chunks through the paged decode kernel (a row per
+    position) instead of SDPA. Qwen3's head size (32) takes that path: every prompt logprob, one chunk or chunks of
+    16, agrees with the path without native kernels (SDPA) to within bf16 rounding, and so does the greedy answer."""
+    import os
+
+    from sieve import LLM
+    from sieve.kernels import cpu_ops as ops_fn
+
+    prompts = [{"prompt_token_ids": [(7 * i + 3) % 4000 + 5 for i in range(n)]} for n in (90, 37)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+
+    def run(native: bool, **kw):
+        os.environ.pop("SIEVE_NO_NATIVE", None) if native else os.environ.__setitem__("SIEVE_NO_NATIVE", "1")
+        ops_fn.cache_clear()
+        try:
+            llm = LLM(str(checkpoints["qwen3"]), dtype="bfloat16", num_gpu_blocks_override=64, **kw)
+            assert (llm.llm_engine.runner.model.native is not None) == native
+            return llm.generate(prompts, params)
+        finally:
+            os.environ.pop("SIEVE_NO_NATIVE", None)
+            ops_fn.cache_clear()
+
+    reference = run(False)
+    for got in (run(True), run(True, max_num_batched_tokens=16)):
+        for a, b in zip(got, reference):
+            pa = [d[t].logprob for d, t in zip(a.prompt_logprobs[1:], a.prompt_token_ids[1:])]
+            pb = [d[t].logprob for d, t in zip(b.prompt_logprobs[1:], b.prompt_token_ids[1:])]
+            assert max(abs(x - y) for x, y in zip(pa, pb)) < 0.1
+            token = b.outputs[0].token_ids[0]
+            assert a.outputs[0].token_ids[0] == token
+            assert a.outputs[0].logprobs[0][token].logprob == pytest.approx(b.outputs[0].logprobs[0][token].logprob, abs=0.1)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])

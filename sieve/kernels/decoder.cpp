@@ -157,9 +157,20 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                 "int8 K/V scales must be contiguous float16 [blocks, block_size, kv_heads]");
   }
   const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
-  std::vector<torch::Tensor> masks(chunks);  // the same for every layer
-  for (size_t c = 0; c < chunks; ++c)
-    if (chunk_ctx[c] != chunk_lens[c]) masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
+  // Prefill chunks: SDPA over the context read back from the pool, or, where the decode kernel is the faster one
+  // (decode_attention_takes_prefill), that kernel on the chunk's rows: row i sees ctx - n + 1 + i keys through
+  // the chunk's table (tables and lengths built once, for every layer).
+  const bool chunk_kernel = same_kv && decode_attention_takes_prefill(dtype, kv, D);
+  std::vector<torch::Tensor> masks(chunks), row_tables(chunks), row_lens(chunks);  // the same for every layer
+  for (size_t c = 0; c < chunks; ++c) {
+    if (chunk_kernel) {
+      const auto table = chunk_tables[c].to(at::kLong).contiguous();
+      row_tables[c] = table.unsqueeze(0).expand({chunk_lens[c], table.numel()}).contiguous();
+      row_lens[c] = torch::arange(chunk_ctx[c] - chunk_lens[c] + 1, chunk_ctx[c] + 1, torch::TensorOptions().dtype(at::kLong));
+    } else if (chunk_ctx[c] != chunk_lens[c]) {
+      masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
+    }
+  }
 
   // every buffer of the step, allocated once
   const int64_t inter = layers.empty() ? 0 : layers[0].gate_up->n / 2;
@@ -218,6 +229,12 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                      int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr, int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
+      if (chunk_kernel) {
+        paged_decode_attention_into<E>(q + s * q_stride, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D,
+                                       row_tables[c].data_ptr<int64_t>(), row_tables[c].size(1), row_lens[c].data_ptr<int64_t>(), n, H,
+                                       static_cast<float>(scale), A + s * qs);
+        continue;
+      }
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
       torch::Tensor kc, vc;
       if (ctx == n && same_kv) {  // (a 16-bit cache: the keys as stored, as KVCacheLayer.stores_exactly says)

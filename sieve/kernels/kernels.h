@@ -34,6 +34,11 @@ void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_poo
                                  const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out,
                                  const c10::Half* k_scales = nullptr, const c10::Half* v_scales = nullptr);
 
+// Whether paged_decode_attention_into is the better kernel for a prefill chunk's rows too (a query per position,
+// context lengths ctx - n + 1 .. ctx through one table) than SDPA: bf16 queries and pool with AVX512-BF16, where the
+// decode kernel multiplies bf16 pairs; PyTorch's CPU flash attention takes ~1 ms a layer for 256 tokens here.
+bool decode_attention_takes_prefill(at::ScalarType q, at::ScalarType kv, int64_t head_dim);
+
 // layer_ops.cpp: a decoder layer's small operations, fused; the raw cores take bf16 or float
 // add_rms_norm_into: with `residual`, residual += x and out = norm(residual); without, out = norm(x)
 template <class T>
