@@ -213,20 +213,6 @@ inline __m512 load16(const void* base, int64_t at, float scale) {
   }
 }
 
-// v[t] -> lane t of the result holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45 operations
-// for 16 sums, where one _mm512_reduce_add_ps each would take ~8 x 16)
-inline __m512 hsum16(const __m512 (&v)[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of the pair (x, y)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of 4 consecutive inputs
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-  // 128-bit block L of b[i] holds lane L's partial sums of inputs 4i..4i+3: add the four blocks
-  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
-}
-
 template <at::ScalarType kType>
 inline float row_scale(const Pool& p, int64_t row) {
   if constexpr (kType == at::kFloat8_e4m3fn) return p.scale;

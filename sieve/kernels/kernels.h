@@ -15,9 +15,30 @@
 #define SIEVE_ISA "generic"
 #endif
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace sieve {
 
 using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__)
+// v[t] -> lane t of the result holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45 operations
+// for 16 sums, where one _mm512_reduce_add_ps each would take ~8 x 16)
+inline __m512 hsum16(const __m512 (&v)[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of the pair (x, y)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of 4 consecutive inputs
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // 128-bit block L of b[i] holds lane L's partial sums of inputs 4i..4i+3: add the four blocks
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
+}
+#endif
+
 
 // Each kernel has a raw core (`..._into`: pointers in, results written to `out`/`y`, no allocation
 // beyond small scratch) that the native layer loop calls, and a tensor wrapper for Python.
@@ -58,8 +79,13 @@ void apply_token_bitmask_(torch::Tensor logits, torch::Tensor mask, torch::Tenso
 torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Tensor ids, at::ScalarType dtype);
 
 #if defined(SIEVE_HAS_QUANT)
-// gemv.cpp / gemv_avx2.cpp: bf16 weights, decode-sized batches
+// gemv.cpp / gemv_avx2.cpp: bf16 weights, decode-sized batches. With AVX512-BF16 up to 8 rows, every row's result
+// the same whatever the others (above, oneDNN's packed GEMM is faster here); AVX2 up to 4.
+#if defined(__AVX512BF16__)
+constexpr int64_t kGemvMaxRows = 8;
+#else
 constexpr int64_t kGemvMaxRows = 4;
+#endif
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias, bf16* y);
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
