@@ -343,32 +343,37 @@ void decode_dpbf16(const bf16* q, const Pool& k, const Pool& v, const int64_t* t
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
   const uint16_t* kp = static_cast<const uint16_t*>(k.data);
   const uint16_t* vp = static_cast<const uint16_t*>(v.data);
-  at::parallel_for(0, groups * KVH, 1, [&](int64_t begin, int64_t end) {
+  // With enough row groups to share out, an item is a group with every kv head, walking each block's K/V rows
+  // (all heads of a token are contiguous) in address order; otherwise (a single sequence) one item per kv head.
+  const int64_t NK = groups >= 8 ? KVH : 1;
+  at::parallel_for(0, groups * (KVH / NK), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, m, l;
     std::vector<int64_t> qlen, qlo;
     std::vector<const uint16_t*> qrow;
     alignas(64) __m512i vi[8][A];  // the tile's value rows, interleaved in pairs of tokens
     alignas(64) uint32_t pp[8];     // a query's tile probabilities as bf16 pairs
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
+      const int64_t grp = item / (KVH / NK), kh0 = item % (KVH / NK) * NK, s0 = starts[grp], R = starts[grp + 1] - s0;
+      const int64_t Q = R * G, QN = Q * NK;  // query i of kv head kh0 + kk: index kk * Q + i
       const int64_t L = lens[s0 + R - 1];
       const int64_t* table = tables + s0 * lay.max_blocks;
-      acc.assign(Q * D, 0.f);
-      m.assign(Q, -1e30f);  // finite: the build uses -ffast-math
-      l.assign(Q, 0.f);
-      qlen.resize(Q);
-      qlo.resize(Q);
-      qrow.resize(Q);
+      acc.assign(QN * D, 0.f);
+      m.assign(QN, -1e30f);  // finite: the build uses -ffast-math
+      l.assign(QN, 0.f);
+      qlen.resize(QN);
+      qlo.resize(QN);
+      qrow.resize(QN);
       int64_t lo = L;
-      for (int64_t i = 0; i < Q; ++i) {
-        const int64_t r = i / G, g = i % G;
+      for (int64_t i = 0; i < QN; ++i) {
+        const int64_t r = i % Q / G, g = i % G, kh = kh0 + i / Q;
         qlen[i] = lens[s0 + r];
         qlo[i] = lay.start(s0 + r);
         lo = std::min(lo, qlo[i]);
         qrow[i] = reinterpret_cast<const uint16_t*>(q + (s0 + r) * lay.q_stride + (kh * G + g) * D);
       }
-      for (int64_t j = lo / bs; j * bs < L; ++j) {
-        const int64_t n = std::min(bs, L - j * bs);
+      for (int64_t j = lo / bs; j * bs < L; ++j)
+      for (int64_t kk = 0; kk < NK; ++kk) {
+        const int64_t kh = kh0 + kk, n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;  // token t of the block: row row0 + t * KVH
         prefetch_block(k, v, table, j + kPrefetchBlocks, L, kh, lay, D * 2);
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -384,7 +389,7 @@ void decode_dpbf16(const bf16* q, const Pool& k, const Pool& v, const int64_t* t
               vi[t / 2][2 * c + 1] = _mm512_unpackhi_epi16(x, y);
             }
           }
-          for (int64_t i = 0; i < Q; ++i) {
+          for (int64_t i = kk * Q; i < (kk + 1) * Q; ++i) {
             const int64_t te = std::min(cnt, qlen[i] - first), tb = std::max<int64_t>(0, qlo[i] - first);  // tokens [tb, te) seen
             if (te <= tb) continue;
             __m512bh qv[V2];
@@ -420,8 +425,8 @@ void decode_dpbf16(const bf16* q, const Pool& k, const Pool& v, const int64_t* t
         }
       }
       // accumulator 2c (2c + 1), lane x holds dimension 32c + 8 (x / 4) + x % 4 (+ 4): unpacklo/hi's order
-      for (int64_t i = 0; i < Q; ++i) {
-        const int64_t r = i / G, g = i % G;
+      for (int64_t i = 0; i < QN; ++i) {
+        const int64_t r = i % Q / G, g = i % G, kh = kh0 + i / Q;
         const float inv = 1.f / l[i];
         bf16* o = out + (s0 + r) * lay.out_stride + (kh * G + g) * D;
         const float* ai = &acc[i * D];
