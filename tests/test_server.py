@@ -537,6 +537,41 @@ def test_a_failed_step_reaches_every_affected_client_and_serving_goes_on(llama_d
         stop()
 
 
+def test_a_steps_outputs_reach_their_streams_with_one_wake_up_of_the_event_loop(llama_dir):
+    """The engine thread hands a step's outputs to the event loop in one call (one write to its self-pipe, one
+    wake-up) instead of one per sequence, each stream still getting its own outputs in order; a finished request
+    leaves the table of streams."""
+    import asyncio
+
+    from sieve import EngineConfig, LLMEngine, SamplingParams
+    from sieve.server.async_engine import AsyncEngine
+
+    aengine = AsyncEngine(LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256)))
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            calls = []
+            real = loop.call_soon_threadsafe
+            loop.call_soon_threadsafe = lambda *a: calls.append(a[0]) or real(*a)
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            streams = await aengine.submit([(f"r{i}", {"prompt_token_ids": [5 + i, 6, 7]}, params, 0) for i in range(4)])
+            async def collect(st):
+                return [o async for o in st]
+
+            outs = await asyncio.gather(*(collect(st) for st in streams))
+            return outs, calls
+
+        outs, calls = asyncio.run(main())
+    finally:
+        aengine.stop()
+    assert [len(o[-1].outputs[0].token_ids) for o in outs] == [6] * 4 and all(o[-1].finished for o in outs)
+    for o in outs:  # each stream's outputs in order, one per step
+        assert [len(x.outputs[0].token_ids) for x in o] == list(range(1, 7))
+    deliveries = [c for c in calls if getattr(c, "__name__", "") == "_put_all"]
+    assert len(deliveries) == 6  # one per step (4 sequences each), not 24
+    assert not aengine._queues
+
+
 def test_a_dead_engine_thread_fails_every_client_health_says_503_and_serve_exits_1(llama_dir):
     """Fault injection outside the step (delivering an output): the engine thread dies. The stream in
     flight gets an error event, a request arriving later a 503, /health a 503, and `serve` returns 1."""
@@ -547,15 +582,15 @@ def test_a_dead_engine_thread_fails_every_client_health_says_503_and_serve_exits
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
     app = create_app(engine, served_model_name=MODEL, api_key=API_KEY)
     aengine = app.state.async_engine
-    real_deliver, state = aengine._deliver, {"calls": 0}
+    real_deliver, state = aengine._deliver_step, {"calls": 0}
 
-    def deliver(rid, item, last):
+    def deliver(outputs):  # a step's outputs
         state["calls"] += 1
         if state["calls"] == 3:
             raise RuntimeError("delivery exploded")
-        return real_deliver(rid, item, last)
+        return real_deliver(outputs)
 
-    aengine._deliver = deliver
+    aengine._deliver_step = deliver
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

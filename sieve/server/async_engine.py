@@ -168,7 +168,7 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished and self.on_finished is not None:
                         self.on_finished(out)
-                    self._deliver(out.request_id, out, last=out.finished)
+                self._deliver_step(outputs)
         except BaseException as e:  # the thread itself is failing: nobody may be left waiting
             self.error = e
             log.exception("the engine thread failed; failing every request and refusing new ones")
@@ -197,6 +197,18 @@ class AsyncEngine:
                     if self.on_finished is not None:
                         self.on_finished(out)
                     self._deliver(cmd[1], out, last=True)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in order, with one wake-up of each event loop that waits on them (a step of 32
+        sequences would otherwise write to the loop's self-pipe 32 times)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                entry = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, rid: str, item, last: bool) -> None:
         with self._lock:
@@ -249,6 +261,11 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._aengine.abort(self.request_id)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _settle(fut: asyncio.Future, error: Exception | None) -> None:
