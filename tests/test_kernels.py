@@ -106,20 +106,26 @@ def test_native_gemv_matches_linear(rows, out_features, in_features, with_bias):
     assert torch.all((got - exact).abs() <= exact.abs() * 2**-8 + 1e-2)
 
 
+def _prepared_bf16_linear(in_features: int, shard_sizes: list[int]):
+    """(native ops, a bf16 Linear with random weight and bias, its kernels picked); skips on a generic build."""
+    from sieve.layers.linear import Linear
+
+    ops = cpu_ops()
+    if not hasattr(ops, "gemv_bf16"):
+        pytest.skip("a generic build (SIEVE_CPU_ISA=generic): no GEMV kernel, Linear uses oneDNN")
+    lin = Linear(in_features, shard_sizes, bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(lin.bias)
+    lin.prepare(allow_two_layouts=True)
+    return ops, lin
+
+
 def test_bf16_linear_rows_do_not_depend_on_the_batch_up_to_the_gemv_rows():
     """Up to `gemv_max_rows` rows (8 with AVX512-BF16) the bf16 linear is the GEMV, whose every (weight row, x row)
     sum is the same arithmetic whatever the number of rows: a row's output is bit for bit the same alone or among
     up to 7 others, so a decode's logits do not depend on how many sequences share its step, nor a verification's
     rows (a decode and up to 7 drafts) on being verified together."""
-    from sieve.layers.linear import Linear
-
-    ops = cpu_ops()
-    if not hasattr(ops, "gemv_bf16"):
-        pytest.skip("a generic build (SIEVE_CPU_ISA=generic): no GEMV kernel")
-    lin = Linear(200, [96, 37], bias=True, dtype=torch.bfloat16)
-    torch.nn.init.normal_(lin.weight)
-    torch.nn.init.normal_(lin.bias)
-    lin.prepare(allow_two_layouts=True)
+    ops, lin = _prepared_bf16_linear(200, [96, 37])
     x = torch.randn(ops.gemv_max_rows, 200).bfloat16()
     alone = torch.cat([lin(x[r : r + 1]) for r in range(len(x))])
     for rows in range(2, len(x) + 1):
@@ -132,15 +138,7 @@ def test_linear_picks_gemv_for_small_batches_and_packed_for_large():
     """The native linear (sieve/kernels/linear.cpp) answers 1 to gemv_max_rows rows with the GEMV and more with oneDNN's
     packed weight (ATen's linear where oneDNN could not pack it, as under SIEVE_CPU_ISA=avx2): bit for bit
     what each of those gives called directly."""
-    from sieve.layers.linear import Linear
-
-    ops = cpu_ops()
-    if not hasattr(ops, "gemv_bf16"):
-        pytest.skip("a generic build (SIEVE_CPU_ISA=generic): no GEMV kernel, Linear uses oneDNN")
-    lin = Linear(64, [48, 16], bias=True, dtype=torch.bfloat16)
-    torch.nn.init.normal_(lin.weight)
-    torch.nn.init.normal_(lin.bias)
-    lin.prepare(allow_two_layouts=True)
+    ops, lin = _prepared_bf16_linear(64, [48, 16])
     assert lin.native is not None and (lin.packed is not None or ops.isa != "avx512-bf16")
     for rows in (1, 4, 5, 8, 9, 64):
         x = torch.randn(rows, 64).bfloat16()

@@ -582,15 +582,15 @@ def test_a_dead_engine_thread_fails_every_client_health_says_503_and_serve_exits
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
     app = create_app(engine, served_model_name=MODEL, api_key=API_KEY)
     aengine = app.state.async_engine
-    real_deliver, state = aengine._deliver_step, {"calls": 0}
+    real_deliver, state = aengine._deliver, {"calls": 0}
 
-    def deliver(outputs):  # a step's outputs
+    def deliver(items):
         state["calls"] += 1
         if state["calls"] == 3:
             raise RuntimeError("delivery exploded")
-        return real_deliver(outputs)
+        return real_deliver(items)
 
-    aengine._deliver_step = deliver
+    aengine._deliver = deliver
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

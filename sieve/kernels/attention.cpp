@@ -326,6 +326,8 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
 }
 
 #if defined(__AVX512BF16__)
+constexpr bool dpbf16_head_dim(int64_t d) { return d == 32 || d == 64 || d == 128 || d == 256; }
+
 // bf16 queries over a bf16 cache (a bf16 model's decode), with AVX512-BF16 dot products: the products of two bf16
 // numbers are exact in float32, so q.k reads the pool's keys as they are, with no float32 scratch of the block; a
 // tile of 16 tokens' scores stays in one register through its online softmax. The probabilities are rounded to bf16
@@ -443,7 +445,7 @@ bool decode_vec_any(int64_t head_dim, const T* q, const Pool& k, const Pool& v, 
                     T* out, int64_t num_seqs, const Layout& lay, float scale) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16> && kKV == at::kBFloat16) {
-    switch (head_dim) {
+    switch (head_dim) {  // the sizes dpbf16_head_dim names
       case 32: decode_dpbf16<1>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
       case 64: decode_dpbf16<2>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
       case 128: decode_dpbf16<4>(q, k, v, tables, lens, out, num_seqs, lay, scale); return true;
@@ -638,7 +640,7 @@ Pool make_pool(const torch::Tensor& pool, const c10::optional<torch::Tensor>& sc
 
 bool decode_attention_takes_prefill(at::ScalarType q, at::ScalarType kv, int64_t head_dim) {
 #if defined(__AVX512BF16__)
-  return q == at::kBFloat16 && kv == at::kBFloat16 && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+  return q == at::kBFloat16 && kv == at::kBFloat16 && dpbf16_head_dim(head_dim);
 #else
   return false;
 #endif

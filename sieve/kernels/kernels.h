@@ -39,7 +39,6 @@ inline __m512 hsum16(const __m512 (&v)[16]) {
 }
 #endif
 
-
 // Each kernel has a raw core (`..._into`: pointers in, results written to `out`/`y`, no allocation
 // beyond small scratch) that the native layer loop calls, and a tensor wrapper for Python.
 

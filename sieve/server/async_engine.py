@@ -157,8 +157,7 @@ class AsyncEngine:
                 except StepFailed as e:  # a step that raised must not hang its clients: fail the requests it held
                     log.error("an engine step failed (%s); failing the %d requests it held", e, len(e.request_ids),
                               exc_info=e.__cause__)
-                    for rid in e.request_ids:
-                        self._deliver(rid, EngineError(f"engine step failed: {e}"), last=True)
+                    self._deliver([(rid, EngineError(f"engine step failed: {e}"), True) for rid in e.request_ids])
                     continue
                 except Exception as e:  # failed outside the model step: nothing the engine holds can be trusted
                     log.exception("the engine failed between steps; failing the %d requests it held", len(self.engine.requests))
@@ -168,7 +167,7 @@ class AsyncEngine:
                 for out in outputs:
                     if out.finished and self.on_finished is not None:
                         self.on_finished(out)
-                self._deliver_step(outputs)
+                self._deliver([(out.request_id, out, out.finished) for out in outputs])
         except BaseException as e:  # the thread itself is failing: nobody may be left waiting
             self.error = e
             log.exception("the engine thread failed; failing every request and refusing new ones")
@@ -196,31 +195,27 @@ class AsyncEngine:
                 if out is not None:
                     if self.on_finished is not None:
                         self.on_finished(out)
-                    self._deliver(cmd[1], out, last=True)
+                    self._deliver([(cmd[1], out, True)])
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, in order, with one wake-up of each event loop that waits on them (a step of 32
-        sequences would otherwise write to the loop's self-pipe 32 times)."""
+    def _deliver(self, items: list[tuple[str, RequestOutput | EngineError, bool]]) -> None:
+        """(request id, output or error, last) items, in order, with one wake-up of each event loop that waits on
+        them: a step of 32 sequences would otherwise write to the loop's self-pipe 32 times. After its last item a
+        request leaves the table of streams."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            for out in outputs:
-                entry = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+            for rid, item, last in items:
+                entry = self._queues.pop(rid, None) if last else self._queues.get(rid)
                 if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-    def _deliver(self, rid: str, item, last: bool) -> None:
-        with self._lock:
-            entry = self._queues.pop(rid, None) if last else self._queues.get(rid)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+                    by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, queued in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, queued)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.requests):
+        failure = EngineError(f"engine step failed: {type(error).__name__}: {error}")
+        rids = list(self.engine.requests)
+        for rid in rids:
             self.engine.abort(rid)
-            self._deliver(rid, EngineError(f"engine step failed: {type(error).__name__}: {error}"), last=True)
+        self._deliver([(rid, failure, True) for rid in rids])
 
     def _fail_everything(self, error: BaseException) -> None:
         """The engine thread is dying: every stream in flight and every request not yet admitted gets the error."""
