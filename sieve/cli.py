@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decode reads per token of context; fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold "
                         "~2x the tokens of a 16-bit cache")
     g.add_argument("--quantize-lm-head", action="store_true")
+    g.add_argument("--no-greedy-head-sketch", dest="greedy_head_sketch", action="store_false",
+                   help="greedy rows compute the full LM head instead of its exact int8 sketch (a bf16 head's bytes halved)")
     g.add_argument("--dequantize", action="store_true",
                    help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
     g.add_argument("--hf-overrides", default=None,

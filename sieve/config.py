@@ -26,6 +26,9 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    # Greedy rows (no penalty, bias, ban, grammar or logprobs) take their token from an int8 sketch of a bf16 LM head,
+    # exactly the plain path's (sieve/layers/greedy_head.py); False: always the full head.
+    greedy_head_sketch: bool = True
     # int8: int4 weights (GGUF Q4_0 / Q4_1, int4, AWQ; groups of a multiple of 32) multiply activations quantized
     # per row and 32 inputs to int8, as llama.cpp does (CPU, sieve/kernels/qmatmul_q8act.cpp). Lossy (its cost is
     # in docs/quality.md); several rows per step (a batch, drafted tokens) then cost less arithmetic. None: exact.

@@ -124,7 +124,8 @@ class LLMEngine:
         try:
             model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
                                quantization=config.quantization, group_size=config.quantization_group_size,
-                               quantize_lm_head=config.quantize_lm_head, tp=self.tp_workers.group if self.tp_workers else None)
+                               quantize_lm_head=config.quantize_lm_head, greedy_head=config.greedy_head_sketch,
+                               tp=self.tp_workers.group if self.tp_workers else None)
             self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
             self.structured_stats = StructuredStats()
             self.runner = ModelRunner(config, local_arch, model, self.dtype, self.device, self.eos_token_ids, self.grammars)

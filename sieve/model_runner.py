@@ -295,14 +295,20 @@ class ModelRunner:
         if not seqs:
             return StepResult([], prompt_lps, hidden=kept)
         sampled_hidden = hidden[sample_rows]
-        logits = self.model.compute_logits(sampled_hidden)
-        mask_seconds, masked = self._apply_grammars(logits, groups) if any(s.grammar is not None for s in seqs) else (0.0, 0)
+        mask_seconds, masked, meta_s = 0.0, 0, None
         with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
-        if SamplingMetadata.plain_greedy(seqs, pending):
-            out, meta_s = sample_greedy(logits), None
+        grammars, plain = any(s.grammar is not None for s in seqs), SamplingMetadata.plain_greedy(seqs, pending)
+        if plain and not grammars:  # the raw argmax: the logits themselves are not needed
+            out = SamplerOutput(self.model.greedy_tokens(sampled_hidden), None, None, None, None)
         else:
-            meta_s = SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device, pending)
-            out = sample(logits, meta_s, self.generator, keep_probs=with_q)
+            logits = self.model.compute_logits(sampled_hidden)
+            if grammars:
+                mask_seconds, masked = self._apply_grammars(logits, groups)
+            if plain:
+                out = sample_greedy(logits)
+            else:
+                meta_s = SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device, pending)
+                out = sample(logits, meta_s, self.generator, keep_probs=with_q)
         targets = out.token_ids.tolist()
         wanted = [s.params.logprobs for s in seqs]
         lp_dicts = _logprob_dicts(out, wanted)

@@ -22,6 +22,7 @@ from torch import nn
 from sieve.kernels import cpu_ops
 from sieve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
+from sieve.layers.greedy_head import GreedyHead
 from sieve.layers.linear import Linear
 from sieve.layers.mamba import Mamba2Mixer
 from sieve.layers.mla import MultiHeadLatentAttention
@@ -193,10 +194,11 @@ class DecoderModel(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prepare(self, allow_two_layouts: bool, quantization: str | None = None, group_size: int = 128,
-                quantize_lm_head: bool = False) -> None:
+                quantize_lm_head: bool = False, greedy_head: bool = True) -> None:
         """After loading: let every linear layer pick its kernels (two weight layouts only if allowed).
         With `quantization`, the decoder layers' linears (and the LM head if asked; never the
-        embedding or norms) take that weight format."""
+        embedding or norms) take that weight format. `greedy_head`: greedy rows take their token from the head's
+        int8 sketch where it applies (exact; sieve/layers/greedy_head.py)."""
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 head = name == "lm_head"
@@ -207,6 +209,15 @@ class DecoderModel(nn.Module):
                     m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
                 m.prepare(allow_two_layouts, q, group_size)
         self.native = self._build_native()
+        self.greedy_head = None
+        if greedy_head and self.tp is None and GreedyHead.supported(self.lm_head, self.arch.final_logit_softcapping):
+            self.greedy_head = GreedyHead(self.lm_head.weight)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] -> the first index of each row's max logit: what `compute_logits` then an argmax
+        give, from the head's int8 sketch where it can answer (sieve/layers/greedy_head.py)."""
+        ids = self.greedy_head(hidden) if self.greedy_head is not None else None
+        return ids if ids is not None else self.compute_logits(hidden).max(dim=-1).indices
 
     def _build_native(self):
         """The C++ layer loop, where every piece of a layer has a native kernel: CPU, bf16 activations, or

@@ -128,7 +128,8 @@ def checkpoint_quantization(config: dict) -> tuple[str | None, int | None]:
 
 
 def load_model(ckpt: HFCheckpoint | GGUFCheckpoint, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False, tp=None) -> DecoderModel:
+               quantization: str | None = None, group_size: int = 128, quantize_lm_head: bool = False, tp=None,
+               greedy_head: bool = True) -> DecoderModel:
     """The model `arch` describes, with its weights. With `tp` (a sieve.distributed TensorParallelGroup of more than one
     rank), this rank's shard: its heads, MLP channels and vocabulary slice of the head, cut from each tensor as it is read."""
     if ckpt.quantization is not None:
@@ -164,7 +165,7 @@ def load_model(ckpt: HFCheckpoint | GGUFCheckpoint, arch: ModelArch, dtype: torc
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     two_layouts = quantization is None and 2 * weight_bytes < 0.4 * available_memory_bytes(device)
     model.prepare(allow_two_layouts=two_layouts, quantization=None if quantization == "gguf" else quantization,
-                  group_size=group_size, quantize_lm_head=quantize_lm_head)
+                  group_size=group_size, quantize_lm_head=quantize_lm_head, greedy_head=greedy_head)
     log.info("loaded %s: %s", ckpt.describe(), describe_kernels(model))
     warn_slow_kernels(model, device)
     return model.eval()
@@ -193,7 +194,9 @@ def describe_kernels(model: DecoderModel) -> str:
         if isinstance(m, Linear):
             kinds[m.kernel_name()] += 1
     loop = "; layer loop: native (C++)" if model.native is not None else "; layer loop: Python"
-    return ", ".join(f"{n} linears {k}" for k, n in kinds.most_common()) + loop
+    sketch = "" if getattr(model, "greedy_head", None) is None else (
+        f"; greedy rows: the LM head's int8 sketch ({model.greedy_head.nbytes / 1e6:.1f} MB, exact)")
+    return ", ".join(f"{n} linears {k}" for k, n in kinds.most_common()) + loop + sketch
 
 
 def _expected_names(a: ModelArch) -> set[str]:

@@ -1,0 +1,68 @@
+"""Greedy rows' next tokens from a bf16 LM head at about half its bytes, exactly the plain path's.
+
+A greedy row needs its logits' argmax, not its logits. The head's int8 sketch (per-row scale s_n, codes q_n) bounds
+every logit for any hidden state x: |x . w_n - s_n x . q_n| <= |x| |w_n - s_n q_n|, plus slack for float32 summation
+(precomputed here as one radius per row). The native kernel (sieve/kernels/greedy_head.cpp) reads the sketch, keeps
+the rows whose interval reaches the best lower bound (on SmolLM2-135M's chat answers 1-5 of 49,152, at most 66), and
+multiplies those rows by the same GEMV as the plain path, so the token is the plain path's, bit for bit, ties
+included (the first index of the max). A bf16 head's decode step then reads 1 byte a weight of it instead of 2:
+SmolLM2-135M's tied 49,152 x 576 head is 28 MB of a bf16 step's 269 MB instead of 57.
+
+It applies to rows that take the raw argmax (greedy, no penalty, bias, ban, grammar or logprobs: the runner's
+`plain_greedy`), up to the GEMV's rows (the plain path's logits above them come from another kernel), on a bf16 head
+with no bias, and no final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sieve.kernels import cpu_ops
+
+_PAD = 16  # codes are zero padded to a multiple of 16 inputs (the AVX-512 kernel's vector; AVX2 reads 8)
+_CHUNK = 4096  # rows per pass when building the sketch (float32 temporaries of [_CHUNK, K])
+
+
+class GreedyHead:
+    """The int8 sketch of one bf16 head weight [N, K], and `__call__(hidden) -> token ids or None`."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.ops = cpu_ops()
+        self.weight = weight.detach()
+        N, K = self.weight.shape
+        Kp = -(-K // _PAD) * _PAD
+        self.codes = torch.zeros(N, Kp, dtype=torch.int8)
+        self.scale = torch.empty(N, dtype=torch.float32)
+        self.radius = torch.empty(N, dtype=torch.float32)
+        for lo in range(0, N, _CHUNK):
+            w = self.weight[lo: lo + _CHUNK].double()
+            s = (w.abs().amax(dim=1) / 127).clamp_min(1e-30)
+            q = torch.round(w / s[:, None]).clamp_(-127, 127)
+            residual = (w - q * s[:, None]).norm(dim=1)
+            # slack for the float32 sums of both the sketch's and the GEMV's dot products (n u |x| |terms|, n <= 2^12)
+            slack = (w.norm(dim=1) + s * q.norm(dim=1)) * 2.0**-10
+            self.codes[lo: lo + _CHUNK, :K] = q.to(torch.int8)
+            self.scale[lo: lo + _CHUNK] = s.float()
+            self.radius[lo: lo + _CHUNK] = ((residual + slack) * (1 + 2.0**-16)).float()
+        self.max_rows = self.ops.gemv_max_rows
+        self.last_candidates: torch.Tensor | None = None  # per row of the last call: rows multiplied exactly
+
+    @staticmethod
+    def supported(head, softcapping: float | None) -> bool:
+        """A plain bf16 native linear on CPU (the GEMV the plain path runs), no bias, no logit soft-capping."""
+        ops = cpu_ops()
+        return (ops is not None and hasattr(ops, "greedy_head") and softcapping is None and head.native is not None
+                and head.qkernel is None and head.weight is not None and head.weight.dtype == torch.bfloat16
+                and head.weight.device.type == "cpu" and head.bias is None and head.weight.shape[1] <= 4096)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 8 * self.scale.numel()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [M, K] bf16 -> the argmax of each row's logits, or None where the sketch cannot answer (more rows
+        than the GEMV takes, or a row that is not finite): the caller computes the logits."""
+        if not 1 <= hidden.shape[0] <= self.max_rows or hidden.dtype != torch.bfloat16:
+            return None
+        ids, self.last_candidates = self.ops.greedy_head(hidden, self.weight, self.codes, self.scale, self.radius)
+        return None if bool((ids < 0).any()) else ids

@@ -1,0 +1,118 @@
+"""Greedy rows' tokens from a bf16 LM head's int8 sketch (sieve/layers/greedy_head.py): the plain path's argmax bit for
+bit, ties included, from about half the head's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sieve import LLM, SamplingParams
+from sieve.kernels import cpu_ops
+from sieve.layers.greedy_head import GreedyHead
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None or not hasattr(ops, "greedy_head"),
+                                reason="the greedy head runs on the native bf16 GEMV (AVX2 or AVX512-BF16 builds)")
+
+
+def plain_argmax(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the runner did before: the bf16 logits of the GEMV, their first max."""
+    return ops.gemv_bf16(x, w, None).float().max(dim=-1).indices
+
+
+def test_sketch_argmax_is_the_full_heads_for_random_aligned_and_outlier_states():
+    g = torch.Generator().manual_seed(0)
+    N, K = 3001, 200  # an odd row count (a lone row per thread share) and K not a multiple of the vector
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    w[2900] = w[17]  # exact ties: the first index must win
+    w[1000] = w[999]
+    head = GreedyHead(w)
+    assert head.nbytes < 0.55 * w.numel() * w.element_size()
+    candidates = []
+    for trial in range(60):
+        M = 1 + trial % ops.gemv_max_rows
+        x = torch.randn(M, K, generator=g) * [0.1, 1.0, 8.0, 40.0][trial % 4]
+        if trial % 3 == 0:  # activation outliers, as real hidden states have
+            x[:, trial % K] *= 60
+        aimed = trial % 5 == 0 and M > 1
+        if aimed:  # rows aimed at the tied pairs
+            x[0] = w[17].float() * 300
+            x[-1] = w[999].float() * 300
+        x = x.bfloat16()
+        got, want = head(x), plain_argmax(x, w)
+        assert got is not None and torch.equal(got, want), (trial, got, want)
+        if aimed:
+            assert got[0] == 17 and got[-1] == 999
+        candidates += head.last_candidates.tolist()
+    assert sum(candidates) / len(candidates) < 40  # the bound leaves few rows to multiply exactly
+
+
+def test_sketch_resolves_logits_that_differ_in_their_last_bits():
+    """Rows one bf16 step apart in one weight: their logits are within the sketch's bound of each other, so all of
+    them are candidates, and the exact products decide, as the plain path's would."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 512, 64
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    base = w[40].clone()
+    for i, n in enumerate(range(100, 140)):
+        row = base.clone()
+        row[i % K] = torch.nextafter(row[i % K].float(), torch.tensor(1e9 if i % 2 else -1e9)).bfloat16()
+        w[n] = row
+    head = GreedyHead(w)
+    for trial in range(40):
+        x = (base.float() * 200 + torch.randn(K, generator=g) * 0.3 * (trial % 4)).bfloat16()[None]
+        got, want = head(x), plain_argmax(x, w)
+        assert torch.equal(got, want), (trial, got, want)
+        assert head.last_candidates[0] > 1
+
+
+def test_a_row_the_sketch_underrates_is_still_found():
+    """Row 3 has one large weight, so its int8 step is coarse and its 63 small weights all round to 0: its sketch logit
+    is 0 where its logit is 0.24. Row 5 is exact in int8 with logit 0.2. The sketch alone would pick row 5; the bound
+    (|x| times the row's rounding residual) keeps row 3 a candidate, and the exact product picks it."""
+    K = 64
+    w = torch.zeros(8, K)
+    w[3, 0], w[3, 1:] = 1.0, 0.49 / 127
+    w[5, 1] = 0.2
+    w = w.bfloat16()
+    x = torch.ones(1, K)
+    x[0, 0] = 0
+    x = x.bfloat16()
+    head = GreedyHead(w)
+    assert plain_argmax(x, w).item() == 3
+    assert head(x).item() == 3 and head.last_candidates.item() == 2
+
+
+def test_sketch_declines_what_it_cannot_bound():
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(300, 48, generator=g) * 0.05).bfloat16()
+    head = GreedyHead(w)
+    x = torch.randn(2, 48, generator=g).bfloat16()
+    x[1, 3] = float("inf")
+    assert head(x) is None  # a row that is not finite: the caller computes the logits
+    assert head(torch.randn(ops.gemv_max_rows + 1, 48, generator=g).bfloat16()) is None  # the plain path is another kernel there
+    assert head(x[:1]) is not None
+
+
+def test_engine_takes_greedy_tokens_from_the_sketch_and_they_equal_the_full_heads(checkpoints):
+    """A bf16 model: greedy requests take their tokens from the sketch and generate exactly what the full head does;
+    requests that need the logits (logprobs, sampling, penalties) compute them."""
+    path = str(checkpoints["qwen2"])
+    on = LLM(path, dtype="bfloat16", num_gpu_blocks_override=128)
+    off = LLM(path, dtype="bfloat16", num_gpu_blocks_override=128, greedy_head_sketch=False)
+    model = on.llm_engine.runner.model
+    assert model.greedy_head is not None and off.llm_engine.runner.model.greedy_head is None
+    calls = []
+    sketch = model.greedy_head.__call__
+    model.greedy_head = lambda h: calls.append(h.shape[0]) or sketch(h)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17, 9)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got, want = on.generate(prompts, greedy), off.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert calls and max(calls) <= 4  # a step of the four decodes, rows of one call
+    for params in (SamplingParams(max_tokens=4, temperature=0, logprobs=1), SamplingParams(max_tokens=4, temperature=0.7, seed=3),
+                   SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3)):
+        calls.clear()
+        a, b = on.generate(prompts[:2], params), off.generate(prompts[:2], params)
+        assert calls == []
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
