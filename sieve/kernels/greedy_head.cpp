@@ -9,6 +9,11 @@
 // candidate, the true argmax among them; the candidates' rows are then multiplied by the same GEMV the plain path
 // runs (a row's result is the same alone or among others), and the first index of their max is the plain path's
 // argmax, bit for bit. On SmolLM2-135M's chat answers a step has 1-5 candidates (at most 66) of 49,152 rows.
+//
+// With AVX512-BF16 the sketch is multiplied in bf16 dot products, x as it is: codes of 7 bits (|q| <= 63) become the
+// bf16 numbers 192 + q exactly by one integer add (bits 0x4340 + q), and 192 sum(x) comes back out per row. That is
+// the GEMV's arithmetic on half its bytes (vdpbf16ps on 32 weights), so the sketch costs no more than the GEMV at any
+// row count it takes. The AVX2 build widens 8-bit codes to float32 for FMAs, as its GEMV widens bf16.
 #include "kernels.h"
 
 #if defined(SIEVE_HAS_QUANT)
@@ -26,22 +31,44 @@ namespace sieve {
 
 namespace {
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kStep = 32;     // inputs per dot-product instruction
+constexpr int kCodeMax = 63;      // |q| <= 63: 192 + q is a bf16 number
+constexpr float kOffset = 192.f;  // what every code carries in the dot products
+using xelem = uint16_t;           // x as bf16 bits
+using wvec = __m512i;
+inline wvec vcodes(const int8_t* p) {  // 32 codes -> the bf16 numbers 192 + q
+  return _mm512_add_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), _mm512_set1_epi16(0x4340));
+}
+inline __m512 vdot(__m512 acc, wvec w, const xelem* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+}
+inline xelem to_x(bf16 v) {
+  uint16_t b;
+  std::memcpy(&b, &v, 2);
+  return b;
+}
+#else
+constexpr int64_t kStep = 8;
+constexpr int kCodeMax = 127;
+constexpr float kOffset = 0.f;
+using xelem = float;
+using wvec = __m256;
+inline wvec vcodes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 vdot(__m256 acc, wvec w, const xelem* x) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), acc); }
+inline xelem to_x(bf16 v) { return static_cast<float>(v); }
+#endif
+
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vcodes(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #else
-constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vcodes(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -51,86 +78,102 @@ inline float vsum(vec v) {
 }
 #endif
 
-#ifndef SIEVE_GH_PREFETCH
-#define SIEVE_GH_PREFETCH 512
-#endif
-constexpr int64_t kPrefetch = SIEVE_GH_PREFETCH;
+constexpr int64_t kPrefetch = 512;  // bytes ahead in each read stream
 
-struct Bounds {  // one x row's running best lower bound and the rows whose upper bound reached it when seen
+// One x row's running best lower bound, and the rows (with their sketch logits) whose upper bound reached it when
+// they were seen: a superset of the final candidates, since the best only grows.
+struct Bounds {
   float best = -3.0e38f;
-  std::vector<int64_t> rows;
+  std::vector<std::pair<int64_t, float>> rows;
 };
 
-// The radius of logit n's interval: |x| radius_n, widened by the bf16 rounding of a logit of magnitude up to |a| + b
-// (2^-8 relative), and by a little more for the float32 arithmetic of the bound itself.
+struct Sketch {
+  const int8_t* q;
+  const float *scale, *radius;
+  int64_t Kp;
+  const xelem* x;                    // [M, Kp], zero padded
+  const float *xnorm, *offset, *x1;  // per x row: |x|, kOffset sum(x), sum |x|
+  // |logit - sketch logit| for row n and x row m, before the bf16 rounding: the rounding residual's share, plus the
+  // float32 error of summing kOffset + q against x (relative 2^-14 for K <= 4096, with margin)
+  float bound(int64_t n, int64_t m) const { return xnorm[m] * radius[n] + x1[m] * scale[n] * ((kOffset + kCodeMax) * 0x1p-14f); }
+};
+
+// The radius of logit n's interval for bound b, widened by the bf16 rounding of a logit of magnitude up to |a| + b
+// (2^-8 relative), and a little more for the float32 arithmetic of the bound itself.
 inline float interval(float a, float b) { return (b + (std::fabs(a) + b) * (1.f / 256.f)) * 1.0001f + 1e-30f; }
 
-// acc[j][m][p]: the sums of sketch row r[j] times x row m, over the inputs k with (k / kLanes) % P == p
+// acc[j][m][p]: the dot products of sketch row r[j] with x row m over the steps k with (k / kStep) % P == p
 template <int M, int P, int R>
-inline void sketch_rows(const int8_t* const (&r)[R], const float* xf, int64_t Kp, vec (&acc)[R][M][P]) {
+inline void sketch_rows(const int8_t* const (&r)[R], const xelem* x, int64_t Kp, vec (&acc)[R][M][P]) {
   for (int j = 0; j < R; ++j)
     for (int m = 0; m < M; ++m)
       for (int p = 0; p < P; ++p) acc[j][m][p] = vzero();
   int64_t k = 0;
-  for (; k + P * kLanes <= Kp; k += P * kLanes) {
+  for (; k + P * kStep <= Kp; k += P * kStep) {
     for (int j = 0; j < R; ++j) _mm_prefetch(reinterpret_cast<const char*>(r[j] + k + kPrefetch), _MM_HINT_T0);
     for (int p = 0; p < P; ++p)
       for (int j = 0; j < R; ++j) {
-        const vec w = vcodes(r[j] + k + p * kLanes);
-        for (int m = 0; m < M; ++m) acc[j][m][p] = vfma(w, vload(xf + m * Kp + k + p * kLanes), acc[j][m][p]);
+        const wvec w = vcodes(r[j] + k + p * kStep);
+        for (int m = 0; m < M; ++m) acc[j][m][p] = vdot(acc[j][m][p], w, x + m * Kp + k + p * kStep);
       }
   }
-  for (; k < Kp; k += kLanes)
+  for (; k < Kp; k += kStep)
     for (int j = 0; j < R; ++j) {
-      const vec w = vcodes(r[j] + k);
-      for (int m = 0; m < M; ++m) acc[j][m][0] = vfma(w, vload(xf + m * Kp + k), acc[j][m][0]);
+      const wvec w = vcodes(r[j] + k);
+      for (int m = 0; m < M; ++m) acc[j][m][0] = vdot(acc[j][m][0], w, x + m * Kp + k);
     }
 }
 
-// Sketch logits of rows [begin, end) for M x rows, two rows at a time (two read streams, as the GEMV walks its share);
-// with few x rows each sum runs in P = 4 / M interleaved parts, so that the FMA latency is not the bound.
+// Rows [begin, end) for M x rows, two rows at a time (two read streams, as the GEMV walks its share); with few x rows
+// each sum runs in P = 4 / M interleaved parts, so that the dot products' latency is not the bound.
 template <int M>
-void sketch(const float* xf, int64_t Kp, const int8_t* q, const float* scale, const float* radius, const float* xnorm,
-            int64_t begin, int64_t end, int64_t N, float* a_out, Bounds* bounds) {
+void sketch(const Sketch& sk, int64_t begin, int64_t end, Bounds* bounds) {
   constexpr int P = M >= 4 ? 1 : 4 / M;
   auto finish = [&](int64_t n, const vec (&acc)[M][P]) {
     for (int m = 0; m < M; ++m) {
       vec t = acc[m][0];
       for (int p = 1; p < P; ++p) t = vadd(t, acc[m][p]);
-      const float a = scale[n] * vsum(t);
-      a_out[m * N + n] = a;
-      const float r = interval(a, xnorm[m] * radius[n]);
+      const float a = sk.scale[n] * (vsum(t) - sk.offset[m]);
+      const float r = interval(a, sk.bound(n, m));
       Bounds& bd = bounds[m];
       if (a - r > bd.best) bd.best = a - r;
-      if (a + r >= bd.best) bd.rows.push_back(n);
+      if (a + r >= bd.best) bd.rows.emplace_back(n, a);
     }
   };
-  const int64_t half = (end - begin) / 2;
+  const int64_t half = (end - begin) / 2, Kp = sk.Kp;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t n0 = begin + i, n1 = begin + half + i;
     vec acc[2][M][P];
-    sketch_rows<M, P, 2>({q + n0 * Kp, q + n1 * Kp}, xf, Kp, acc);
+    sketch_rows<M, P, 2>({sk.q + n0 * Kp, sk.q + n1 * Kp}, sk.x, Kp, acc);
     finish(n0, acc[0]);
     finish(n1, acc[1]);
   }
   for (int64_t n = begin + 2 * half; n < end; ++n) {
     vec acc[1][M][P];
-    sketch_rows<M, P, 1>({q + n * Kp}, xf, Kp, acc);
+    sketch_rows<M, P, 1>({sk.q + n * Kp}, sk.x, Kp, acc);
     finish(n, acc[0]);
   }
 }
 
-template <int M>
-void sketch_chunks(const float* xf, int64_t Kp, const int8_t* q, const float* scale, const float* radius, const float* xnorm,
-                   int64_t N, float* a_out, std::vector<std::vector<Bounds>>& per_chunk) {
-  const int64_t chunks = static_cast<int64_t>(per_chunk.size());
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      sketch<M>(xf, Kp, q, scale, radius, xnorm, N * c / chunks, N * (c + 1) / chunks, N, a_out, per_chunk[c].data());
-  });
+void sketch_any(const Sketch& sk, int64_t M, int64_t begin, int64_t end, Bounds* bounds) {
+  switch (M) {
+    case 1: return sketch<1>(sk, begin, end, bounds);
+    case 2: return sketch<2>(sk, begin, end, bounds);
+    case 3: return sketch<3>(sk, begin, end, bounds);
+    case 4: return sketch<4>(sk, begin, end, bounds);
+#if defined(__AVX512BF16__)
+    case 5: return sketch<5>(sk, begin, end, bounds);
+    case 6: return sketch<6>(sk, begin, end, bounds);
+    case 7: return sketch<7>(sk, begin, end, bounds);
+    case 8: return sketch<8>(sk, begin, end, bounds);
+#endif
+    default: TORCH_CHECK(false, "greedy_head: ", M, " rows");
+  }
 }
 
 }  // namespace
+
+int64_t greedy_head_code_max() { return kCodeMax; }
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor w, torch::Tensor codes, torch::Tensor scale,
                                                      torch::Tensor radius) {
@@ -138,9 +181,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
               "greedy_head takes bf16 [M, K] hidden states, 1 <= M <= ", kGemvMaxRows);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) == K && w.is_contiguous(), "greedy_head: a bf16 [N, K] head");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(0) == N && codes.size(1) % kLanes == 0 &&
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(0) == N && codes.size(1) % 32 == 0 &&
                   codes.size(1) >= K && codes.is_contiguous(),
-              "greedy_head: int8 codes [N, Kp], Kp a multiple of ", kLanes, " (zero padded)");
+              "greedy_head: int8 codes [N, Kp], Kp a multiple of 32 (zero padded)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && radius.scalar_type() == at::kFloat && scale.numel() == N && radius.numel() == N &&
                   scale.is_contiguous() && radius.is_contiguous(),
               "greedy_head: float32 [N] scales and radii");
@@ -150,40 +193,34 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   auto ids = torch::full({M}, -1, torch::kLong);
   auto counts = torch::zeros({M}, torch::kLong);
   int64_t *idp = ids.data_ptr<int64_t>(), *cp = counts.data_ptr<int64_t>();
-  // x as float32, zero padded to Kp, and its norm (computed in double: one rounding); a row that is not finite has
-  // no bound, and gets -1 (the caller takes the plain path)
-  std::vector<float> xf(M * Kp, 0.f), xnorm(M);
+  // x zero padded to Kp, and its norms and sum (in double, then rounded up); a row that is not finite has no bound,
+  // and gets -1 (the caller computes the logits)
+  std::vector<xelem> xs(M * Kp, xelem{});
+  std::vector<float> xnorm(M), offset(M), x1(M);
   std::vector<bool> finite(M, true);
   for (int64_t m = 0; m < M; ++m) {
-    double ss = 0;
+    double ss = 0, sum = 0, l1 = 0;
     for (int64_t k = 0; k < K; ++k) {
       uint16_t bits;
       std::memcpy(&bits, xp + m * K + k, 2);
       if ((bits & 0x7F80) == 0x7F80) finite[m] = false;  // inf or NaN (tested on the bits: the build uses -ffast-math)
-      const float v = static_cast<float>(xp[m * K + k]);
-      xf[m * Kp + k] = v;
-      ss += static_cast<double>(v) * v;
+      xs[m * Kp + k] = to_x(xp[m * K + k]);
+      const double v = static_cast<float>(xp[m * K + k]);
+      ss += v * v;
+      sum += v;
+      l1 += std::fabs(v);
     }
     xnorm[m] = static_cast<float>(std::sqrt(ss) * (1 + 1e-6));
+    offset[m] = static_cast<float>(kOffset * sum);
+    x1[m] = static_cast<float>(l1 * (1 + 1e-6));
   }
-  std::vector<float> a(M * N);
+  const Sketch sk{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), radius.data_ptr<float>(), Kp, xs.data(), xnorm.data(),
+                  offset.data(), x1.data()};
   const int64_t chunks = std::max<int64_t>(1, at::get_num_threads());
   std::vector<std::vector<Bounds>> per_chunk(chunks, std::vector<Bounds>(M));
-  const int8_t* qp = codes.data_ptr<int8_t>();
-  const float *sp = scale.data_ptr<float>(), *rp = radius.data_ptr<float>();
-  switch (M) {
-    case 1: sketch_chunks<1>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 2: sketch_chunks<2>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 3: sketch_chunks<3>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 4: sketch_chunks<4>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-#if defined(__AVX512F__)
-    case 5: sketch_chunks<5>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 6: sketch_chunks<6>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 7: sketch_chunks<7>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-    case 8: sketch_chunks<8>(xf.data(), Kp, qp, sp, rp, xnorm.data(), N, a.data(), per_chunk); break;
-#endif
-    default: TORCH_CHECK(false, "greedy_head: ", M, " rows");
-  }
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) sketch_any(sk, M, N * c / chunks, N * (c + 1) / chunks, per_chunk[c].data());
+  });
   const bf16* wp = w.data_ptr<bf16>();
   std::vector<bf16> rows, y;
   std::vector<int64_t> cand;
@@ -193,10 +230,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
     for (const auto& pc : per_chunk) best = std::max(best, pc[m].best);
     cand.clear();
     for (const auto& pc : per_chunk)
-      for (int64_t n : pc[m].rows) {
-        const float an = a[m * N + n];
-        if (an + interval(an, xnorm[m] * rp[n]) >= best) cand.push_back(n);
-      }
+      for (const auto& [n, an] : pc[m].rows)
+        if (an + interval(an, sk.bound(n, m)) >= best) cand.push_back(n);
     std::sort(cand.begin(), cand.end());
     const int64_t C = static_cast<int64_t>(cand.size());
     TORCH_CHECK(C > 0, "greedy_head: no candidate row");  // the row of the best lower bound always is one

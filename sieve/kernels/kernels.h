@@ -108,10 +108,11 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
 // greedy_head.cpp: the first index of each bf16 row's max over x . w^T, as the GEMV computes them, from an int8
-// sketch of w (codes [N, Kp] zero padded, float32 scales and radii [N]); returns (ids [M], candidates [M]), id -1 for a
-// row that is not finite
+// sketch of w (codes [N, Kp] of at most greedy_head_code_max() in magnitude, zero padded to a multiple of 32; float32
+// scales and radii [N]); returns (ids [M], candidates [M]), id -1 for a row that is not finite
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor w, torch::Tensor codes, torch::Tensor scale,
                                                      torch::Tensor radius);
+int64_t greedy_head_code_max();
 #endif
 
 // linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch

@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
   m.def("greedy_head", &sieve::greedy_head, "argmax of a bf16 head's logits from its int8 sketch, exact", nogil, py::arg("x"),
         py::arg("w"), py::arg("codes"), py::arg("scale"), py::arg("radius"));
+  m.attr("greedy_head_code_max") = sieve::greedy_head_code_max();
   m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout", nogil);
   m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (optionally against int8 activations)",
         nogil, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("min"), py::arg("group"), py::arg("bias"), py::arg("n"),

@@ -1,16 +1,17 @@
 """Greedy rows' next tokens from a bf16 LM head at about half its bytes, exactly the plain path's.
 
-A greedy row needs its logits' argmax, not its logits. The head's int8 sketch (per-row scale s_n, codes q_n) bounds
-every logit for any hidden state x: |x . w_n - s_n x . q_n| <= |x| |w_n - s_n q_n|, plus slack for float32 summation
-(precomputed here as one radius per row). The native kernel (sieve/kernels/greedy_head.cpp) reads the sketch, keeps
-the rows whose interval reaches the best lower bound (on SmolLM2-135M's chat answers 1-5 of 49,152, at most 66), and
-multiplies those rows by the same GEMV as the plain path, so the token is the plain path's, bit for bit, ties
-included (the first index of the max). A bf16 head's decode step then reads 1 byte a weight of it instead of 2:
-SmolLM2-135M's tied 49,152 x 576 head is 28 MB of a bf16 step's 269 MB instead of 57.
+A greedy row needs its logits' argmax, not its logits. The head's int8 sketch (per-row scale s_n, codes q_n: 7 bits
+where the kernel multiplies them in bf16 dot products, 8 on AVX2) bounds every logit for any hidden state x:
+|x . w_n - s_n x . q_n| <= |x| |w_n - s_n q_n|, plus slack for float32 summation (one radius per row, precomputed
+here). The native kernel (sieve/kernels/greedy_head.cpp) reads the sketch, keeps the rows whose interval reaches the
+best lower bound (on SmolLM2-135M's answers a median of 1-4 of 49,152), and multiplies those rows by the same GEMV as
+the plain path, so the token is the plain path's, bit for bit, ties included (the first index of the max). A bf16
+head's decode step then reads 1 byte a weight of it instead of 2: SmolLM2-135M's tied 49,152 x 576 head is 28 MB of
+a bf16 step's 241 MB instead of 57 of 269.
 
 It applies to rows that take the raw argmax (greedy, no penalty, bias, ban, grammar or logprobs: the runner's
 `plain_greedy`), up to the GEMV's rows (the plain path's logits above them come from another kernel), on a bf16 head
-with no bias, and no final logit soft-capping.
+with no bias, and no final logit soft-capping. `--no-greedy-head-sketch` turns it off.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from sieve.kernels import cpu_ops
 
-_PAD = 16  # codes are zero padded to a multiple of 16 inputs (the AVX-512 kernel's vector; AVX2 reads 8)
+_PAD = 32  # codes are zero padded to a multiple of 32 inputs (the AVX512-BF16 kernel's dot product; AVX2 reads 8)
 _CHUNK = 4096  # rows per pass when building the sketch (float32 temporaries of [_CHUNK, K])
 
 
@@ -31,13 +32,14 @@ class GreedyHead:
         self.weight = weight.detach()
         N, K = self.weight.shape
         Kp = -(-K // _PAD) * _PAD
+        top = self.ops.greedy_head_code_max  # 63 where the kernel multiplies 192 + q in bf16, else 127
         self.codes = torch.zeros(N, Kp, dtype=torch.int8)
         self.scale = torch.empty(N, dtype=torch.float32)
         self.radius = torch.empty(N, dtype=torch.float32)
         for lo in range(0, N, _CHUNK):
             w = self.weight[lo: lo + _CHUNK].double()
-            s = (w.abs().amax(dim=1) / 127).clamp_min(1e-30)
-            q = torch.round(w / s[:, None]).clamp_(-127, 127)
+            s = (w.abs().amax(dim=1) / top).clamp_min(1e-30)
+            q = torch.round(w / s[:, None]).clamp_(-top, top)
             residual = (w - q * s[:, None]).norm(dim=1)
             # slack for the float32 sums of both the sketch's and the GEMV's dot products (n u |x| |terms|, n <= 2^12)
             slack = (w.norm(dim=1) + s * q.norm(dim=1)) * 2.0**-10
