@@ -236,84 +236,146 @@ inline void prefetch_block(const Pool& k, const Pool& v, const int64_t* table, i
     }
 }
 
+// 16 x 16 transpose: lane t of out[i] = lane i of in[t]
+inline void transpose16(const __m512 (&in)[16], __m512 (&out)[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 of elements 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi)
+    a[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + e], per 128-bit lane L: rows 4i..4i+3 of element 4L + e
+    b[4 * i] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {  // out[4L + e]: lane L of b[e], b[4 + e], b[8 + e], b[12 + e]
+    const __m512 t0 = _mm512_shuffle_f32x4(b[e], b[4 + e], 0x44), t1 = _mm512_shuffle_f32x4(b[e], b[4 + e], 0xEE);
+    const __m512 t2 = _mm512_shuffle_f32x4(b[8 + e], b[12 + e], 0x44), t3 = _mm512_shuffle_f32x4(b[8 + e], b[12 + e], 0xEE);
+    out[e] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+    out[4 + e] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+    out[8 + e] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+    out[12 + e] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+  }
+}
+
+// Scores of NQ queries against a tile's keys, kt [D][16] (lane t: token t): 4 partial sums per query (dimensions
+// d mod 4), added as (s0 + s1) + (s2 + s3). Every query's arithmetic is the same whatever NQ is.
+template <int D, int NQ>
+inline void tile_scores(const float* qf, const float* kt, float* scores) {
+  __m512 s[NQ][4];
+  for (int g = 0; g < NQ; ++g)
+    for (int c = 0; c < 4; ++c) s[g][c] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 4)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 kd = _mm512_loadu_ps(kt + (d + c) * 16);
+      for (int g = 0; g < NQ; ++g) s[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + d + c]), kd, s[g][c]);
+    }
+  for (int g = 0; g < NQ; ++g)
+    _mm512_storeu_ps(scores + g * 16, _mm512_add_ps(_mm512_add_ps(s[g][0], s[g][1]), _mm512_add_ps(s[g][2], s[g][3])));
+}
+
+// acc of NQ queries (CW vectors from dimension 16 c) += p . V over the tile's cnt tokens, after scaling by alpha
+template <int D, int CW, int NQ>
+inline void tile_values(const float* p, const float* alpha, const float* vf, int64_t cnt, int c, float* acc) {
+  __m512 a[NQ][CW];
+  for (int g = 0; g < NQ; ++g)
+    for (int i = 0; i < CW; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * (c + i)), _mm512_set1_ps(alpha[g]));
+  for (int64_t t = 0; t < cnt; ++t) {
+    __m512 v[CW];
+    for (int i = 0; i < CW; ++i) v[i] = _mm512_loadu_ps(vf + t * D + 16 * (c + i));
+    for (int g = 0; g < NQ; ++g)
+      for (int i = 0; i < CW; ++i) a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * 16 + t]), v[i], a[g][i]);
+  }
+  for (int g = 0; g < NQ; ++g)
+    for (int i = 0; i < CW; ++i) _mm512_storeu_ps(acc + g * D + 16 * (c + i), a[g][i]);
+}
+
+// An item's queries (a decode and its drafts, times the query heads of one kv head) against its keys, 16 tokens (a
+// tile) at a time: the tile's keys are transposed once ([D][16]) so that a query's 16 scores come out of D FMAs in
+// one register, with no horizontal sums; the softmax runs on that register; the values of a tile are read once per
+// group of queries. A query that sees none of a tile (a shorter row of the group, a sliding window) takes it as an
+// exact no-op (scale 1, probabilities 0), so every row's result is bit for bit the one it gets alone.
 template <typename T, at::ScalarType kKV, int V>  // V = head_dim / 16
 void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables, const int64_t* lens, T* out,
                 int64_t num_seqs, const Layout& lay, float scale) {
   constexpr int D = 16 * V;
+  constexpr int CW = V < 4 ? V : 4;  // value vectors per pass over a tile (V % CW == 0)
+  constexpr int kQK = 4, kPV = 6;    // queries per pass: 16 score sums, 24 value sums in registers
   const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
   const std::vector<int64_t> starts = row_groups(tables, lens, num_seqs, lay);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
   at::parallel_for(0, groups * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, kf(bs * D), vf(bs * D), m, l;
+    std::vector<float> qf, acc, kt(D * 16), vf(16 * D), p, alpha, m, l;
     std::vector<int64_t> qlen, qlo;
     for (int64_t item = begin; item < end; ++item) {
       // One item: the rows of a group (R consecutive positions of one sequence) times the G query heads of kv
-      // head kh; query i is row i / G, head i % G, and sees the first qlen[i] tokens.
+      // head kh; query i is row i / G, head i % G, and sees tokens [qlo[i], qlen[i]).
       const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
       const int64_t L = lens[s0 + R - 1];
       const int64_t* table = tables + s0 * lay.max_blocks;
-      scores.resize(Q * bs);
       const int64_t lo = item_queries(q, lens, lay, s0, R, G, kh, D, scale, qf, qlen, qlo, acc, m, l);
+      p.resize(Q * 16);
+      alpha.resize(Q);
       for (int64_t j = lo / bs; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs);
         const int64_t row0 = table[j] * bs * KVH + kh;  // row of token 0 of this block; token t is row0 + t * KVH
         prefetch_block(k, v, table, j + kPrefetchBlocks, L, kh, lay, D * static_cast<int64_t>(c10::elementSize(kKV)));
-        // keys of the block as float32, once for all queries; then scores[i, t] = q_i . k_t, 16 tokens at a time
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t row = row0 + t * KVH;
-          const float rs = row_scale<kKV>(k, row);
-          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&kf[t * D + 16 * i], load16<kKV>(k.data, row * D + 16 * i, rs));
-        }
-        for (int64_t g = 0; g < Q; ++g) {
-          const int64_t ng = std::min(n, qlen[g] - j * bs);  // tokens of this block query g sees
-          if (ng <= 0) continue;
-          __m512 qv[V];
-          for (int i = 0; i < V; ++i) qv[i] = _mm512_loadu_ps(&qf[g * D + 16 * i]);
-          for (int64_t t0 = 0; t0 < ng; t0 += 16) {
-            const int64_t cnt = std::min<int64_t>(16, ng - t0);
-            __m512 dots[16];
-            for (int t = 0; t < 16; ++t) {
-              if (t >= cnt) {
-                dots[t] = _mm512_setzero_ps();
-                continue;
-              }
-              const float* kr = &kf[(t0 + t) * D];
-              __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-              for (int i = 1; i < V; ++i) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kr + 16 * i), d);
-              dots[t] = d;
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+          const int64_t cnt = std::min<int64_t>(16, n - t0), base = j * bs + t0;  // tokens [base, base + cnt)
+          for (int c = 0; c < V; ++c) {  // keys, transposed
+            __m512 rows[16], cols[16];
+            for (int64_t t = 0; t < 16; ++t) {
+              const int64_t row = row0 + (t0 + t) * KVH;
+              rows[t] = t < cnt ? load16<kKV>(k.data, row * D + 16 * c, row_scale<kKV>(k, row)) : _mm512_setzero_ps();
             }
-            _mm512_mask_storeu_ps(&scores[g * bs + t0], cnt >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cnt) - 1), hsum16(dots));
+            transpose16(rows, cols);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_ps(&kt[(16 * c + i) * 16], cols[i]);
           }
-        }
-        // values of the block as float32, once for all queries
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t row = row0 + t * KVH;
-          const float rs = row_scale<kKV>(v, row);
-          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
-        }
-        for (int64_t g = 0; g < Q; ++g) {
-          const int64_t ng = std::min(n, qlen[g] - j * bs), tb = std::max<int64_t>(0, qlo[g] - j * bs);  // keys [tb, ng)
-          if (ng <= tb) continue;
-          float* sg = &scores[g * bs];
-          float mx = m[g];
-          for (int64_t t = tb; t < ng; ++t) mx = std::max(mx, sg[t]);
-          const float alpha = std::exp(m[g] - mx);  // rescales what came before (0 on the first block)
-          float sum = 0.f;
-          for (int64_t t = tb; t < ng; t += 16) {
-            const __mmask16 mask = ng - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - t)) - 1);
-            const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), _mm512_set1_ps(mx)));
-            _mm512_mask_storeu_ps(sg + t, mask, p);
-            sum += _mm512_mask_reduce_add_ps(mask, p);
+          int64_t g = 0;
+          for (; g + kQK <= Q; g += kQK) tile_scores<D, kQK>(&qf[g * D], kt.data(), &p[g * 16]);
+          switch (Q - g) {
+            case 1: tile_scores<D, 1>(&qf[g * D], kt.data(), &p[g * 16]); break;
+            case 2: tile_scores<D, 2>(&qf[g * D], kt.data(), &p[g * 16]); break;
+            case 3: tile_scores<D, 3>(&qf[g * D], kt.data(), &p[g * 16]); break;
+            default: break;
           }
-          l[g] = l[g] * alpha + sum;
-          m[g] = mx;
-          __m512 a[V];
-          for (int i = 0; i < V; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * i]), _mm512_set1_ps(alpha));
-          for (int64_t t = tb; t < ng; ++t) {
-            const __m512 p = _mm512_set1_ps(sg[t]);
-            for (int i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[t * D + 16 * i]), a[i]);
+          // online softmax of each query over the tokens of the tile it sees
+          bool any = false;
+          for (g = 0; g < Q; ++g) {
+            const int64_t tb = std::max<int64_t>(0, qlo[g] - base), te = std::min(cnt, qlen[g] - base);
+            if (te <= tb) {  // none: an exact no-op
+              alpha[g] = 1.f;
+              _mm512_storeu_ps(&p[g * 16], _mm512_setzero_ps());
+              continue;
+            }
+            any = true;
+            const __mmask16 seen = static_cast<__mmask16>(((1u << te) - 1) & ~((1u << tb) - 1));
+            const __m512 sg = _mm512_loadu_ps(&p[g * 16]);
+            const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(seen, sg));
+            const __m512 pg = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(mx))));
+            alpha[g] = std::exp(m[g] - mx);  // rescales what came before (0 on the first tile)
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(pg);
+            m[g] = mx;
+            _mm512_storeu_ps(&p[g * 16], pg);
           }
-          for (int i = 0; i < V; ++i) _mm512_storeu_ps(&acc[g * D + 16 * i], a[i]);
+          if (!any) continue;
+          for (int64_t t = 0; t < cnt; ++t) {  // values as float32, once for all queries
+            const int64_t row = row0 + (t0 + t) * KVH;
+            const float rs = row_scale<kKV>(v, row);
+            for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
+          }
+          for (int c = 0; c < V; c += CW) {
+            for (g = 0; g + kPV <= Q; g += kPV) tile_values<D, CW, kPV>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]);
+            switch (Q - g) {
+              case 1: tile_values<D, CW, 1>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              case 2: tile_values<D, CW, 2>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              case 3: tile_values<D, CW, 3>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              case 4: tile_values<D, CW, 4>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              case 5: tile_values<D, CW, 5>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              default: break;
+            }
+          }
         }
       }
       for (int64_t i = 0; i < Q; ++i) {
