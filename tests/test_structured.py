@@ -57,10 +57,10 @@ def ask(content: str) -> list[dict]:
 def test_twenty_json_schema_answers_parse_and_validate(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
-    def one(i):
+    def one(i):  # sampled answers can run long inside a string (one of these took 256+ tokens): room to finish
         return client.chat.completions.create(
             model="smol", messages=ask(f"Describe a fictional person who lives in {CITIES[i]}, as JSON."),
-            response_format=fmt, temperature=0.8, seed=i, max_tokens=256)
+            response_format=fmt, temperature=0.8, seed=i, max_tokens=512)
 
     with ThreadPoolExecutor(8) as pool:  # together: constrained rows share steps
         answers = list(pool.map(one, range(20)))
