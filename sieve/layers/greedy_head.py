@@ -21,7 +21,7 @@ import torch
 from sieve.kernels import cpu_ops
 
 _PAD = 32  # codes are zero padded to a multiple of 32 inputs (the AVX512-BF16 kernel's dot product; AVX2 reads 8)
-_CHUNK = 4096  # rows per pass when building the sketch (float32 temporaries of [_CHUNK, K])
+_CHUNK = 4096  # rows per pass when building the sketch (float64 temporaries of [_CHUNK, K])
 
 
 class GreedyHead:

@@ -139,6 +139,7 @@ class DecoderModel(nn.Module):
         self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v") -> FP8 KV scale from the checkpoint
         self.quantized_embedding = None  # a checkpoint's quantized embedding table (GGUF), rows dequantized on lookup
         self.native = None  # NativeDecoder (sieve/kernels/decoder.cpp), built by `prepare` where it applies
+        self.greedy_head = None  # GreedyHead (sieve/layers/greedy_head.py), likewise
         if a.tie_word_embeddings and tp is None:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head (sharded: its rows)
 
