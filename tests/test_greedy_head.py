@@ -98,6 +98,9 @@ def test_sketch_declines_what_it_cannot_bound():
     assert head(x) is None  # a row that is not finite: the caller computes the logits
     assert head(torch.randn(head.max_rows + 1, 48, generator=g).bfloat16()) is None
     assert head(x[:1]) is not None
+    wide = GreedyHead(torch.zeros(2, 4097).bfloat16())  # the summation slack is worked out for K <= 4096
+    with pytest.raises(RuntimeError, match="K <= 4096"):
+        wide(torch.zeros(1, 4097).bfloat16())
 
 
 def test_engine_takes_greedy_tokens_from_the_sketch_and_they_equal_the_full_heads(checkpoints):
