@@ -7,6 +7,7 @@ it; a model without int4 weights, or a bad value, is refused."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,36 @@ def test_kernel_matches_its_pytorch_reference_at_every_batch_size(ops, name, dty
             float_path = F.linear(x.float(), w.dequantize(), bias.float())
             lossy = ((got.float() - float_path).abs().max() / float_path.abs().max()).item()
             assert 0 < lossy < 0.05  # int8 activations: close to the exact product, and not it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_and_avx2_inner_kernels_give_the_same_bits(ops, dtype):
+    """Where the build has AVX512-VNNI, vpdpbusd sums a unit's 4 products per row in one instruction; the sums are the
+    same exact integers and the float steps the same, so its outputs equal the AVX2 kernel's bit for bit."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_vnni = ops.isa == "avx512-bf16" and "avx512_vnni" in flags
+    assert ops.q8act_kernel() == ("avx512-vnni" if has_vnni else "avx2")  # the faster one is the default
+    if not has_vnni:
+        with pytest.raises(RuntimeError, match="not avx512-vnni"):
+            ops.set_q8act_kernel("avx512-vnni")
+        pytest.skip("this CPU build has no AVX512-VNNI: only the AVX2 inner kernel exists to compare")
+    torch.manual_seed(1)
+    for w, k in ((quantize_int4(torch.randn(200, 300) * 0.05, 32), 300), (q4_0(torch.randn(96, 128) * 0.05), 128),
+                 (quantize_int4(torch.randn(64, 256) * 0.05, 128), 256)):
+        kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
+        kern.native.q8_activations = True
+        x = (torch.randn(11, k) * torch.logspace(-2, 1, k)).to(dtype)  # spread magnitudes: every block its own scale
+        outs = {}
+        for name in ("avx2", "avx512-vnni"):
+            before = ops.set_q8act_kernel(name)
+            try:
+                outs[name] = [kern(x[:r]) for r in (1, 4, 8, 11)]
+            finally:
+                ops.set_q8act_kernel(before)
+        for a, b in zip(outs["avx2"], outs["avx512-vnni"]):
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="not int2"):
+        ops.set_q8act_kernel("int2")
 
 
 def test_kernel_refuses_groups_it_cannot_take(ops):

@@ -89,8 +89,7 @@ def batch1(files: dict[str, Path], bench_binary: Path, threads: int, rounds: int
         step_bytes = GGUFCheckpoint(path).decode_bytes()
         model = engines[label].llm_engine.runner.model
         if model.greedy_head is not None:  # a greedy step reads the head's sketch instead of the head
-            w = model.greedy_head.weight
-            step_bytes += model.greedy_head.nbytes - w.numel() * w.element_size()
+            step_bytes += model.greedy_head.step_bytes_change
         floor = gbps * 1e9 / step_bytes
         out[label] = {"file": str(path), "dtype": str(engines[label].llm_engine.dtype).removeprefix("torch."),
                       "step_bytes": step_bytes, "floor_tok_s": floor,

@@ -253,6 +253,162 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Ten
   return {ids, counts};
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// A GGUF Q8_0 head (int8 codes, a float16 scale per 32 inputs, the blocked layout of qmatmul.cpp) for float32 hidden
+// states. The plain path rounds x to bf16 (xb) and multiplies the codes in bf16 dot products. Here xb is quantized
+// per block b of 32 inputs to int8 (xb = d_b q + r), and vpdpbusd multiplies the file's own codes by q (one byte a
+// weight, the same bytes the plain path reads, in a quarter of the instructions: 4 products a lane). With W_n the
+// row's dequantized weights, every logit is within
+//   |plain_n - A_n| <= |W_n| (|r| + 2^-10 (|xb| + |d q|)) + 1e-30
+// of the sketch A_n (Cauchy-Schwarz on r; float32 summation of at most 2^12 terms on either side; flushed
+// subnormals), so the rows whose interval reaches the best lower bound hold the argmax, and their 16-row blocks are
+// multiplied by qmatmul_q8_into, the plain path's own arithmetic (a row's result does not depend on the rows beside
+// it), bit for bit.
+namespace {
+
+// MR rows of xq against NB blocks of 16 head rows, all groups: A [M, N] float32
+template <int MR, int NB>
+void q8_sketch_tile(const int8_t* xq, const float* d, const int32_t* qsum, int64_t K2, const uint8_t* w, const c10::Half* gscale,
+                    int64_t group, int64_t m0, const int64_t* blk, int64_t N, float* A) {
+  const int64_t G = K2 / group, nb = K2 / 32, loads = group / 4;  // 64 bytes = 4 inputs x 16 rows
+  // word 2r of a 64-byte load's result: row r's inputs (2p, 2p + 1) from the first pair-vector, word 2r + 1 its
+  // (2p + 2, 2p + 3) from the second: one 32-bit lane per row, in order
+  alignas(64) int16_t idx[32];
+  for (int r = 0; r < 16; ++r) idx[2 * r] = static_cast<int16_t>(r), idx[2 * r + 1] = static_cast<int16_t>(16 + r);
+  const __m512i perm = _mm512_load_si512(idx), flip = _mm512_set1_epi8(static_cast<char>(0x80));  // codes + 128: unsigned
+  const uint8_t* base[NB];
+  for (int j = 0; j < NB; ++j) base[j] = w + blk[j] * (K2 / 2) * 32;
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i sum[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NB; ++j) sum[m][j] = _mm512_setzero_si512();
+    for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
+      for (int j = 0; j < NB; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(base[j] + l * 64 + 512), _MM_HINT_T0);
+        const __m512i v = _mm512_xor_si512(_mm512_permutexvar_epi16(perm, _mm512_loadu_si512(base[j] + l * 64)), flip);
+        for (int m = 0; m < MR; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, xq + (m0 + m) * K2 + 4 * l, 4);
+          sum[m][j] = _mm512_dpbusd_epi32(sum[m][j], v, _mm512_set1_epi32(quad));
+        }
+      }
+    }
+    // group g spans activation blocks; the codes' +128 comes back out as 128 sum(q) per block
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gscale + (blk[j] * G + g) * 16)));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t b = g;  // a group is one activation block (group == 32, checked by the caller)
+        const __m512i isum = _mm512_sub_epi32(sum[m][j], _mm512_set1_epi32(128 * qsum[(m0 + m) * nb + b]));
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(d[(m0 + m) * nb + b])), acc[m][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = blk[j] * 16, cnt = std::min<int64_t>(16, N - n0);
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(A + (m0 + m) * N + n0, static_cast<__mmask16>((1u << cnt) - 1), acc[m][j]);
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::Tensor w, torch::Tensor gscale, int64_t group,
+                                                        int64_t N, torch::Tensor wnorm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= 8,
+              "greedy_head_q8 takes float32 [M, K] hidden states, 1 <= M <= 8");
+  TORCH_CHECK(group == 32, "greedy_head_q8: Q8_0 groups of 32 inputs, got ", group);
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == 32 && w.is_contiguous() && N <= w.size(0) * 16,
+              "greedy_head_q8: blocked int8 codes [N/16, K/2, 32]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0), K2 = w.size(1) * 2, G = K2 / group, nb = K2 / 32;
+  TORCH_CHECK(K <= K2 && K2 % 32 == 0 && K2 <= 4096, "greedy_head_q8: K <= 4096 in blocks of 32 (the bounds' summation slack)");
+  TORCH_CHECK(gscale.scalar_type() == at::kHalf && gscale.numel() == blocks * G * 16 && gscale.is_contiguous(),
+              "greedy_head_q8: float16 group scales [N/16, G, 16]");
+  TORCH_CHECK(wnorm.scalar_type() == at::kFloat && wnorm.numel() == N && wnorm.is_contiguous(), "greedy_head_q8: float32 [N] row norms");
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  auto ids = torch::full({M}, -1, torch::kLong);
+  auto counts = torch::zeros({M}, torch::kLong);
+  int64_t *idp = ids.data_ptr<int64_t>(), *cp = counts.data_ptr<int64_t>();
+  // xb = bf16(x) as the plain kernel rounds it, quantized per 32 inputs; the bound's radius per row (double, rounded up)
+  std::vector<int8_t> xq(M * K2, 0);
+  std::vector<float> d(M * nb, 0.f);
+  std::vector<int32_t> qsum(M * nb, 0);
+  std::vector<double> radius(M, 0.0);
+  std::vector<bool> finite(M, true);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, xp + m * K + k, 4);
+      if ((bits & 0x7F800000u) == 0x7F800000u) finite[m] = false;  // inf or NaN (the build uses -ffast-math)
+    }
+    if (!finite[m]) continue;  // no bound: codes 0, id -1 (the caller computes the logits)
+    double rr = 0, xx = 0, qq = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      float xb[32];
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t k = b * 32 + i;
+        xb[i] = k < K ? static_cast<float>(c10::BFloat16(xp[m * K + k])) : 0.f;  // round to nearest even, as vcvtneps2bf16
+        amax = std::max(amax, std::fabs(xb[i]));
+      }
+      const float db = amax / 127.f, inv = db > 0.f ? 127.f / amax : 0.f;
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int q = static_cast<int>(std::clamp(std::nearbyint(xb[i] * inv), -127.f, 127.f));
+        xq[m * K2 + b * 32 + i] = static_cast<int8_t>(q);
+        s += q;
+        const double dq = static_cast<double>(db) * q, r = static_cast<double>(xb[i]) - dq;
+        rr += r * r, xx += static_cast<double>(xb[i]) * xb[i], qq += dq * dq;
+      }
+      d[m * nb + b] = db, qsum[m * nb + b] = s;
+    }
+    radius[m] = (std::sqrt(rr) + std::ldexp(std::sqrt(xx) + std::sqrt(qq), -10)) * (1 + std::ldexp(1.0, -16));
+  }
+  std::vector<float> A(M * N);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = gscale.data_ptr<c10::Half>();
+  // up to 4 rows against two blocks side by side (two read streams); above, two blocks' sums would not fit in the
+  // registers (kernels.h: threads split the blocks)
+  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { q8_sketch_tile<MR, B>(xq.data(), d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data()); };
+  if (M <= 4) sweep<4, 2>(M, blocks, tile);
+  else sweep<8, 1>(M, blocks, tile);
+  const float* wn = wnorm.data_ptr<float>();
+  std::vector<int64_t> cand_blocks;
+  float y[16];
+  for (int64_t m = 0; m < M; ++m) {
+    if (!finite[m]) continue;
+    const float* a = A.data() + m * N;
+    const double R = radius[m];
+    double best = -1e300;
+    for (int64_t n = 0; n < N; ++n) best = std::max(best, static_cast<double>(a[n]) - (wn[n] * R + 1e-30));
+    cand_blocks.clear();
+    int64_t C = 0;
+    for (int64_t n = 0; n < N; ++n)
+      if (static_cast<double>(a[n]) + (wn[n] * R + 1e-30) >= best) {
+        ++C;
+        if (cand_blocks.empty() || cand_blocks.back() != n / 16) cand_blocks.push_back(n / 16);
+      }
+    TORCH_CHECK(C > 0, "greedy_head_q8: no candidate row");
+    cp[m] = C;
+    int64_t arg = -1;
+    float top = 0.f;
+    for (const int64_t blk : cand_blocks) {  // the plain path's arithmetic on the candidates' blocks (x row m alone)
+      const int64_t n0 = blk * 16, cnt = std::min<int64_t>(16, N - n0);
+      qmatmul_q8_into(xp + m * K, true, 1, K, wp + blk * (K2 / 2) * 32, 1, K2, false, nullptr, sp + blk * G * 16, group, nullptr, cnt, y);
+      for (int64_t i = 0; i < cnt; ++i) {
+        const int64_t n = n0 + i;
+        if (static_cast<double>(a[n]) + (wn[n] * R + 1e-30) < best) continue;  // not a candidate
+        if (arg < 0 || y[i] > top) arg = n, top = y[i];  // the first index of the max (blocks and rows in order)
+      }
+    }
+    idp[m] = arg;
+  }
+  return {ids, counts};
+}
+#endif
+
 }  // namespace sieve
 
 #endif

@@ -18,10 +18,50 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
 
 namespace sieve {
 
 using bf16 = c10::BFloat16;
+
+// Runs `tile<MR, NB>(m0, blocks)` over all rows of x and all column blocks. Threads split the column
+// blocks; a thread cuts its share into NB parts and walks them side by side, so that each of its NB
+// read streams moves through consecutive memory (adjacent blocks in lockstep defeat the prefetcher:
+// 25 GB/s against 47 for int8 at one row, qmatmul.cpp). Each tile is done for all rows of x, kMR rows at a time.
+template <int kMR, int NB, class Tile>
+void sweep(int64_t M, int64_t blocks, const Tile& tile) {
+  auto rows = [&](auto nb, const auto& blk) {
+    constexpr int B = decltype(nb)::value;
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      switch (std::min<int64_t>(kMR, M - m0)) {
+        case 8: tile.template operator()<8, B>(m0, blk); break;
+        case 7: tile.template operator()<7, B>(m0, blk); break;
+        case 6: tile.template operator()<6, B>(m0, blk); break;
+        case 5: tile.template operator()<5, B>(m0, blk); break;
+        case 4: tile.template operator()<4, B>(m0, blk); break;
+        case 3: tile.template operator()<3, B>(m0, blk); break;
+        case 2: tile.template operator()<2, B>(m0, blk); break;
+        default: tile.template operator()<1, B>(m0, blk); break;
+      }
+    }
+  };
+  at::parallel_for(0, blocks, NB, [&](int64_t b0, int64_t b1) {
+    const int64_t part = (b1 - b0) / NB;
+    for (int64_t i = 0; i < part; ++i) {
+      int64_t blk[NB];
+      for (int j = 0; j < NB; ++j) blk[j] = b0 + j * part + i;
+      rows(std::integral_constant<int, NB>{}, blk);
+    }
+    for (int64_t b = b0 + NB * part; b < b1; ++b) {
+      const int64_t one[1] = {b};
+      rows(std::integral_constant<int, 1>{}, one);
+    }
+  });
+}
+
 
 #if defined(__AVX512F__)
 // v[t] -> lane t of the result holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45 operations
@@ -107,12 +147,22 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 // dot products, in both builds); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
+// which of its two inner kernels runs: "avx512-vnni" (where the build has it, the default there) or "avx2"; the
+// setter returns the one before (for tests that check the two give the same bits)
+std::string q8act_kernel();
+std::string set_q8act_kernel(const std::string& name);
 // greedy_head.cpp: the first index of each bf16 row's max over x . w^T, as the GEMV computes them, from an int8
 // sketch of w (codes [N, Kp] of at most greedy_head_code_max() in magnitude, zero padded to a multiple of 32; float32
 // scales and radii [N]); returns (ids [M], candidates [M]), id -1 for a row that is not finite
 std::tuple<torch::Tensor, torch::Tensor> greedy_head(torch::Tensor x, torch::Tensor w, torch::Tensor codes, torch::Tensor scale,
                                                      torch::Tensor radius);
 int64_t greedy_head_code_max();
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// the same for a GGUF Q8_0 head (blocked int8 codes [N/16, K/2, 32], float16 scales per 32 inputs) and float32 hidden
+// states, from the file's own codes against int8-quantized activations (vpdpbusd) and per-row norms `wnorm` [N]
+std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::Tensor w, torch::Tensor gscale, int64_t group,
+                                                        int64_t N, torch::Tensor wnorm);
+#endif
 #endif
 
 // linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch

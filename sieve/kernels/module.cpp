@@ -19,10 +19,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head", &sieve::greedy_head, "argmax of a bf16 head's logits from its int8 sketch, exact", nogil, py::arg("x"),
         py::arg("w"), py::arg("codes"), py::arg("scale"), py::arg("radius"));
   m.attr("greedy_head_code_max") = sieve::greedy_head_code_max();
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  m.def("greedy_head_q8", &sieve::greedy_head_q8, "argmax of a Q8_0 head's float32 logits from int8 activations, exact", nogil,
+        py::arg("x"), py::arg("w"), py::arg("gscale"), py::arg("group"), py::arg("n"), py::arg("wnorm"));
+#endif
   m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout", nogil);
   m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (optionally against int8 activations)",
         nogil, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("min"), py::arg("group"), py::arg("bias"), py::arg("n"),
         py::arg("q8_activations") = false);
+  m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: avx512-vnni or avx2");
+  m.def("set_q8act_kernel", &sieve::set_q8act_kernel, "pick the int8-activation inner kernel (tests); returns the one before");
 #endif
   py::class_<sieve::NativeLinear, std::shared_ptr<sieve::NativeLinear>>(m, "NativeLinear")
       .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
@@ -33,7 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("batch_invariant", &sieve::NativeLinear::batch_invariant)
       .def_readwrite("q8_activations", &sieve::NativeLinear::q8_activations)
       .def_readonly("kind", &sieve::NativeLinear::kind)
-      .def_readonly("group", &sieve::NativeLinear::group);
+      .def_readonly("group", &sieve::NativeLinear::group)
+      .def_readonly("n", &sieve::NativeLinear::n)
+      .def_readonly("k", &sieve::NativeLinear::k)
+      .def_readonly("fp8", &sieve::NativeLinear::fp8)
+      .def_readonly("weight", &sieve::NativeLinear::w)
+      .def_readonly("scale", &sieve::NativeLinear::scale);
   m.attr("LINEAR_BF16") = static_cast<int64_t>(sieve::NativeLinear::kBF16);
   m.attr("LINEAR_Q8") = static_cast<int64_t>(sieve::NativeLinear::kQ8);
   m.attr("LINEAR_INT4") = static_cast<int64_t>(sieve::NativeLinear::kInt4);

@@ -221,40 +221,7 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
 // at 32 rows, and tie them at 1 row).
 constexpr int kRows = 8;
 
-// Runs `tile<MR, NB>(m0, blocks)` over all rows of x and all column blocks. Threads split the column
-// blocks; a thread cuts its share into NB parts and walks them side by side, so that each of its NB
-// read streams moves through consecutive memory (adjacent blocks in lockstep defeat the prefetcher:
-// 25 GB/s against 47 for int8 at one row). Each tile is done for all rows of x, kMR rows at a time.
-template <int kMR, int NB, class Tile>
-void sweep(int64_t M, int64_t blocks, const Tile& tile) {
-  auto rows = [&](auto nb, const auto& blk) {
-    constexpr int B = decltype(nb)::value;
-    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-      switch (std::min<int64_t>(kMR, M - m0)) {
-        case 8: tile.template operator()<8, B>(m0, blk); break;
-        case 7: tile.template operator()<7, B>(m0, blk); break;
-        case 6: tile.template operator()<6, B>(m0, blk); break;
-        case 5: tile.template operator()<5, B>(m0, blk); break;
-        case 4: tile.template operator()<4, B>(m0, blk); break;
-        case 3: tile.template operator()<3, B>(m0, blk); break;
-        case 2: tile.template operator()<2, B>(m0, blk); break;
-        default: tile.template operator()<1, B>(m0, blk); break;
-      }
-    }
-  };
-  at::parallel_for(0, blocks, NB, [&](int64_t b0, int64_t b1) {
-    const int64_t part = (b1 - b0) / NB;
-    for (int64_t i = 0; i < part; ++i) {
-      int64_t blk[NB];
-      for (int j = 0; j < NB; ++j) blk[j] = b0 + j * part + i;
-      rows(std::integral_constant<int, NB>{}, blk);
-    }
-    for (int64_t b = b0 + NB * part; b < b1; ++b) {
-      const int64_t one[1] = {b};
-      rows(std::integral_constant<int, 1>{}, one);
-    }
-  });
-}
+// sweep<kMR, NB>(M, blocks, tile): kernels.h
 
 // bf16 x * 2^e, exactly, into dst (x is a few thousand values)
 void scale_by_power_of_two(const uint16_t* src, int64_t total, int e, uint16_t* dst) {

@@ -16,7 +16,16 @@
 // 4u, 4u + 1 in its low nibbles and 4u + 2, 4u + 3 in its high ones, so the masked low nibbles against the
 // broadcast pair (q_4u, q_4u+1) give each row's two products summed, and the high nibbles the next two.
 // A word sums at most 4 units (4 x 4 x 15 x 127 = 30480 < 2^15) before it widens to 32 bits.
+//
+// With AVX512-VNNI (a build for a CPU that has it), vpdpbusd takes 4 bytes of a 32-bit lane at once, with no
+// 16-bit stage: interleaving a unit's low and high nibbles word by word (vpunpck[lh]wd) gives, per lane, one
+// output row's codes for inputs 4u .. 4u + 3, and one dot product of that against the broadcast int8 quad
+// (q_4u .. q_4u+3) adds the 4 products into the row's 32-bit sum; 16 rows per register, one instruction per
+// unit and row against ~5 above. The integer sums are the same exact numbers, and the float steps the same
+// operations in the same order, so the two kernels give the same bits (tests/test_q8_activations.py).
 #include "kernels.h"
+
+#include <atomic>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -42,29 +51,48 @@ constexpr int64_t kMR = 8;  // rows per pass over a block (its bytes stay in L1 
 struct Q8Rows {
   int64_t units = 0, nb = 0;
   std::vector<int32_t> pairs;  // [M, units, 2]
+  std::vector<int8_t> q;       // [M, K2]: the codes themselves (a unit's quad is one 32-bit word)
   std::vector<float> d, xs;    // [M, nb]
 };
 
-Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2) {
+Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, bool pairs) {  // pairs: the AVX2 kernel's words
   Q8Rows r;
   r.units = K2 / 4, r.nb = K2 / kQ8Block;
-  r.pairs.assign(M * r.units * 2, 0);
+  if (pairs) r.pairs.assign(M * r.units * 2, 0);
   r.d.assign(M * r.nb, 0.f), r.xs.assign(M * r.nb, 0.f);
-  std::vector<float> row(K2);
-  std::vector<int8_t> q(K2);
+  r.q.assign(M * K2, 0);
+  std::vector<float> row(K2, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K2; ++k)
-      row[k] = k >= K ? 0.f : f32 ? static_cast<const float*>(x)[m * K + k] : static_cast<float>(static_cast<const c10::BFloat16*>(x)[m * K + k]);
-    for (int64_t b = 0; b < r.nb; ++b) {
-      const float* v = row.data() + b * kQ8Block;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(v[i])), sum += v[i];
+    int8_t* q = r.q.data() + m * K2;
+    if (f32) std::memcpy(row.data(), static_cast<const float*>(x) + m * K, K * sizeof(float));
+    else
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(static_cast<const c10::BFloat16*>(x)[m * K + k]);
+    for (int64_t b = 0; b < r.nb; ++b) {  // 32 inputs in 4 registers (llama.cpp's quantize_row_q8_0, AVX2)
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(row.data() + b * kQ8Block + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m256 sm = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+      __m128 mx4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
+      mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
+      __m128 sm4 = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+      sm4 = _mm_add_ps(sm4, _mm_movehl_ps(sm4, sm4));
+      sm4 = _mm_add_ss(sm4, _mm_movehdup_ps(sm4));
+      const float amax = _mm_cvtss_f32(mx4);
       const float d = amax * (1.f / 127.f), id = d > 0.f ? 1.f / d : 0.f;  // a product: -ffast-math leaves it as it is
-      for (int64_t i = 0; i < kQ8Block; ++i)
-        q[b * kQ8Block + i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * id), -127.f, 127.f));
-      r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = sum;
+      const __m256 mul = _mm256_set1_ps(id);
+      __m256i iq[4];
+      for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default mode; |q| <= 127
+        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_round_ps(_mm256_mul_ps(v[i], mul),
+                                                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQ8Block), _mm256_permutevar8x32_epi32(p, order));
+      r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = _mm_cvtss_f32(sm4);
     }
-    for (int64_t u = 0; u < r.units; ++u)
+    for (int64_t u = 0; pairs && u < r.units; ++u)
       for (int h = 0; h < 2; ++h) {
         const uint32_t lo = static_cast<uint8_t>(q[4 * u + 2 * h]), hi = static_cast<uint8_t>(q[4 * u + 2 * h + 1]);
         const uint32_t word = lo | (hi << 8);
@@ -152,12 +180,113 @@ void int4_q8_rows(const Q8Rows& X, const uint8_t* w, int64_t K2, const c10::Half
   for (int m = 0; m < MR; ++m) out.store(acc_e[m], acc_o[m], m0 + m, blk);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The same products with vpdpbusd, MR rows against NB blocks of 16 outputs walked side by side (NB read streams,
+// and NB x MR independent sums, so that consecutive dot products do not wait on each other at one row; as the
+// float32 kernel's tiles in qmatmul.cpp). Two units (64 bytes) per load: after the nibble interleave, lane order is
+// rows 0-3, 8-11 | 4-7, 12-15 for each unit (permuted into one register per unit); the sums stay in that order and
+// the scales and mins are permuted to it, so only the final store puts rows back in order.
+template <int MR, int NB>
+void int4_q8_tile_vnni(const Q8Rows& X, const uint8_t* w, int64_t K2, const c10::Half* scale, const c10::Half* min, int64_t group,
+                       int64_t m0, const int64_t* blk, const OutQ& out) {
+  constexpr int S = MR * NB <= 4 ? 2 : 1;  // sums per (row, block): the two units of a load in separate chains
+  const int64_t G = K2 / group, per_group = group / kQ8Block;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  // unpacklo / unpackhi of a 2-unit register: 64-bit halves [A0-3, A8-11, B0-3, B8-11] and [A4-7, A12-15, B4-7, B12-15]
+  const __m512i take_a = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), take_b = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  // lane j of a sum register holds row order[j]: rows 0-3, 8-11, 4-7, 12-15
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  const uint8_t* base[NB];
+  for (int j = 0; j < NB; ++j) base[j] = w + blk[j] * (K2 / 4) * 32;
+  const int32_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K2);
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  auto group_vec = [&](const c10::Half* p, int64_t j, int64_t g) {
+    return _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (blk[j] * G + g) * 16))));
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 s[NB], mn[NB];
+    for (int j = 0; j < NB; ++j) {
+      s[j] = group_vec(scale, j, g);
+      mn[j] = min ? group_vec(min, j, g) : _mm512_mul_ps(s[j], _mm512_set1_ps(-8.f));
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m512i sum[MR][NB][S];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NB; ++j)
+          for (int t = 0; t < S; ++t) sum[m][j][t] = _mm512_setzero_si512();
+      for (int pair = 0; pair < 4; ++pair) {  // 8 units of the block, two at a time
+        const int64_t u0 = b * 8 + pair * 2;
+        for (int j = 0; j < NB; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(base[j] + u0 * 32 + kPrefetchQ), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(base[j] + u0 * 32);
+          const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          const __m512i il = _mm512_unpacklo_epi16(lo, hi), ih = _mm512_unpackhi_epi16(lo, hi);
+          const __m512i wa = _mm512_permutex2var_epi64(il, take_a, ih), wb = _mm512_permutex2var_epi64(il, take_b, ih);
+          for (int m = 0; m < MR; ++m) {
+            sum[m][j][0] = _mm512_dpbusd_epi32(sum[m][j][0], wa, _mm512_set1_epi32(xq[m][u0]));
+            sum[m][j][S - 1] = _mm512_dpbusd_epi32(sum[m][j][S - 1], wb, _mm512_set1_epi32(xq[m][u0 + 1]));
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 d = _mm512_set1_ps(X.d[(m0 + m) * X.nb + b]), xs = _mm512_set1_ps(X.xs[(m0 + m) * X.nb + b]);
+        for (int j = 0; j < NB; ++j) {
+          const __m512i total = S == 2 ? _mm512_add_epi32(sum[m][j][0], sum[m][j][S - 1]) : sum[m][j][0];
+          acc[m][j] = _mm512_fmadd_ps(mn[j], xs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s[j], d), acc[m][j]));
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = blk[j] * 16, cnt = std::min<int64_t>(16, out.N - n0);
+    for (int m = 0; m < MR; ++m) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_permutexvar_ps(order, acc[m][j]));  // the order is its own inverse (rows 4-7 <-> 8-11)
+      for (int64_t i = 0; i < cnt; ++i) {
+        const float r = v[i] + (out.bias ? out.bias[n0 + i] : 0.f);
+        if (out.f32) static_cast<float*>(out.y)[(m0 + m) * out.N + n0 + i] = r;
+        else static_cast<c10::BFloat16*>(out.y)[(m0 + m) * out.N + n0 + i] = c10::BFloat16(r);
+      }
+    }
+  }
+}
+
+void qmatmul_vnni(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale, const c10::Half* min,
+                  int64_t group, int64_t M, const OutQ& out) {
+  // a row's sums are the same exact integers, and its float steps the same, whatever the tile: rows never mix
+  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { int4_q8_tile_vnni<MR, B>(X, w, K2, scale, min, group, m0, blk, out); };
+  if (M <= 2) sweep<2, 3>(M, blocks, tile);  // (kernels.h: threads split the blocks, NB read streams each)
+  else if (M <= 4) sweep<4, 2>(M, blocks, tile);
+  else sweep<8, 1>(M, blocks, tile);
+}
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+void qmatmul_vnni(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Half*, const c10::Half*, int64_t, int64_t, const OutQ&) {}
+#endif
+
+std::atomic<bool> use_vnni{kHaveVnni};
+
 }  // namespace
+
+std::string q8act_kernel() { return use_vnni.load() ? "avx512-vnni" : "avx2"; }
+std::string set_q8act_kernel(const std::string& name) {
+  TORCH_CHECK(name == "avx2" || (name == "avx512-vnni" && kHaveVnni), "q8act kernel: avx2", kHaveVnni ? " or avx512-vnni" : "",
+              " in this build, not ", name);
+  const std::string before = q8act_kernel();
+  use_vnni.store(name == "avx512-vnni");
+  return before;
+}
 
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y) {
-  const Q8Rows X = quantize_rows(x, f32, M, K, K2);
+  const bool vnni = use_vnni.load();
+  const Q8Rows X = quantize_rows(x, f32, M, K, K2, !vnni);
   const OutQ out{y, f32, n, bias};
+  if (vnni) return qmatmul_vnni(X, w, blocks, K2, scale, min, group, M, out);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {

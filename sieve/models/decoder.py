@@ -22,7 +22,7 @@ from torch import nn
 from sieve.kernels import cpu_ops
 from sieve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from sieve.layers.attention import Attention, AttentionMetadata, KVCacheLayer
-from sieve.layers.greedy_head import GreedyHead
+from sieve.layers.greedy_head import GreedyHead, GreedyHeadQ8
 from sieve.layers.linear import Linear
 from sieve.layers.mamba import Mamba2Mixer
 from sieve.layers.mla import MultiHeadLatentAttention
@@ -213,6 +213,8 @@ class DecoderModel(nn.Module):
         self.greedy_head = None
         if greedy_head and self.tp is None and GreedyHead.supported(self.lm_head, self.arch.final_logit_softcapping):
             self.greedy_head = GreedyHead(self.lm_head.weight)
+        elif greedy_head and self.tp is None and GreedyHeadQ8.supported(self.lm_head, self.arch.final_logit_softcapping):
+            self.greedy_head = GreedyHeadQ8(self.lm_head.native)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> the first index of each row's max logit: what `compute_logits` then an argmax

@@ -195,7 +195,7 @@ def describe_kernels(model: DecoderModel) -> str:
             kinds[m.kernel_name()] += 1
     loop = "; layer loop: native (C++)" if model.native is not None else "; layer loop: Python"
     sketch = "" if model.greedy_head is None else (
-        f"; greedy rows: the LM head's int8 sketch ({model.greedy_head.nbytes / 1e6:.1f} MB, exact)")
+        f"; greedy rows: {model.greedy_head.describe()}")
     return ", ".join(f"{n} linears {k}" for k, n in kinds.most_common()) + loop + sketch
 
 
