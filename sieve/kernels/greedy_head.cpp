@@ -371,7 +371,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::
   const c10::Half* sp = gscale.data_ptr<c10::Half>();
   // up to 4 rows against two blocks side by side (two read streams); above, two blocks' sums would not fit in the
   // registers (kernels.h: threads split the blocks)
-  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { q8_sketch_tile<MR, B>(xq.data(), d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data()); };
+  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+    q8_sketch_tile<MR, B>(xq.data(), d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data());
+  };
   if (M <= 4) sweep<4, 2>(M, blocks, tile);
   else sweep<8, 1>(M, blocks, tile);
   const float* wn = wnorm.data_ptr<float>();

@@ -144,7 +144,7 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
 void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                        const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
 // qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
-// dot products, in both builds); group a multiple of 32
+// dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
 // which of its two inner kernels runs: "avx512-vnni" (where the build has it, the default there) or "avx2"; the

@@ -1,6 +1,6 @@
-// int4 weights against int8 activations (CPU, AVX2): llama.cpp's Q4 x Q8 dot products, for
-// `activation_quantization="int8"`. The weights stay in the blocked int4 layout of qmatmul.cpp (block_int4 in
-// sieve/quant/kernels.py); each call quantizes its input rows, per row and per 32 inputs b, to int8:
+// int4 weights against int8 activations (CPU: AVX2, and AVX512-VNNI where the build has it): llama.cpp's Q4 x Q8
+// dot products, for `activation_quantization="int8"`. The weights stay in the blocked int4 layout of qmatmul.cpp
+// (block_int4 in sieve/quant/kernels.py); each call quantizes its input rows, per row and per 32 inputs b, to int8:
 //   d_b = max|x| * (1/127),  q = round-half-even(x * (1 / d_b)) in [-127, 127],  xs_b = sum of x (float32)
 // and an output is, over b in order,
 //   acc = fma(float(sum_k w_k q_k), s * d_b, acc),  acc = fma(m, xs_b, acc)
@@ -85,9 +85,10 @@ Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, 
       const float d = amax * (1.f / 127.f), id = d > 0.f ? 1.f / d : 0.f;  // a product: -ffast-math leaves it as it is
       const __m256 mul = _mm256_set1_ps(id);
       __m256i iq[4];
-      for (int i = 0; i < 4; ++i)  // round half to even, as nearbyint in the default mode; |q| <= 127
-        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_round_ps(_mm256_mul_ps(v[i], mul),
-                                                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+      for (int i = 0; i < 4; ++i) {  // round half to even, as nearbyint in the default mode; |q| <= 127
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, r)));
+      }
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQ8Block), _mm256_permutevar8x32_epi32(p, order));
       r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = _mm_cvtss_f32(sm4);
@@ -257,7 +258,9 @@ void int4_q8_tile_vnni(const Q8Rows& X, const uint8_t* w, int64_t K2, const c10:
 void qmatmul_vnni(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale, const c10::Half* min,
                   int64_t group, int64_t M, const OutQ& out) {
   // a row's sums are the same exact integers, and its float steps the same, whatever the tile: rows never mix
-  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { int4_q8_tile_vnni<MR, B>(X, w, K2, scale, min, group, m0, blk, out); };
+  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+    int4_q8_tile_vnni<MR, B>(X, w, K2, scale, min, group, m0, blk, out);
+  };
   if (M <= 2) sweep<2, 3>(M, blocks, tile);  // (kernels.h: threads split the blocks, NB read streams each)
   else if (M <= 4) sweep<4, 2>(M, blocks, tile);
   else sweep<8, 1>(M, blocks, tile);
