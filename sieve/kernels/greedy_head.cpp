@@ -331,11 +331,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::
   auto ids = torch::full({M}, -1, torch::kLong);
   auto counts = torch::zeros({M}, torch::kLong);
   int64_t *idp = ids.data_ptr<int64_t>(), *cp = counts.data_ptr<int64_t>();
-  // xb = bf16(x) as the plain kernel rounds it, quantized per 32 inputs; the bound's radius per row (double, rounded up)
-  std::vector<int8_t> xq(M * K2, 0);
-  std::vector<float> d(M * nb, 0.f);
-  std::vector<int32_t> qsum(M * nb, 0);
-  std::vector<double> radius(M, 0.0);
+  // xb = bf16(x) as the plain kernel rounds it, quantized per 32 inputs as the int8-activation kernels quantize theirs
+  // (quantize_rows); a row that is not finite has no bound: it stays zero and gets id -1 (the caller computes the logits)
+  std::vector<bf16> xb(M * K, bf16(0.f));
   std::vector<bool> finite(M, true);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) {
@@ -343,26 +341,25 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::
       std::memcpy(&bits, xp + m * K + k, 4);
       if ((bits & 0x7F800000u) == 0x7F800000u) finite[m] = false;  // inf or NaN (the build uses -ffast-math)
     }
-    if (!finite[m]) continue;  // no bound: codes 0, id -1 (the caller computes the logits)
+    if (finite[m])
+      for (int64_t k = 0; k < K; ++k) xb[m * K + k] = bf16(xp[m * K + k]);  // round to nearest even, as vcvtneps2bf16
+  }
+  const Q8Rows X = quantize_rows(xb.data(), false, M, K, K2, false);
+  // per block the codes' sum (the +128 of the unsigned codes comes back out as 128 sum(q)); per row the bound's radius
+  // |r| + 2^-10 (|xb| + |d q|), in double, rounded up
+  std::vector<int32_t> qsum(M * nb, 0);
+  std::vector<double> radius(M, 0.0);
+  for (int64_t m = 0; m < M; ++m) {
     double rr = 0, xx = 0, qq = 0;
     for (int64_t b = 0; b < nb; ++b) {
-      float xb[32];
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) {
+      const double db = X.d[m * nb + b];
+      for (int64_t i = 0; i < 32; ++i) {
         const int64_t k = b * 32 + i;
-        xb[i] = k < K ? static_cast<float>(c10::BFloat16(xp[m * K + k])) : 0.f;  // round to nearest even, as vcvtneps2bf16
-        amax = std::max(amax, std::fabs(xb[i]));
+        const int q = X.q[m * K2 + k];
+        const double v = k < K ? static_cast<double>(static_cast<float>(xb[m * K + k])) : 0.0, dq = db * q, r = v - dq;
+        qsum[m * nb + b] += q;
+        rr += r * r, xx += v * v, qq += dq * dq;
       }
-      const float db = amax / 127.f, inv = db > 0.f ? 127.f / amax : 0.f;
-      int32_t s = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int q = static_cast<int>(std::clamp(std::nearbyint(xb[i] * inv), -127.f, 127.f));
-        xq[m * K2 + b * 32 + i] = static_cast<int8_t>(q);
-        s += q;
-        const double dq = static_cast<double>(db) * q, r = static_cast<double>(xb[i]) - dq;
-        rr += r * r, xx += static_cast<double>(xb[i]) * xb[i], qq += dq * dq;
-      }
-      d[m * nb + b] = db, qsum[m * nb + b] = s;
     }
     radius[m] = (std::sqrt(rr) + std::ldexp(std::sqrt(xx) + std::sqrt(qq), -10)) * (1 + std::ldexp(1.0, -16));
   }
@@ -372,7 +369,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::
   // up to 4 rows against two blocks side by side (two read streams); above, two blocks' sums would not fit in the
   // registers (kernels.h: threads split the blocks)
   auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
-    q8_sketch_tile<MR, B>(xq.data(), d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data());
+    q8_sketch_tile<MR, B>(X.q.data(), X.d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data());
   };
   if (M <= 4) sweep<4, 2>(M, blocks, tile);
   else sweep<8, 1>(M, blocks, tile);

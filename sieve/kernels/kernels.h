@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 namespace sieve {
 
@@ -61,7 +62,6 @@ void sweep(int64_t M, int64_t blocks, const Tile& tile) {
     }
   });
 }
-
 
 #if defined(__AVX512F__)
 // v[t] -> lane t of the result holds the sum of v[t]'s 16 lanes (a transpose-and-add tree: 45 operations
@@ -147,6 +147,16 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 // dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
+// The rows it multiplies, quantized (quantize_rows, the same function for the Q8_0 greedy head): per block of 32 inputs
+// the scale d and the float32 sum of x, the codes q (zero past K), and for the AVX2 kernel (`pairs`) per unit u of 4
+// inputs two broadcastable words (q_4u, q_4u+1) x 2 and (q_4u+2, q_4u+3) x 2
+struct Q8Rows {
+  int64_t units = 0, nb = 0;
+  std::vector<int32_t> pairs;  // [M, units, 2]
+  std::vector<int8_t> q;       // [M, K2]: the codes themselves (a unit's quad is one 32-bit word)
+  std::vector<float> d, xs;    // [M, nb]
+};
+Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, bool pairs);  // x bf16 or float32 [M, K]
 // which of its two inner kernels runs: "avx512-vnni" (where the build has it, the default there) or "avx2"; the
 // setter returns the one before (for tests that check the two give the same bits)
 std::string q8act_kernel();

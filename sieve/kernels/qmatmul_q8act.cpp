@@ -46,63 +46,6 @@ constexpr int64_t kQ8Block = 32;  // inputs per activation scale
 constexpr int64_t kPrefetchQ = 384;
 constexpr int64_t kMR = 8;  // rows per pass over a block (its bytes stay in L1 between passes)
 
-// The input rows, quantized: per unit u two broadcastable words (q_4u, q_4u+1) x 2 and (q_4u+2, q_4u+3) x 2,
-// per block of 32 the scale and the float sum
-struct Q8Rows {
-  int64_t units = 0, nb = 0;
-  std::vector<int32_t> pairs;  // [M, units, 2]
-  std::vector<int8_t> q;       // [M, K2]: the codes themselves (a unit's quad is one 32-bit word)
-  std::vector<float> d, xs;    // [M, nb]
-};
-
-Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, bool pairs) {  // pairs: the AVX2 kernel's words
-  Q8Rows r;
-  r.units = K2 / 4, r.nb = K2 / kQ8Block;
-  if (pairs) r.pairs.assign(M * r.units * 2, 0);
-  r.d.assign(M * r.nb, 0.f), r.xs.assign(M * r.nb, 0.f);
-  r.q.assign(M * K2, 0);
-  std::vector<float> row(K2, 0.f);
-  const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = r.q.data() + m * K2;
-    if (f32) std::memcpy(row.data(), static_cast<const float*>(x) + m * K, K * sizeof(float));
-    else
-      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(static_cast<const c10::BFloat16*>(x)[m * K + k]);
-    for (int64_t b = 0; b < r.nb; ++b) {  // 32 inputs in 4 registers (llama.cpp's quantize_row_q8_0, AVX2)
-      __m256 v[4];
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(row.data() + b * kQ8Block + 8 * i);
-      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      __m256 sm = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-      __m128 mx4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
-      mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
-      __m128 sm4 = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
-      sm4 = _mm_add_ps(sm4, _mm_movehl_ps(sm4, sm4));
-      sm4 = _mm_add_ss(sm4, _mm_movehdup_ps(sm4));
-      const float amax = _mm_cvtss_f32(mx4);
-      const float d = amax * (1.f / 127.f), id = d > 0.f ? 1.f / d : 0.f;  // a product: -ffast-math leaves it as it is
-      const __m256 mul = _mm256_set1_ps(id);
-      __m256i iq[4];
-      for (int i = 0; i < 4; ++i) {  // round half to even, as nearbyint in the default mode; |q| <= 127
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, r)));
-      }
-      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQ8Block), _mm256_permutevar8x32_epi32(p, order));
-      r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = _mm_cvtss_f32(sm4);
-    }
-    for (int64_t u = 0; pairs && u < r.units; ++u)
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t lo = static_cast<uint8_t>(q[4 * u + 2 * h]), hi = static_cast<uint8_t>(q[4 * u + 2 * h + 1]);
-        const uint32_t word = lo | (hi << 8);
-        r.pairs[(m * r.units + u) * 2 + h] = static_cast<int32_t>(word | (word << 16));
-      }
-  }
-  return r;
-}
-
 // 16 float16 values of rows 0..15 -> float32, even rows in `e`, odd rows in `o`
 inline void even_odd_h(const c10::Half* p, __m256& e, __m256& o) {
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -121,6 +64,9 @@ struct OutQ {
     alignas(32) float v[16];
     _mm256_store_ps(v, _mm256_permute2f128_ps(lo, hi, 0x20));
     _mm256_store_ps(v + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    write(v, m, blk);
+  }
+  void write(const float (&v)[16], int64_t m, int64_t blk) const {  // row m's outputs of block blk, plus the bias
     const int64_t n0 = blk * 16, cnt = std::min<int64_t>(16, N - n0);
     for (int64_t i = 0; i < cnt; ++i) {
       const float r = v[i] + (bias ? bias[n0 + i] : 0.f);
@@ -241,18 +187,12 @@ void int4_q8_tile_vnni(const Q8Rows& X, const uint8_t* w, int64_t K2, const c10:
       }
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n0 = blk[j] * 16, cnt = std::min<int64_t>(16, out.N - n0);
+  for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MR; ++m) {
       alignas(64) float v[16];
       _mm512_store_ps(v, _mm512_permutexvar_ps(order, acc[m][j]));  // the order is its own inverse (rows 4-7 <-> 8-11)
-      for (int64_t i = 0; i < cnt; ++i) {
-        const float r = v[i] + (out.bias ? out.bias[n0 + i] : 0.f);
-        if (out.f32) static_cast<float*>(out.y)[(m0 + m) * out.N + n0 + i] = r;
-        else static_cast<c10::BFloat16*>(out.y)[(m0 + m) * out.N + n0 + i] = c10::BFloat16(r);
-      }
+      out.write(v, m0 + m, blk[j]);
     }
-  }
 }
 
 void qmatmul_vnni(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale, const c10::Half* min,
@@ -274,6 +214,54 @@ void qmatmul_vnni(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Ha
 std::atomic<bool> use_vnni{kHaveVnni};
 
 }  // namespace
+
+Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, bool pairs) {
+  Q8Rows r;
+  r.units = K2 / 4, r.nb = K2 / kQ8Block;
+  if (pairs) r.pairs.assign(M * r.units * 2, 0);
+  r.d.assign(M * r.nb, 0.f), r.xs.assign(M * r.nb, 0.f);
+  r.q.assign(M * K2, 0);
+  std::vector<float> row(K2, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = r.q.data() + m * K2;
+    if (f32) std::memcpy(row.data(), static_cast<const float*>(x) + m * K, K * sizeof(float));
+    else
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(static_cast<const c10::BFloat16*>(x)[m * K + k]);
+    for (int64_t b = 0; b < r.nb; ++b) {  // 32 inputs in 4 registers (llama.cpp's quantize_row_q8_0, AVX2)
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(row.data() + b * kQ8Block + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m256 sm = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+      __m128 mx4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));
+      mx4 = _mm_max_ss(mx4, _mm_movehdup_ps(mx4));
+      __m128 sm4 = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1));
+      sm4 = _mm_add_ps(sm4, _mm_movehl_ps(sm4, sm4));
+      sm4 = _mm_add_ss(sm4, _mm_movehdup_ps(sm4));
+      const float amax = _mm_cvtss_f32(mx4);
+      const float d = amax * (1.f / 127.f), id = d > 0.f ? 1.f / d : 0.f;  // a product: -ffast-math leaves it as it is
+      const __m256 mul = _mm256_set1_ps(id);
+      __m256i iq[4];
+      for (int i = 0; i < 4; ++i) {  // round half to even, as nearbyint in the default mode; |q| <= 127
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(bottom, r)));
+      }
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQ8Block), _mm256_permutevar8x32_epi32(p, order));
+      r.d[m * r.nb + b] = d, r.xs[m * r.nb + b] = _mm_cvtss_f32(sm4);
+    }
+    for (int64_t u = 0; pairs && u < r.units; ++u)
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = static_cast<uint8_t>(q[4 * u + 2 * h]), hi = static_cast<uint8_t>(q[4 * u + 2 * h + 1]);
+        const uint32_t word = lo | (hi << 8);
+        r.pairs[(m * r.units + u) * 2 + h] = static_cast<int32_t>(word | (word << 16));
+      }
+  }
+  return r;
+}
 
 std::string q8act_kernel() { return use_vnni.load() ? "avx512-vnni" : "avx2"; }
 std::string set_q8act_kernel(const std::string& name) {
