@@ -177,6 +177,52 @@ def test_native_one_byte_weight_kernels_decode_every_code(fmt):
         torch.testing.assert_close(got.float(), (want.t() * x_scale).bfloat16().float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
+    """Where vdpbf16ps is slow (2 cycles of one port on the Emerald Rapids host, against 2 FMAs a cycle), the int4 and
+    int8 tiles of 2 or more rows run each one as the two float32 FMAs the instruction is defined as (odd pair first,
+    round to nearest even, DAZ/FTZ). It is only ever chosen where the two forms agree bit for bit on this CPU; then
+    every output, at every row count, every format and both activation dtypes, is the same either way."""
+    from sieve.quant.formats import ChannelScaledWeight, Int4Weight, quantize_int4, quantize_int8
+    from sieve.quant.kernels import make_kernel
+
+    ops = cpu_ops()
+    if not hasattr(ops, "bf16_dot_kernel"):
+        pytest.skip(f"a {ops.isa} build: no AVX512-BF16 dot products to replace")
+    with pytest.raises(RuntimeError, match="not vnni"):
+        ops.set_bf16_dot_kernel("vnni")
+    if not ops.bf16_dot_fma_exact():
+        assert ops.bf16_dot_kernel() == "dpbf16"  # never chosen where the bits would differ
+        pytest.skip("this CPU's vdpbf16ps rounds otherwise than its two-FMA definition: the FMA form stays unused")
+    torch.manual_seed(3)
+
+    def q8_0(w):  # int8 codes with a float16 scale per 32 inputs (GGUF Q8_0)
+        n, k = w.shape
+        s = (w.view(n, k // 32, 32).abs().amax(-1) / 127).clamp(min=1e-8).half()
+        return ChannelScaledWeight(torch.round(w.view(n, k // 32, 32) / s.float()[..., None]).clamp(-127, 127).to(torch.int8).view(n, k), s)
+
+    def q4_0(w):
+        q = quantize_int4(w, 32)
+        return Int4Weight(q.packed, q.scale, None, 32, q.k)
+
+    weights = [quantize_int4(torch.randn(200, 300) * 0.05, 32), quantize_int4(torch.randn(96, 256) * 0.05, 128),
+               q4_0(torch.randn(130, 96) * 0.05), q8_0(torch.randn(120, 160) * 0.05), quantize_int8(torch.randn(70, 64))]
+    for w in weights:
+        k = w.k if isinstance(w, Int4Weight) else w.q.shape[1]
+        kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
+        x = (torch.randn(33, k) * torch.logspace(-3, 2, k)).to(dtype)  # spread magnitudes, cancellation in the sums
+        x[5] = torch.randn(k) * 1e-38  # float32 subnormals (bf16 keeps some): DAZ treats them as zero
+        outs = {}
+        for name in ("dpbf16", "fma"):
+            before = ops.set_bf16_dot_kernel(name)
+            try:
+                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 33)]
+            finally:
+                ops.set_bf16_dot_kernel(before)
+        for a, b in zip(outs["dpbf16"], outs["fma"]):
+            assert torch.equal(a, b), (w.describe() if hasattr(w, "describe") else type(w).__name__, a.shape[0])
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance between two bf16 tensors in units in the last place."""
     ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()

@@ -13,6 +13,10 @@ The instruction set is chosen from the CPU's features, or forced with SIEVE_CPU_
 `ops.isa` says which one a module was built for. Forcing avx2 or generic also asks PyTorch's own
 kernels (ATen's CPU dispatch, oneDNN) to stay below AVX-512, where the environment does not already
 set them, before they first run.
+
+In the avx512 build the int4 and int8 kernels run several rows' bf16 dot products either as vdpbf16ps or as the
+two float32 FMAs that instruction is defined as (the same bits; chosen where this CPU agrees bit for bit and the
+FMAs are faster, `ops.bf16_dot_kernel()`); SIEVE_BF16_DOT=fma|dpbf16 forces one.
 """
 
 from __future__ import annotations
@@ -91,11 +95,18 @@ def cpu_ops():
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
             log.info("building sieve's native CPU kernels (%s) in %s (first use on this machine: about a minute)", isa, build)
-        _LOADED[name] = load(
+        ops = _LOADED[name] = load(
             name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
-        return _LOADED[name]
+        dot = os.environ.get("SIEVE_BF16_DOT")
+        if dot:
+            if not hasattr(ops, "set_bf16_dot_kernel"):
+                raise ValueError(f"SIEVE_BF16_DOT={dot}: the {ops.isa} build has no bf16 dot products to choose a form for")
+            if dot not in ("fma", "dpbf16"):
+                raise ValueError(f"SIEVE_BF16_DOT={dot}: expected fma or dpbf16")
+            ops.set_bf16_dot_kernel(dot)
+        return ops
     except ValueError:  # a forced instruction set this CPU cannot run: not something to fall back from silently
         raise
     except Exception as e:  # no compiler, no ninja, unsupported platform

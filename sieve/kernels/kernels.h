@@ -143,6 +143,14 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
                      const float* row_scale, const c10::Half* gscale, int64_t group, const float* bias, int64_t n, void* y);
 void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                        const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y);
+// Several rows' bf16 dot products in the int4 / int8 tiles as vdpbf16ps ("dpbf16") or as the two float32 FMAs the
+// instruction is defined as ("fma": the same bits, faster where vdpbf16ps is slow). The default is "fma" where this
+// CPU gives the same bits both ways and the FMAs are faster; the setter (for tests) returns the one before.
+#if defined(__AVX512BF16__)
+std::string bf16_dot_kernel();
+bool bf16_dot_fma_exact();
+std::string set_bf16_dot_kernel(const std::string& name);
+#endif
 // qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
 // dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,

@@ -27,6 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (optionally against int8 activations)",
         nogil, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("min"), py::arg("group"), py::arg("bias"), py::arg("n"),
         py::arg("q8_activations") = false);
+#if defined(__AVX512BF16__)
+  m.def("bf16_dot_kernel", &sieve::bf16_dot_kernel, "how several rows' bf16 dot products run: fma (the same bits) or dpbf16");
+  m.def("bf16_dot_fma_exact", &sieve::bf16_dot_fma_exact, "whether the two-FMA form gives vdpbf16ps's bits on this CPU");
+  m.def("set_bf16_dot_kernel", &sieve::set_bf16_dot_kernel, "pick fma or dpbf16 (tests); returns the one before");
+#endif
   m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: avx512-vnni or avx2");
   m.def("set_q8act_kernel", &sieve::set_q8act_kernel, "pick the int8-activation inner kernel (tests); returns the one before");
 #endif

@@ -38,6 +38,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -155,6 +157,52 @@ void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const 
   out.store<MR, NB>(acc, m0, blk);
 }
 
+// tile_q8 for int8 codes with each vdpbf16ps as its two FMAs (see tile_int4_fma): the 32 bytes of a pair-vector as
+// 16 signed words, byte 2c (input 2p of row c) and byte 2c + 1 (input 2p + 1), widened to float32
+template <int MR, int NB>
+void tile_q8_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+                 const c10::Half* gscale, int64_t group) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t Kh = K2 / 2;
+  const uint8_t* wb[NB];
+  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
+  auto run = [&](__m512 (&a)[MR][NB], int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512 we[NB], wo[NB];
+      if ((p & 1) == 0)
+        for (int b = 0; b < NB; ++b) prefetch(wb[b] + p * 32);
+      for (int b = 0; b < NB; ++b) {
+        const __m512i t = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + p * 32)));
+        we[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24));
+        wo[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 8));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = x + (m0 + m) * K2 + 2 * p;
+        const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+        for (int b = 0; b < NB; ++b) a[m][b] = _mm512_fmadd_ps(we[b], x0, _mm512_fmadd_ps(wo[b], x1, a[m][b]));  // = dot(a, wv, xv)
+      }
+    }
+  };
+  if (gscale == nullptr) {
+    run(acc, 0, Kh);
+  } else {
+    const int64_t G = K2 / group, pairs = group / 2;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 gacc[MR][NB];
+      for (int m = 0; m < MR; ++m)
+        for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
+      run(gacc, g * pairs, (g + 1) * pairs);
+      for (int b = 0; b < NB; ++b) {
+        const __m512 sc = load_halves(gscale + (blk[b] * G + g) * 16);
+        for (int m = 0; m < MR; ++m) acc[m][b] = _mm512_fmadd_ps(gacc[m][b], sc, acc[m][b]);
+      }
+    }
+  }
+  out.store<MR, NB>(acc, m0, blk);
+}
+
 struct Int4Args {
   const c10::Half* scale;  // [NBlocks, G, 16]
   const c10::Half* min;    // [NBlocks, G, 16], or null: w = (q - 8) s
@@ -216,6 +264,140 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
   out.store<MR, NB>(acc, m0, blk);
 }
 
+// The same int4 tile with each vdpbf16ps replaced by the two float32 FMAs it is defined as (Intel SDM: the odd
+// pair's product first, then the even one's, each rounded to nearest even, DAZ and FTZ): on the Emerald Rapids host
+// one vdpbf16ps takes 2 cycles of one port while FMAs issue 2 a cycle, so from 2 rows of x on, the emulation does the
+// same arithmetic in about half the cycles (`bf16_dot_kernel` below says where it is used, and that it gives the
+// same bits). x is the bf16-rounded input widened to float32 ([M, K2], exact); a unit's 32 bytes become 16 words, one
+// per output row (bits 0-3 hold the code of w[4u], 4-7 of w[4u + 2], 8-11 of w[4u + 1], 12-15 of w[4u + 3]), and a
+// table lookup on each nibble gives the float32 number 128 + q that the bf16 path multiplies. The caller sets DAZ and
+// FTZ (`FlushDenormals`), as vdpbf16ps has them.
+template <int MR, int NB>
+void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+                   const Int4Args& a) {
+  const __m512 lut = _mm512_setr_ps(128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143);
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t Kq = K2 / 4, units = a.group / 4;
+  const uint8_t* wb[NB];
+  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 gacc[MR][NB], gh[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
+    for (int64_t u = g * units; u < (g + 1) * units; ++u) {
+      __m512 w0[NB], w1[NB], w2[NB], w3[NB];
+      if ((u & 1) == 0)
+        for (int b = 0; b < NB; ++b) prefetch(wb[b] + u * 32);
+      for (int b = 0; b < NB; ++b) {
+        // word c = byte 2c | byte 2c + 1 << 8: w[4u] in bits 0-3, w[4u + 2] 4-7, w[4u + 1] 8-11, w[4u + 3] 12-15
+        const __m512i t = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + u * 32)));
+        w0[b] = _mm512_permutexvar_ps(t, lut);  // the lookup reads each lane's low 4 bits
+        w2[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lut);
+        w1[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 8), lut);
+        w3[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 12), lut);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = x + (m0 + m) * K2 + 4 * u;
+        const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]), x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
+        for (int b = 0; b < NB; ++b) {
+          gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
+          gh[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w3[b], x3, gh[m][b]));      // = dot(gh, hi, x1)
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
+      const __m512 off = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16))
+                               : _mm512_mul_ps(_mm512_set1_ps(-136.f), s);
+      for (int m = 0; m < MR; ++m)
+        acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
+    }
+  }
+  out.store<MR, NB>(acc, m0, blk);
+}
+
+// DAZ and FTZ for the life of the object (on the thread that makes it): the FMAs then treat denormal inputs and
+// results as vdpbf16ps does
+struct FlushDenormals {
+  unsigned before = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(before | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(before); }
+};
+
+// Which form the bf16 dot products of several rows take. "fma" where the two-FMA form gives vdpbf16ps's bits on this
+// CPU (checked once on random operands across exponents, signs and accumulators: the SDM defines the instruction
+// that way, but another vendor's implementation may round otherwise) and runs faster (register-only chains of each,
+// timed once: 2 FMAs against one vdpbf16ps per 32 products); "dpbf16" otherwise. Either gives the same outputs
+// where "fma" is ever chosen, so the timing cannot change a result.
+bool fma_matches_dpbf16() {
+  uint32_t state = 12345;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int trial = 0; trial < 4096; ++trial) {
+    alignas(64) uint16_t a[32], b[32];
+    alignas(64) float c[16];
+    for (int i = 0; i < 32; ++i) {
+      const uint32_t r = next() >> 8, e = trial % 5 ? 110 + r % 36 : 1 + r % 250;  // some trials span the whole range
+      a[i] = static_cast<uint16_t>(((r >> 20) & 1) << 15 | e << 7 | (r & 0x7F));
+      const uint32_t r2 = next() >> 8;
+      b[i] = static_cast<uint16_t>(((r2 >> 20) & 1) << 15 | (120 + r2 % 16) << 7 | (r2 & 0x7F));
+    }
+    for (int i = 0; i < 16; ++i) c[i] = (static_cast<float>(next() >> 9) - 4194304.f) * (trial % 3 ? 1e-4f : 1e-9f);
+    const __m512i va = _mm512_load_si512(a), vb = _mm512_load_si512(b);
+    const __m512 acc = _mm512_load_ps(c);
+    FlushDenormals daz;
+    const __m512 want = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
+    const __m512 got = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(va, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(vb, 16)),
+                                       _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(va, odd)),
+                                                       _mm512_castsi512_ps(_mm512_and_si512(vb, odd)), acc));
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(want), _mm512_castps_si512(got))) return false;
+  }
+  return true;
+}
+
+double seconds_per_32_products(bool fma) {  // the best of 3 timings of 12 independent chains
+  double best = 1e9;
+  for (int rep = 0; rep < 3; ++rep) {
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * i);
+    __m512i a = _mm512_set1_epi32(0x3F803F80), b = _mm512_set1_epi32(0x3F803F81);
+    __m512 fa = _mm512_set1_ps(1.0001f), fb = _mm512_set1_ps(0.9999f);
+    constexpr int kIters = 20000;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < kIters; ++it) {
+      for (int i = 0; i < 12; ++i)
+        acc[i] = fma ? _mm512_fmadd_ps(fb, fa, _mm512_fmadd_ps(fa, fb, acc[i])) : _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+      asm volatile("" : "+v"(a), "+v"(b), "+v"(fa), "+v"(fb));
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    float sink = 0.f;
+    for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+    asm volatile("" : : "x"(sink));
+    best = std::min(best, s / (12.0 * kIters));
+  }
+  return best;
+}
+
+std::atomic<int> fma_dots{-1};  // -1: not decided yet; 0: vdpbf16ps; 1: the two-FMA form
+bool fma_dots_exact() {
+  static const bool exact = fma_matches_dpbf16();
+  return exact;
+}
+bool use_fma_dots() {
+  int mode = fma_dots.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    static const int chosen = fma_dots_exact() && seconds_per_32_products(true) < 0.8 * seconds_per_32_products(false);
+    int expected = -1;
+    fma_dots.compare_exchange_strong(expected, chosen);
+    mode = fma_dots.load();
+  }
+  return mode == 1;
+}
+
 // Rows of x per tile: each decoded weight vector serves this many rows (measured with the model shapes
 // of Qwen2.5-0.5B: 8 rows x 3 blocks for one-byte codes, 8 x 2 for int4, beat 6 x 4, 6 x 2 and 12 x 2
 // at 32 rows, and tie them at 1 row).
@@ -254,6 +436,13 @@ const uint16_t* kernel_input(const void* x, bool f32, int64_t M, int64_t K, int6
   return scratch.data();
 }
 
+// bf16 -> float32 (exact), for the FMA tiles
+std::vector<float> widen(const uint16_t* x, int64_t total) {
+  std::vector<float> out(total);
+  for (int64_t i = 0; i < total; ++i) out[i] = static_cast<float>(reinterpret_cast<const bf16*>(x)[i]);
+  return out;
+}
+
 // Each group's sum of x ([M, K2]): [M, G]
 void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::vector<float>& out) {
   const int64_t G = K2 / group;
@@ -274,8 +463,17 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
   const uint16_t* xw = kernel_input(x, f32, M, K, K2, fp8 ? kFp8InputShift : 0, scratch);
   Out out{y, f32, n, gscale ? nullptr : row_scale, bias};
   if (fp8) out.post = std::ldexp(1.f, kFp8Shift - kFp8InputShift);
+  std::vector<float> xf;
+  if (!fp8 && M >= 2 && use_fma_dots()) xf = widen(xw, M * K2);  // the same bits in fewer cycles (tile_int4_fma)
   auto body = [&]<int kMR, int NB>(auto decode) {
     using D = decltype(decode);
+    if (!xf.empty()) {
+      auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+        FlushDenormals daz;
+        tile_q8_fma<MR, B>(xf.data(), K2, w, m0, blk, out, gscale, group);
+      };
+      return sweep<kMR, NB>(M, blocks, tile);
+    }
     auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_q8<D, MR, B>(xw, K2, w, m0, blk, out, gscale, group); };
     sweep<kMR, NB>(M, blocks, tile);
   };
@@ -295,13 +493,31 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   const Int4Args args{scale, min, xsum.data(), K2 / group, group};
   // two accumulators per block at every batch size: one order of summation, so a row's result does not
   // depend on how many rows share the call (see the top of this file)
-  auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); };
   // 5 to 8 rows (a decode verifying 4 to 7 drafted tokens): one pass of 8-row tiles over one stream per thread,
   // instead of a 4-row pass and a second pass that decodes every weight again for the rest (measured on
   // SmolLM2-135M Q4_1, all layers at 5 rows: 11.4 -> 10.1 ms). The order of summation within a row is the same.
-  if (M <= 2) sweep<2, 3>(M, blocks, tile);
-  else if (M <= 4 || M > kRows) sweep<4, 2>(M, blocks, tile);
-  else sweep<kRows, 1>(M, blocks, tile);
+  auto run = [&](const auto& tile) {
+    if (M <= 2) sweep<2, 3>(M, blocks, tile);
+    else if (M <= 4 || M > kRows) sweep<4, 2>(M, blocks, tile);
+    else sweep<kRows, 1>(M, blocks, tile);
+  };
+  if (M >= 2 && use_fma_dots()) {  // the same bits in fewer cycles where vdpbf16ps is slow (see tile_int4_fma)
+    const std::vector<float> xf = widen(xw, M * K2);
+    return run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+      FlushDenormals daz;
+      tile_int4_fma<MR, B>(xf.data(), K2, w, m0, blk, out, args);
+    });
+  }
+  run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); });
+}
+
+std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
+bool bf16_dot_fma_exact() { return fma_dots_exact(); }
+std::string set_bf16_dot_kernel(const std::string& name) {
+  TORCH_CHECK(name == "fma" || name == "dpbf16", "bf16 dot kernel: fma or dpbf16, not ", name);
+  const std::string before = bf16_dot_kernel();
+  fma_dots.store(name == "fma");
+  return before;
 }
 
 }  // namespace sieve
