@@ -13,6 +13,9 @@
 // number of rows, so a row's result does not depend on the batch it came in (1 to 8 rows). oneDNN, which had every
 // batch above 4 rows, read SmolLM2's 212 MB of layer weights in 7.0-7.7 ms at 5-8 rows where this takes 6.0-6.9;
 // from ~11 rows on oneDNN's packed GEMM is the faster (vdpbf16ps at ~1 per cycle here in this dot-product form).
+// The two-FMA form of the quantized tiles (qmatmul.cpp, `use_fma_dots`: the same bits) was tried here and not kept: on
+// the Emerald Rapids host, where it makes a 4-row int4 step 29% cheaper, it made SmolLM2's bf16 step 5-17% dearer at
+// 2-8 rows (splitting each weight vector's pairs costs two operations, and this loop is not bound by the dot products).
 #include "kernels.h"
 
 #if defined(__AVX512BF16__)

@@ -147,6 +147,14 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 // instruction is defined as ("fma": the same bits, faster where vdpbf16ps is slow). The default is "fma" where this
 // CPU gives the same bits both ways and the FMAs are faster; the setter (for tests) returns the one before.
 #if defined(__AVX512BF16__)
+bool use_fma_dots();  // whether the int4 / int8 tiles of 2 or more rows take the FMA form now
+// DAZ and FTZ for the life of the object (on the thread that makes it): the FMAs then treat denormal inputs and
+// results as vdpbf16ps does
+struct FlushDenormals {
+  unsigned before = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(before | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(before); }
+};
 std::string bf16_dot_kernel();
 bool bf16_dot_fma_exact();
 std::string set_bf16_dot_kernel(const std::string& name);

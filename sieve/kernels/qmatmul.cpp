@@ -30,6 +30,11 @@
 // weights at batch 1, but no faster from DRAM, where the conversions already keep up, and half the
 // speed from batch 4 (two dot products per weight).
 // Group scales and mins are float16 [N/16, G, 16]: the 16 rows of a block for one group side by side.
+//
+// From 2 rows of x on, where this CPU gives the same bits both ways and it is faster, the int8 and int4 tiles take
+// each vdpbf16ps as the two float32 FMAs it is defined as (tile_q8_fma, tile_int4_fma, `use_fma_dots`): on the Emerald
+// Rapids host one vdpbf16ps holds a port for 2 cycles while FMAs issue 2 a cycle (SmolLM2 Q4_1, float32, a decode step
+// of 2/4/8 rows 6.0/9.7/17.6 -> 4.8/6.9/11.7 ms, bit for bit). One row stays on vdpbf16ps: it is bound by memory.
 #include "kernels.h"
 
 #if defined(__AVX512BF16__)
@@ -320,14 +325,6 @@ void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, con
   out.store<MR, NB>(acc, m0, blk);
 }
 
-// DAZ and FTZ for the life of the object (on the thread that makes it): the FMAs then treat denormal inputs and
-// results as vdpbf16ps does
-struct FlushDenormals {
-  unsigned before = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(before | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(before); }
-};
-
 // Which form the bf16 dot products of several rows take. "fma" where the two-FMA form gives vdpbf16ps's bits on this
 // CPU (checked once on random operands across exponents, signs and accumulators: the SDM defines the instruction
 // that way, but another vendor's implementation may round otherwise) and runs faster (register-only chains of each,
@@ -386,16 +383,6 @@ std::atomic<int> fma_dots{-1};  // -1: not decided yet; 0: vdpbf16ps; 1: the two
 bool fma_dots_exact() {
   static const bool exact = fma_matches_dpbf16();
   return exact;
-}
-bool use_fma_dots() {
-  int mode = fma_dots.load(std::memory_order_relaxed);
-  if (mode < 0) {
-    static const int chosen = fma_dots_exact() && seconds_per_32_products(true) < 0.8 * seconds_per_32_products(false);
-    int expected = -1;
-    fma_dots.compare_exchange_strong(expected, chosen);
-    mode = fma_dots.load();
-  }
-  return mode == 1;
 }
 
 // Rows of x per tile: each decoded weight vector serves this many rows (measured with the model shapes
@@ -457,6 +444,17 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
 
 }  // namespace
 
+bool use_fma_dots() {
+  int mode = fma_dots.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    static const int chosen = fma_dots_exact() && seconds_per_32_products(true) < 0.8 * seconds_per_32_products(false);
+    int expected = -1;
+    fma_dots.compare_exchange_strong(expected, chosen);
+    mode = fma_dots.load();
+  }
+  return mode == 1;
+}
+
 void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2, bool fp8,
                      const float* row_scale, const c10::Half* gscale, int64_t group, const float* bias, int64_t n, void* y) {
   std::vector<uint16_t> scratch;
@@ -474,7 +472,10 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
       };
       return sweep<kMR, NB>(M, blocks, tile);
     }
-    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_q8<D, MR, B>(xw, K2, w, m0, blk, out, gscale, group); };
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+      FlushDenormals daz;  // both forms flush alike in their float steps too (scales, bias), so they agree bit for bit
+      tile_q8<D, MR, B>(xw, K2, w, m0, blk, out, gscale, group);
+    };
     sweep<kMR, NB>(M, blocks, tile);
   };
   if (fp8) body.template operator()<kRows, 3>(Fp8Decode{});
@@ -508,7 +509,10 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
       tile_int4_fma<MR, B>(xf.data(), K2, w, m0, blk, out, args);
     });
   }
-  run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) { tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args); });
+  run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+    FlushDenormals daz;  // as the FMA form's (see qmatmul_q8_into)
+    tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args);
+  });
 }
 
 std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
