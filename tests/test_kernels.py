@@ -187,8 +187,8 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
     from sieve.quant.kernels import make_kernel
 
     ops = cpu_ops()
-    if not hasattr(ops, "bf16_dot_kernel"):
-        pytest.skip(f"a {ops.isa} build: no AVX512-BF16 dot products to replace")
+    if ops is None or ops.isa != "avx512-bf16":
+        pytest.skip(f"a {ops.isa if ops else 'PyTorch-only'} build: no AVX512-BF16 dot products to replace")
     with pytest.raises(RuntimeError, match="not vnni"):
         ops.set_bf16_dot_kernel("vnni")
     if not ops.bf16_dot_fma_exact():
@@ -221,6 +221,35 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
                 ops.set_bf16_dot_kernel(before)
         for a, b in zip(outs["dpbf16"], outs["fma"]):
             assert torch.equal(a, b), (w.describe() if hasattr(w, "describe") else type(w).__name__, a.shape[0])
+
+
+def test_sieve_bf16_dot_forces_a_form_or_fails_closed():
+    """SIEVE_BF16_DOT=dpbf16 (or fma) picks the form in a fresh process; any other value, or a build without
+    AVX512-BF16 dot products, is a ValueError at load, never a silently ignored setting."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("no native kernels here")
+    code = "import json; from sieve.kernels import cpu_ops; o = cpu_ops(); print(json.dumps(o.bf16_dot_kernel()))"
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "SIEVE_BF16_DOT": value}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+    bad = run("vnni")
+    assert bad.returncode != 0 and "SIEVE_BF16_DOT=vnni: expected fma or dpbf16" in bad.stderr
+    if ops.isa != "avx512-bf16":
+        r = run("fma")
+        assert r.returncode != 0 and "has no bf16 dot products" in r.stderr
+        return
+    for form in ("dpbf16", "fma"):
+        r = run(form)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == form
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:

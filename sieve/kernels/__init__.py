@@ -28,6 +28,8 @@ import platform
 from functools import lru_cache
 from pathlib import Path
 
+from sieve.config import ConfigError  # a bad SIEVE_* setting: the command line reports it in one line
+
 log = logging.getLogger("sieve")
 _DIR = Path(__file__).parent
 _LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
@@ -56,10 +58,10 @@ def cpu_isa() -> str:
     flags = _cpu_flags()
     if forced:
         if forced not in _MARCH:
-            raise ValueError(f"SIEVE_CPU_ISA={forced!r}: use one of {', '.join(_MARCH)}")
+            raise ConfigError(f"SIEVE_CPU_ISA={forced!r}: use one of {', '.join(_MARCH)}")
         missing = [f for f in _NEEDS[forced] if f not in flags]
         if missing:
-            raise ValueError(f"SIEVE_CPU_ISA={forced} but this CPU lacks {', '.join(missing)}")
+            raise ConfigError(f"SIEVE_CPU_ISA={forced} but this CPU lacks {', '.join(missing)}")
         return forced
     return next((isa for isa in ("avx512", "avx2") if all(f in flags for f in _NEEDS[isa])), "generic")
 
@@ -76,6 +78,15 @@ def limit_torch_isa() -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "SSE41")
 
 
+def _bf16_dot_form(ops, dot: str | None):
+    """Apply SIEVE_BF16_DOT (already checked to be fma or dpbf16) to a loaded module."""
+    if dot:
+        if not hasattr(ops, "set_bf16_dot_kernel"):
+            raise ConfigError(f"SIEVE_BF16_DOT={dot}: the {ops.isa} build has no bf16 dot products to choose a form for")
+        ops.set_bf16_dot_kernel(dot)
+    return ops
+
+
 @lru_cache(maxsize=1)
 def cpu_ops():
     if os.environ.get("SIEVE_NO_NATIVE") == "1":
@@ -89,25 +100,21 @@ def cpu_ops():
         text = b"".join((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
         key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature() + ("" if isa == "avx512" else "-" + isa)
         name = f"sieve_cpu_ops_{key.replace('-', '_')}"
+        dot = os.environ.get("SIEVE_BF16_DOT")
+        if dot and dot not in ("fma", "dpbf16"):
+            raise ConfigError(f"SIEVE_BF16_DOT={dot}: expected fma or dpbf16")
         if name in _LOADED:  # loaded before in this process (a module registers its classes once)
-            return _LOADED[name]
+            return _bf16_dot_form(_LOADED[name], dot)
         build = Path(os.environ.get("SIEVE_KERNEL_CACHE") or cache_root() / "kernels") / key
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
             log.info("building sieve's native CPU kernels (%s) in %s (first use on this machine: about a minute)", isa, build)
-        ops = _LOADED[name] = load(
+        _LOADED[name] = load(
             name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
-        dot = os.environ.get("SIEVE_BF16_DOT")
-        if dot:
-            if not hasattr(ops, "set_bf16_dot_kernel"):
-                raise ValueError(f"SIEVE_BF16_DOT={dot}: the {ops.isa} build has no bf16 dot products to choose a form for")
-            if dot not in ("fma", "dpbf16"):
-                raise ValueError(f"SIEVE_BF16_DOT={dot}: expected fma or dpbf16")
-            ops.set_bf16_dot_kernel(dot)
-        return ops
-    except ValueError:  # a forced instruction set this CPU cannot run: not something to fall back from silently
+        return _bf16_dot_form(_LOADED[name], dot)
+    except ValueError:  # a bad SIEVE_* setting (ConfigError): not something to fall back from silently
         raise
     except Exception as e:  # no compiler, no ninja, unsupported platform
         lines = str(e).splitlines()
