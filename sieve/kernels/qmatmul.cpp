@@ -122,10 +122,11 @@ inline __m512 load_halves(const c10::Half* p) {  // 16 float16 -> float32
 }
 
 // int8 / fp8: an MR x NB tile over the whole of K. With group scales (`gscale`, float16 [N/16, G, 16],
-// int8), each group of inputs has its own accumulators, scaled when the group ends.
-template <class Decode, int MR, int NB>
-void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
-             const c10::Half* gscale, int64_t group) {
+// int8), each group of inputs has its own accumulators, scaled when the group ends. `pair(a, wb, p)` adds input pair p
+// of every row of x into a (wb: the NB blocks' weight streams); the two forms below differ only there.
+template <int MR, int NB, class Pair>
+void tile_q8_frame(int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out, const c10::Half* gscale,
+                   int64_t group, const Pair& pair) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -134,14 +135,9 @@ void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const 
   for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
   auto run = [&](__m512 (&a)[MR][NB], int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      __m512i wv[NB];
       if ((p & 1) == 0)  // one prefetch per 64-byte line
         for (int b = 0; b < NB; ++b) prefetch(wb[b] + p * 32);
-      for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
-      for (int m = 0; m < MR; ++m) {
-        const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
-        for (int b = 0; b < NB; ++b) a[m][b] = dot(a[m][b], wv[b], xv);
-      }
+      pair(a, wb, p);
     }
   };
   if (gscale == nullptr) {
@@ -162,50 +158,37 @@ void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const 
   out.store<MR, NB>(acc, m0, blk);
 }
 
+template <class Decode, int MR, int NB>
+void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+             const c10::Half* gscale, int64_t group) {
+  tile_q8_frame<MR, NB>(K2, w, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], const uint8_t* const (&wb)[NB], int64_t p) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
+      for (int b = 0; b < NB; ++b) a[m][b] = dot(a[m][b], wv[b], xv);
+    }
+  });
+}
+
 // tile_q8 for int8 codes with each vdpbf16ps as its two FMAs (see tile_int4_fma): the 32 bytes of a pair-vector as
 // 16 signed words, byte 2c (input 2p of row c) and byte 2c + 1 (input 2p + 1), widened to float32
 template <int MR, int NB>
 void tile_q8_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                  const c10::Half* gscale, int64_t group) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  const int64_t Kh = K2 / 2;
-  const uint8_t* wb[NB];
-  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
-  auto run = [&](__m512 (&a)[MR][NB], int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      __m512 we[NB], wo[NB];
-      if ((p & 1) == 0)
-        for (int b = 0; b < NB; ++b) prefetch(wb[b] + p * 32);
-      for (int b = 0; b < NB; ++b) {
-        const __m512i t = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + p * 32)));
-        we[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24));
-        wo[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 8));
-      }
-      for (int m = 0; m < MR; ++m) {
-        const float* xm = x + (m0 + m) * K2 + 2 * p;
-        const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
-        for (int b = 0; b < NB; ++b) a[m][b] = _mm512_fmadd_ps(we[b], x0, _mm512_fmadd_ps(wo[b], x1, a[m][b]));  // = dot(a, wv, xv)
-      }
+  tile_q8_frame<MR, NB>(K2, w, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], const uint8_t* const (&wb)[NB], int64_t p) {
+    __m512 we[NB], wo[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i t = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + p * 32)));
+      we[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24));
+      wo[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 8));
     }
-  };
-  if (gscale == nullptr) {
-    run(acc, 0, Kh);
-  } else {
-    const int64_t G = K2 / group, pairs = group / 2;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 gacc[MR][NB];
-      for (int m = 0; m < MR; ++m)
-        for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
-      run(gacc, g * pairs, (g + 1) * pairs);
-      for (int b = 0; b < NB; ++b) {
-        const __m512 sc = load_halves(gscale + (blk[b] * G + g) * 16);
-        for (int m = 0; m < MR; ++m) acc[m][b] = _mm512_fmadd_ps(gacc[m][b], sc, acc[m][b]);
-      }
+    for (int m = 0; m < MR; ++m) {
+      const float* xm = x + (m0 + m) * K2 + 2 * p;
+      const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+      for (int b = 0; b < NB; ++b) a[m][b] = _mm512_fmadd_ps(we[b], x0, _mm512_fmadd_ps(wo[b], x1, a[m][b]));  // = dot(a, wv, xv)
     }
-  }
-  out.store<MR, NB>(acc, m0, blk);
+  });
 }
 
 struct Int4Args {
@@ -214,6 +197,20 @@ struct Int4Args {
   const float* xsum;       // [M, G]: each group's sum of x
   int64_t G, group;
 };
+
+// Group g of an int4 tile ends: its sums of (128 + q) x, gacc, become s * gacc + (m - 128 s) * sum(x) in acc (no min:
+// (q - 8) s = (128 + q) s - 136 s). Both forms of the tile end their groups here.
+template <int MR, int NB>
+inline void end_group_int4(__m512 (&acc)[MR][NB], const __m512 (&gacc)[MR][NB], const Int4Args& a, const int64_t (&blk)[NB],
+                           int64_t g, int64_t m0) {
+  for (int b = 0; b < NB; ++b) {
+    const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
+    const __m512 off = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16))
+                             : _mm512_mul_ps(_mm512_set1_ps(-136.f), s);
+    for (int m = 0; m < MR; ++m)
+      acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
+  }
+}
 
 // int4: an MR x NB tile, group by group; with kDual, a second accumulator per (row, block) for the
 // high nibbles
@@ -258,13 +255,7 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
     if constexpr (kDual)
       for (int m = 0; m < MR; ++m)
         for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
-    for (int b = 0; b < NB; ++b) {
-      const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
-      const __m512 off = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16))  // m - 128 s
-                               : _mm512_mul_ps(_mm512_set1_ps(-136.f), s);  // (q - 8) s = (128 + q) s - 136 s
-      for (int m = 0; m < MR; ++m)
-        acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
-    }
+    end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
   }
   out.store<MR, NB>(acc, m0, blk);
 }
@@ -314,13 +305,7 @@ void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, con
     }
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
-    for (int b = 0; b < NB; ++b) {
-      const __m512 s = load_halves(a.scale + (blk[b] * a.G + g) * 16);
-      const __m512 off = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, load_halves(a.min + (blk[b] * a.G + g) * 16))
-                               : _mm512_mul_ps(_mm512_set1_ps(-136.f), s);
-      for (int m = 0; m < MR; ++m)
-        acc[m][b] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.xsum[(m0 + m) * a.G + g]), _mm512_fmadd_ps(s, gacc[m][b], acc[m][b]));
-    }
+    end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
   }
   out.store<MR, NB>(acc, m0, blk);
 }
