@@ -135,22 +135,51 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch_up_to_the_gemv_rows():
 
 
 def test_linear_picks_gemv_for_small_batches_and_packed_for_large():
-    """The native linear (sieve/kernels/linear.cpp) answers 1 to gemv_max_rows rows with the GEMV and more with oneDNN's
-    packed weight (ATen's linear where oneDNN could not pack it, as under SIEVE_CPU_ISA=avx2): bit for bit
-    what each of those gives called directly."""
+    """The native linear (sieve/kernels/linear.cpp) answers 1 to gemv_max_rows rows with the GEMV and more with
+    float32 FMA panels where the CPU's vdpbf16ps is slow (the AVX512-BF16 build's `bf16_dot_kernel() == "fma"`:
+    gemm_bf16.cpp, and then no oneDNN copy of the weight is made), else with oneDNN's packed weight (ATen's linear
+    where oneDNN could not pack it, the float32 panels of the AVX2 build under SIEVE_CPU_ISA=avx2): bit for bit what
+    each of those gives called directly."""
     ops, lin = _prepared_bf16_linear(64, [48, 16])
-    assert lin.native is not None and (lin.packed is not None or ops.isa != "avx512-bf16")
-    for rows in (1, 4, 5, 8, 9, 64):
+    fma_panels = ops.isa == "avx512-bf16" and ops.bf16_dot_kernel() == "fma"
+    assert lin.native is not None
+    assert (lin.packed is None) == (fma_panels or ops.isa != "avx512-bf16")
+    if fma_panels:
+        assert "float32 panels" in lin.kernel_name()
+    for rows in (1, 4, 5, 8, 9, 64, 200):
         x = torch.randn(rows, 64).bfloat16()
         got = lin(x)
         if rows <= ops.gemv_max_rows:
             want = ops.gemv_bf16(x, lin.weight, lin.bias)
+        elif fma_panels:
+            want = ops.gemm_bf16_fma(x, lin.weight, lin.bias)
         elif lin.packed is not None:
             want = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
         else:
             want = torch.nn.functional.linear(x, lin.weight, lin.bias)
         assert torch.equal(got, want)
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, lin.weight, lin.bias).float(), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 32, 16), (12, 33, 17), (13, 70, 40), (29, 7, 100), (131, 65, 9)])
+def test_fma_panel_gemm_sums_every_output_in_order(rows, out_features, in_features):
+    """gemm_bf16.cpp (bf16 weights above the GEMV's rows where vdpbf16ps is slow): each output is its K products
+    added in input order to one float32 accumulator (a bf16 product is exact in float32, so each FMA rounds as one
+    float32 addition does), plus the bias, rounded once to bf16. Checked bit for bit against that sum written out,
+    across the kernel's edges: tiles of 1 to 12 rows, 32-output panels with a partial last one, inputs not a
+    multiple of 16, and more than one 128-row chunk of x."""
+    ops = cpu_ops()
+    if ops is None or ops.isa != "avx512-bf16":
+        pytest.skip(f"a {ops.isa if ops else 'PyTorch-only'} build: the FMA panel GEMM is the AVX512-BF16 build's")
+    g = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    acc = torch.zeros(rows, out_features)
+    for k in range(in_features):
+        acc = acc + x[:, k : k + 1].float() * w[:, k].float()
+    assert torch.equal(ops.gemm_bf16_fma(x, w, b), (acc + b.float()).bfloat16())
+    assert torch.equal(ops.gemm_bf16_fma(x, w, None), acc.bfloat16())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -216,11 +245,13 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
         for name in ("dpbf16", "fma"):
             before = ops.set_bf16_dot_kernel(name)
             try:
-                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 33)]
+                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 16, 17, 33)]
             finally:
                 ops.set_bf16_dot_kernel(before)
         for a, b in zip(outs["dpbf16"], outs["fma"]):
             assert torch.equal(a, b), (w.describe() if hasattr(w, "describe") else type(w).__name__, a.shape[0])
+            # and a row's bits never depend on the rows beside it, whatever tiles the row count picks
+            assert torch.equal(a, outs["fma"][-1][: a.shape[0]]), (type(w).__name__, a.shape[0])
 
 
 def test_sieve_bf16_dot_forces_a_form_or_fails_closed():

@@ -6,7 +6,7 @@ compiler, no ninja, SIEVE_NO_NATIVE=1); callers then use the PyTorch path, which
 the reference.
 
 The instruction set is chosen from the CPU's features, or forced with SIEVE_CPU_ISA:
-  avx512   AVX512-BF16 kernels (gemv.cpp, qmatmul.cpp), built with -march=native
+  avx512   AVX512-BF16 kernels (gemv.cpp, gemm_bf16.cpp, qmatmul.cpp), built with -march=native
   avx2     AVX2 + FMA + F16C kernels (gemv_avx2.cpp, qmatmul_avx2.cpp), built for Haswell, so that an
            AVX-512 machine can build, test and benchmark what an AVX2-only CPU runs
   generic  no vector linear kernels: quantized weights fall back to PyTorch (dequantized per call)
@@ -16,7 +16,8 @@ set them, before they first run.
 
 In the avx512 build the int4 and int8 kernels run several rows' bf16 dot products either as vdpbf16ps or as the
 two float32 FMAs that instruction is defined as (the same bits; chosen where this CPU agrees bit for bit and the
-FMAs are faster, `ops.bf16_dot_kernel()`); SIEVE_BF16_DOT=fma|dpbf16 forces one.
+FMAs are faster, `ops.bf16_dot_kernel()`); SIEVE_BF16_DOT=fma|dpbf16 forces one. Where it reads "fma", bf16 weights
+above the GEMV's rows also run float32 FMAs on widened panels (gemm_bf16.cpp) instead of oneDNN's bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from sieve.config import ConfigError  # a bad SIEVE_* setting: the command line 
 log = logging.getLogger("sieve")
 _DIR = Path(__file__).parent
 _LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
-_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "gemv_avx2.cpp", "qmatmul.cpp", "qmatmul_avx2.cpp", "qmatmul_q8act.cpp",
-            "linear.cpp", "greedy_head.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
+_SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "gemv_avx2.cpp", "gemm_bf16.cpp", "qmatmul.cpp", "qmatmul_avx2.cpp",
+            "qmatmul_q8act.cpp", "linear.cpp", "greedy_head.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
 
 
 _MARCH = {"avx512": "-march=native", "avx2": "-march=haswell", "generic": "-march=x86-64"}

@@ -119,7 +119,7 @@ torch::Tensor dequantize_rows_q8(torch::Tensor q, torch::Tensor scale, torch::Te
 
 #if defined(SIEVE_HAS_QUANT)
 // gemv.cpp / gemv_avx2.cpp: bf16 weights, decode-sized batches. With AVX512-BF16 up to 8 rows, every row's result
-// the same whatever the others (above, oneDNN's packed GEMM is faster here); AVX2 up to 4.
+// the same whatever the others (above, oneDNN's packed GEMM or gemm_bf16.cpp's panels are faster); AVX2 up to 4.
 #if defined(__AVX512BF16__)
 constexpr int64_t kGemvMaxRows = 8;
 #else
@@ -130,6 +130,12 @@ void gemv_bf16_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t 
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
 // qmatmul_avx2.cpp: bf16 weights above the GEMV's rows, float32 panels (bias float32 [N] or null)
 void gemm_bf16_avx2_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y);
+#endif
+#if defined(__AVX512BF16__)
+// gemm_bf16.cpp: the same above the GEMV's rows where this CPU's vdpbf16ps is slow (use_fma_dots()): float32 FMAs on
+// panels of widened weights, faster there than oneDNN's bf16 GEMM (bias float32 [N] or null)
+void gemm_bf16_fma_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y);
+torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 #endif
 
 // qmatmul.cpp / qmatmul_avx2.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.

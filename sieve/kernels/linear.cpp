@@ -3,7 +3,8 @@
 //
 //   bf16   plain [N, K] for decode-sized batches (gemv.cpp), and oneDNN's prepacked layout for larger
 //          ones where the loader kept one (`packed`); without it, ATen's linear on the plain weight.
-//          The AVX2 build runs larger batches on float32 panels too (gemm_bf16_avx2_into).
+//          The AVX2 build runs larger batches on float32 panels too (gemm_bf16_avx2_into), and so does an AVX512-BF16
+//          CPU whose vdpbf16ps is slower than FMAs (gemm_bf16_fma_into).
 //   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
 //   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min); with
 //          `q8_activations`, against int8 activations (qmatmul_q8act.cpp)
@@ -58,6 +59,21 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   gemv_bf16_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
   return y;
 }
+
+#if defined(__AVX512BF16__)
+torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemm_bf16_fma takes bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemm_bf16_fma: x [M, K], w [N, K]");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bkeep;
+  const float* bp = bias_pointer(bias, N, bkeep);
+  if (M > 0) gemm_bf16_fma_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
+  return y;
+}
+#endif
 
 // w [NBlocks, K2 / 2, 32] uint8 (int8 or fp8 codes, blocked); scale float32 [n] (group 0) or float16
 // [NBlocks, K2 / group, 16] (group > 0, int8 only); bias [n] or none; x [M, K <= K2] bf16 or float32;
@@ -179,6 +195,8 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
         }
 #if defined(__AVX2__) && !defined(__AVX512BF16__)
         return gemm_bf16_avx2_into(x, M, k, w.data_ptr<bf16>(), n, bf, y);  // ATen's bf16 GEMM is ~12x slower here
+#elif defined(__AVX512BF16__)
+        if (use_fma_dots()) return gemm_bf16_fma_into(x, M, k, w.data_ptr<bf16>(), n, bf, y);  // FMAs beat vdpbf16ps here
 #endif
       }
       break;

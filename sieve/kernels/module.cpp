@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = SIEVE_ISA;
 #if defined(SIEVE_HAS_QUANT)
   m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights", nogil);
+#if defined(__AVX512BF16__)
+  m.def("gemm_bf16_fma", &sieve::gemm_bf16_fma, "bf16 weights, any rows, float32 FMAs on widened panels", nogil);
+#endif
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;
   m.def("greedy_head", &sieve::greedy_head, "argmax of a bf16 head's logits from its int8 sketch, exact", nogil, py::arg("x"),
         py::arg("w"), py::arg("codes"), py::arg("scale"), py::arg("radius"));

@@ -12,7 +12,10 @@ Kernels, chosen once after loading (`prepare`), by shape and device, from measur
     pass over a whole 0.5B model's weights (46 GB/s) against ~26 ms for oneDNN; larger batches
     oneDNN's prepacked layout (`mkldnn._linear_pointwise`), 1.4-1.6x `F.linear` from batch 1 to 256,
     bit-identical output. The packed copy doubles the weight's memory, so the loader allows it only
-    where memory is ample; without it larger batches run `F.linear` on the plain weight.
+    where memory is ample; without it larger batches run `F.linear` on the plain weight. Where the CPU's
+    vdpbf16ps is slower than two float32 FMAs (`ops.bf16_dot_kernel() == "fma"`, e.g. Emerald Rapids),
+    larger batches take float32 FMAs on panels of the widened weight instead (gemm_bf16.cpp: 1.1-1.6x
+    oneDNN from 16 to 2048 rows there), as the AVX2 build always does, and no packed copy is made.
   - quantized weights: their format's kernel (sieve/quant/kernels.py).
   - everything else (float32, CUDA): `F.linear`.
 """
@@ -26,6 +29,13 @@ from torch import nn
 from sieve.kernels import cpu_ops
 
 _PACK_BATCH_HINT = 16  # oneDNN picks a layout for this batch size; 16 is near-best from 1 to 64 here
+
+
+def _float32_panels(ops) -> bool:
+    """Whether the native bf16 linear multiplies batches above the GEMV's rows itself, with float32 FMAs on panels of
+    the widened weight: always in the AVX2 build, and in the AVX512-BF16 build where this CPU's vdpbf16ps is slower
+    than the two FMAs it is defined as (sieve/kernels/gemm_bf16.cpp)."""
+    return ops.isa == "avx2" or (ops.isa == "avx512-bf16" and ops.bf16_dot_kernel() == "fma")
 
 
 def _can_pack(w: torch.Tensor) -> bool:
@@ -116,7 +126,7 @@ class Linear(nn.Module):
         w = self.weight
         ops = cpu_ops() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
         native = ops is not None and hasattr(ops, "gemv_bf16")
-        panels = native and ops.isa == "avx2"  # the AVX2 build multiplies every batch itself (float32 panels)
+        panels = native and _float32_panels(ops)  # the kernel multiplies every batch itself: no packed copy
         if _can_pack(w) and (not native or allow_two_layouts) and not panels:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
@@ -131,7 +141,7 @@ class Linear(nn.Module):
         dtype = str(self.dtype).removeprefix("torch.")
         if self.native is not None:
             ops = cpu_ops()
-            above = "float32 panels" if ops.isa == "avx2" else "oneDNN packed" if self.packed is not None else "ATen"
+            above = "float32 panels" if _float32_panels(ops) else "oneDNN packed" if self.packed is not None else "ATen"
             return f"{dtype} ({ops.isa} GEMV; {above} above {ops.gemv_max_rows} rows)"
         return f"{dtype} ({'oneDNN packed' if self.packed is not None else 'F.linear'})"
 
