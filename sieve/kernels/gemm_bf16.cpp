@@ -2,13 +2,13 @@
 // float32 FMA GEMM on panels of the weights widened to float32, as the AVX2 build's gemm_bf16_avx2_into does.
 //
 // Why: on the Emerald Rapids host one vdpbf16ps (32 products) holds a port for 2 cycles while float32 FMAs (16
-// products) issue 2 a cycle, so FMAs multiply twice as fast; oneDNN's bf16 GEMM runs on vdpbf16ps there (145-163
-// GFLOP/s on SmolLM2's matrices at 9-512 rows, two cores). A bf16 model's serving steps with tens of sequences, and
-// its prefills, are bound by these products.
+// products) issue 2 a cycle, so FMAs multiply twice as fast; oneDNN's bf16 GEMM runs on vdpbf16ps there (96-182
+// GFLOP/s on one SmolLM2 layer's matrices at 9-2048 rows, two cores, against 96-287 for these panels). A bf16
+// model's serving steps with tens of sequences, and its prefills, are bound by these products.
 //
 // Tried first and not kept: the GEMV's own dot products (pairs of inputs along K, 16 lanes, reduced at the end) with
 // each vdpbf16ps as its two FMAs, which would give every row the GEMV's bits at any batch. Each float32 x vector then
-// serves only the two weight rows of a tile, so the x rows stream from L2 for every pair of weight rows: 76-121
+// serves only the two weight rows of a tile, so the x rows stream from L2 for every pair of weight rows: 72-121
 // GFLOP/s, 0.50-0.80x oneDNN. The panel form broadcasts one input of a row against 32 outputs instead.
 //
 // The layout: for each block of 32 weight rows (outputs), a panel [K][32] float32 (a bf16 number widened is exact,
