@@ -212,12 +212,12 @@ inline void end_group_int4(__m512 (&acc)[MR][NB], const __m512 (&gacc)[MR][NB], 
   }
 }
 
-// int4: an MR x NB tile, group by group; with kDual, a second accumulator per (row, block) for the
-// high nibbles
-template <int MR, int NB, bool kDual = false>
-void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
-               const Int4Args& a) {
-  const __m512i base = set_words(0x4300), low4 = set_words(0xF);
+// int4: an MR x NB tile, group by group, two accumulators per (row, block) within a group (gacc: inputs 4u and
+// 4u + 1 of each unit, gh: 4u + 2 and 4u + 3), added when the group ends. `unit(gacc, gh, wb, u)` adds unit u of every
+// row of x (wb: the NB blocks' weight streams); the two forms below differ only there.
+template <int MR, int NB, class Unit>
+void tile_int4_frame(int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out, const Int4Args& a,
+                     const Unit& unit) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -225,39 +225,41 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
   const uint8_t* wb[NB];
   for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512 gacc[MR][NB], gh[kDual ? MR : 1][kDual ? NB : 1];
+    __m512 gacc[MR][NB], gh[MR][NB];
     for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) {
-        gacc[m][b] = _mm512_setzero_ps();
-        if constexpr (kDual) gh[m][b] = _mm512_setzero_ps();
-      }
+      for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
     for (int64_t u = g * units; u < (g + 1) * units; ++u) {
-      __m512i lo[NB], hi[NB];
       if ((u & 1) == 0)
         for (int b = 0; b < NB; ++b) prefetch(wb[b] + u * 32);
-      for (int b = 0; b < NB; ++b) {
-        const __m512i q = load32(wb[b] + u * 32);
-        lo[b] = _mm512_ternarylogic_epi32(q, low4, base, 0xEA);   // (q & 0xf) | 0x4300: inputs 4u, 4u + 1
-        hi[b] = _mm512_or_si512(_mm512_srli_epi16(q, 4), base);   // (q >> 4) | 0x4300: inputs 4u + 2, 4u + 3
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m512i x0 = bcast_pair(x + (m0 + m) * K2 + 4 * u), x1 = bcast_pair(x + (m0 + m) * K2 + 4 * u + 2);
-        for (int b = 0; b < NB; ++b) {
-          if constexpr (kDual) {
-            gacc[m][b] = dot(gacc[m][b], lo[b], x0);
-            gh[m][b] = dot(gh[m][b], hi[b], x1);
-          } else {
-            gacc[m][b] = dot(dot(gacc[m][b], lo[b], x0), hi[b], x1);
-          }
-        }
-      }
+      unit(gacc, gh, wb, u);
     }
-    if constexpr (kDual)
-      for (int m = 0; m < MR; ++m)
-        for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
     end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
   }
   out.store<MR, NB>(acc, m0, blk);
+}
+
+template <int MR, int NB>
+void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
+               const Int4Args& a) {
+  const __m512i base = set_words(0x4300), low4 = set_words(0xF);
+  tile_int4_frame<MR, NB>(K2, w, m0, blk, out, a,
+                          [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const uint8_t* const (&wb)[NB], int64_t u) {
+    __m512i lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i q = load32(wb[b] + u * 32);
+      lo[b] = _mm512_ternarylogic_epi32(q, low4, base, 0xEA);   // (q & 0xf) | 0x4300: inputs 4u, 4u + 1
+      hi[b] = _mm512_or_si512(_mm512_srli_epi16(q, 4), base);   // (q >> 4) | 0x4300: inputs 4u + 2, 4u + 3
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i x0 = bcast_pair(x + (m0 + m) * K2 + 4 * u), x1 = bcast_pair(x + (m0 + m) * K2 + 4 * u + 2);
+      for (int b = 0; b < NB; ++b) {
+        gacc[m][b] = dot(gacc[m][b], lo[b], x0);
+        gh[m][b] = dot(gh[m][b], hi[b], x1);
+      }
+    }
+  });
 }
 
 // The same int4 tile with each vdpbf16ps replaced by the two float32 FMAs it is defined as (Intel SDM: the odd
@@ -272,42 +274,26 @@ template <int MR, int NB>
 void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                    const Int4Args& a) {
   const __m512 lut = _mm512_setr_ps(128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143);
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  const int64_t Kq = K2 / 4, units = a.group / 4;
-  const uint8_t* wb[NB];
-  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
-  for (int64_t g = 0; g < a.G; ++g) {
-    __m512 gacc[MR][NB], gh[MR][NB];
-    for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
-    for (int64_t u = g * units; u < (g + 1) * units; ++u) {
-      __m512 w0[NB], w1[NB], w2[NB], w3[NB];
-      if ((u & 1) == 0)
-        for (int b = 0; b < NB; ++b) prefetch(wb[b] + u * 32);
+  tile_int4_frame<MR, NB>(K2, w, m0, blk, out, a,
+                          [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const uint8_t* const (&wb)[NB], int64_t u) {
+    __m512 w0[NB], w1[NB], w2[NB], w3[NB];
+    for (int b = 0; b < NB; ++b) {
+      // word c = byte 2c | byte 2c + 1 << 8: w[4u] in bits 0-3, w[4u + 2] 4-7, w[4u + 1] 8-11, w[4u + 3] 12-15
+      const __m512i t = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + u * 32)));
+      w0[b] = _mm512_permutexvar_ps(t, lut);  // the lookup reads each lane's low 4 bits
+      w2[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lut);
+      w1[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 8), lut);
+      w3[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 12), lut);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float* xm = x + (m0 + m) * K2 + 4 * u;
+      const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]), x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
       for (int b = 0; b < NB; ++b) {
-        // word c = byte 2c | byte 2c + 1 << 8: w[4u] in bits 0-3, w[4u + 2] 4-7, w[4u + 1] 8-11, w[4u + 3] 12-15
-        const __m512i t = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + u * 32)));
-        w0[b] = _mm512_permutexvar_ps(t, lut);  // the lookup reads each lane's low 4 bits
-        w2[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lut);
-        w1[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 8), lut);
-        w3[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 12), lut);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const float* xm = x + (m0 + m) * K2 + 4 * u;
-        const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]), x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
-        for (int b = 0; b < NB; ++b) {
-          gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
-          gh[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w3[b], x3, gh[m][b]));      // = dot(gh, hi, x1)
-        }
+        gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
+        gh[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w3[b], x3, gh[m][b]));      // = dot(gh, hi, x1)
       }
     }
-    for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
-    end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
-  }
-  out.store<MR, NB>(acc, m0, blk);
+  });
 }
 
 // Which form the bf16 dot products of several rows take. "fma" where the two-FMA form gives vdpbf16ps's bits on this
@@ -503,7 +489,7 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   }
   run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
     FlushDenormals daz;  // as the FMA form's (see qmatmul_q8_into)
-    tile_int4<MR, B, true>(xw, K2, w, m0, blk, out, args);
+    tile_int4<MR, B>(xw, K2, w, m0, blk, out, args);
   }, false);
 }
 
