@@ -211,7 +211,8 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
     """Where vdpbf16ps is slow (2 cycles of one port on the Emerald Rapids host, against 2 FMAs a cycle), the int4 and
     int8 tiles of 2 or more rows run each one as the two float32 FMAs the instruction is defined as (odd pair first,
     round to nearest even, DAZ/FTZ). It is only ever chosen where the two forms agree bit for bit on this CPU; then
-    every output, at every row count, every format and both activation dtypes, is the same either way."""
+    every output, at every row count, every format and both activation dtypes, is the same either way: the register
+    tiles and, from 16 (Q8_0) / 24 (int4) rows, the float32 panels the codes are decoded into once per call."""
     from sieve.quant.formats import ChannelScaledWeight, Int4Weight, quantize_int4, quantize_int8
     from sieve.quant.kernels import make_kernel
 
@@ -239,19 +240,48 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
     for w in weights:
         k = w.k if isinstance(w, Int4Weight) else w.q.shape[1]
         kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
-        x = (torch.randn(33, k) * torch.logspace(-3, 2, k)).to(dtype)  # spread magnitudes, cancellation in the sums
+        x = (torch.randn(150, k) * torch.logspace(-3, 2, k)).to(dtype)  # spread magnitudes, cancellation in the sums
         x[5] = torch.randn(k) * 1e-38  # float32 subnormals (bf16 keeps some): DAZ treats them as zero
         outs = {}
         for name in ("dpbf16", "fma"):
             before = ops.set_bf16_dot_kernel(name)
-            try:
-                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 16, 17, 33)]
+            try:  # register tiles up to 15 / 23 rows, float32 panels from 16 (Q8_0) / 24 (int4), past one 128-row chunk
+                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 16, 17, 23, 24, 25, 33, 64, 150)]
             finally:
                 ops.set_bf16_dot_kernel(before)
         for a, b in zip(outs["dpbf16"], outs["fma"]):
             assert torch.equal(a, b), (w.describe() if hasattr(w, "describe") else type(w).__name__, a.shape[0])
             # and a row's bits never depend on the rows beside it, whatever tiles the row count picks
             assert torch.equal(a, outs["fma"][-1][: a.shape[0]]), (type(w).__name__, a.shape[0])
+
+
+def test_quantized_kernels_take_float32_panels_from_their_row_threshold():
+    """Where the FMA form runs, int4 weights from 24 rows and int8 with group scales (Q8_0) from 16 decode each pair of
+    weight blocks once into a float32 panel (qmatmul.cpp over_panels) instead of decoding every block again for each
+    8-row tile; per-channel int8, fp8 codes and the vdpbf16ps form never do. The kernel's name says so, and an unknown
+    kind fails closed. (That the panels give the register tiles' bits at every row count is the test above.)"""
+    from sieve.quant.formats import ChannelScaledWeight, quantize_int4, quantize_int8
+    from sieve.quant.kernels import make_kernel
+
+    ops = cpu_ops()
+    if ops is None or ops.isa != "avx512-bf16":
+        pytest.skip(f"a {ops.isa if ops else 'PyTorch-only'} build: the panels belong to the AVX512-BF16 build's FMA form")
+    with pytest.raises(RuntimeError, match="int4, q8_0, int8 or fp8"):
+        ops.quantized_panel_rows("q4_k")
+    before = ops.bf16_dot_kernel()
+    try:
+        ops.set_bf16_dot_kernel("dpbf16")
+        assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [0, 0, 0, 0]
+        if not ops.bf16_dot_fma_exact():
+            pytest.skip("this CPU's vdpbf16ps rounds otherwise than its two-FMA definition: the FMA form stays unused")
+        ops.set_bf16_dot_kernel("fma")
+        assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [24, 16, 0, 0]
+        assert make_kernel(quantize_int4(torch.randn(32, 64), 32), torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 24 rows")
+        q8_0 = ChannelScaledWeight(torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32, 2).half() + 0.01)
+        assert make_kernel(q8_0, torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 16 rows")
+        assert make_kernel(quantize_int8(torch.randn(32, 64)), torch.float32).name.endswith("(avx512-bf16 kernel)")
+    finally:
+        ops.set_bf16_dot_kernel(before)
 
 
 def test_sieve_bf16_dot_forces_a_form_or_fails_closed():

@@ -162,6 +162,9 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(before); }
 };
 std::string bf16_dot_kernel();
+// From how many rows the int4 / int8 kernels run on float32 panels of the weights ("int4", "q8_0": int8 with group
+// scales, "int8": per channel, "fp8"; 0: never)
+int64_t quantized_panel_rows(const std::string& kind);
 bool bf16_dot_fma_exact();
 std::string set_bf16_dot_kernel(const std::string& name);
 #endif

@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512BF16__)
   m.def("bf16_dot_kernel", &sieve::bf16_dot_kernel, "how several rows' bf16 dot products run: fma (the same bits) or dpbf16");
   m.def("bf16_dot_fma_exact", &sieve::bf16_dot_fma_exact, "whether the two-FMA form gives vdpbf16ps's bits on this CPU");
+  m.def("quantized_panel_rows", &sieve::quantized_panel_rows, "from how many rows int4 / q8_0 / int8 / fp8 weights run on float32 panels (0: never)");
   m.def("set_bf16_dot_kernel", &sieve::set_bf16_dot_kernel, "pick fma or dpbf16 (tests); returns the one before");
 #endif
   m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: avx512-vnni or avx2");

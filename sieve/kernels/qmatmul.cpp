@@ -35,6 +35,9 @@
 // each vdpbf16ps as the two float32 FMAs it is defined as (tile_q8_fma, tile_int4_fma, `use_fma_dots`): on the Emerald
 // Rapids host one vdpbf16ps holds a port for 2 cycles while FMAs issue 2 a cycle (SmolLM2 Q4_1, float32, a decode step
 // of 2/4/8 rows 6.0/9.7/17.6 -> 4.8/6.9/11.7 ms, bit for bit). One row stays on vdpbf16ps: it is bound by memory.
+// From kPanelFromInt4 (24) / kPanelFromInt8 (16, int8 with group scales) rows the FMA form decodes each pair of blocks once into a float32
+// panel and runs its tiles from there (make_panel, over_panels): the same bits again, and a prefill chunk's or a
+// large batch's products 1.1-1.2x (int4) / 1.2-1.45x (Q8_0) faster on the Emerald Rapids host.
 #include "kernels.h"
 
 #if defined(__AVX512BF16__)
@@ -48,6 +51,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -122,33 +127,25 @@ inline __m512 load_halves(const c10::Half* p) {  // 16 float16 -> float32
 }
 
 // int8 / fp8: an MR x NB tile over the whole of K. With group scales (`gscale`, float16 [N/16, G, 16],
-// int8), each group of inputs has its own accumulators, scaled when the group ends. `pair(a, wb, p)` adds input pair p
-// of every row of x into a (wb: the NB blocks' weight streams); the two forms below differ only there.
+// int8), each group of inputs has its own accumulators, scaled when the group ends. `pair(a, p)` adds input pair p of
+// every row of x into a; the forms below (codes decoded for vdpbf16ps, for FMAs, or read from a float32 panel) differ
+// only there.
 template <int MR, int NB, class Pair>
-void tile_q8_frame(int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out, const c10::Half* gscale,
-                   int64_t group, const Pair& pair) {
+void tile_q8_frame(int64_t K2, int64_t m0, const int64_t (&blk)[NB], const Out& out, const c10::Half* gscale, int64_t group,
+                   const Pair& pair) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
   const int64_t Kh = K2 / 2;
-  const uint8_t* wb[NB];
-  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kh * 32;
-  auto run = [&](__m512 (&a)[MR][NB], int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      if ((p & 1) == 0)  // one prefetch per 64-byte line
-        for (int b = 0; b < NB; ++b) prefetch(wb[b] + p * 32);
-      pair(a, wb, p);
-    }
-  };
   if (gscale == nullptr) {
-    run(acc, 0, Kh);
+    for (int64_t p = 0; p < Kh; ++p) pair(acc, p);
   } else {
     const int64_t G = K2 / group, pairs = group / 2;
     for (int64_t g = 0; g < G; ++g) {
       __m512 gacc[MR][NB];
       for (int m = 0; m < MR; ++m)
         for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_setzero_ps();
-      run(gacc, g * pairs, (g + 1) * pairs);
+      for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) pair(gacc, p);
       for (int b = 0; b < NB; ++b) {
         const __m512 sc = load_halves(gscale + (blk[b] * G + g) * 16);
         for (int m = 0; m < MR; ++m) acc[m][b] = _mm512_fmadd_ps(gacc[m][b], sc, acc[m][b]);
@@ -158,12 +155,29 @@ void tile_q8_frame(int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk
   out.store<MR, NB>(acc, m0, blk);
 }
 
+// The NB blocks' weight streams of a blocked weight (`unit` bytes per step of each block's stream), and one prefetch
+// per 64-byte line as step s is read
+template <int NB>
+struct Streams {
+  const uint8_t* wb[NB];
+  Streams(const uint8_t* w, int64_t block_bytes, const int64_t (&blk)[NB]) {
+    for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * block_bytes;
+  }
+  const uint8_t* at(int b, int64_t s) const { return wb[b] + s * 32; }
+  void prefetch_step(int64_t s) const {
+    if ((s & 1) == 0)
+      for (int b = 0; b < NB; ++b) prefetch(wb[b] + s * 32);
+  }
+};
+
 template <class Decode, int MR, int NB>
 void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
              const c10::Half* gscale, int64_t group) {
-  tile_q8_frame<MR, NB>(K2, w, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], const uint8_t* const (&wb)[NB], int64_t p) {
+  const Streams<NB> ws(w, K2 / 2 * 32, blk);
+  tile_q8_frame<MR, NB>(K2, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], int64_t p) {
+    ws.prefetch_step(p);
     __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = Decode::run(wb[b] + p * 32);
+    for (int b = 0; b < NB; ++b) wv[b] = Decode::run(ws.at(b, p));
     for (int m = 0; m < MR; ++m) {
       const __m512i xv = bcast_pair(x + (m0 + m) * K2 + 2 * p);
       for (int b = 0; b < NB; ++b) a[m][b] = dot(a[m][b], wv[b], xv);
@@ -171,23 +185,35 @@ void tile_q8(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const 
   });
 }
 
+// Input pair p of rows m0 .. m0 + MR - 1 of x (float32) against NB blocks' codes as float32 (we: input 2p, wo: 2p + 1)
+// in the order vdpbf16ps adds them: the odd input's product first
+template <int MR, int NB>
+inline void fma_pair(__m512 (&a)[MR][NB], const float* x, int64_t K2, int64_t m0, int64_t p, const __m512 (&we)[NB], const __m512 (&wo)[NB]) {
+  for (int m = 0; m < MR; ++m) {
+    const float* xm = x + (m0 + m) * K2 + 2 * p;
+    const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+    for (int b = 0; b < NB; ++b) a[m][b] = _mm512_fmadd_ps(we[b], x0, _mm512_fmadd_ps(wo[b], x1, a[m][b]));  // = dot(a, wv, xv)
+  }
+}
+
+// int8 codes of a pair-vector (16 rows' inputs 2p and 2p + 1) as float32: we (input 2p of each row), wo (2p + 1)
+inline void widen_q8(const uint8_t* p, __m512& we, __m512& wo) {
+  const __m512i t = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  we = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24));
+  wo = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 8));
+}
+
 // tile_q8 for int8 codes with each vdpbf16ps as its two FMAs (see tile_int4_fma): the 32 bytes of a pair-vector as
 // 16 signed words, byte 2c (input 2p of row c) and byte 2c + 1 (input 2p + 1), widened to float32
 template <int MR, int NB>
 void tile_q8_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                  const c10::Half* gscale, int64_t group) {
-  tile_q8_frame<MR, NB>(K2, w, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], const uint8_t* const (&wb)[NB], int64_t p) {
+  const Streams<NB> ws(w, K2 / 2 * 32, blk);
+  tile_q8_frame<MR, NB>(K2, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NB], int64_t p) {
+    ws.prefetch_step(p);
     __m512 we[NB], wo[NB];
-    for (int b = 0; b < NB; ++b) {
-      const __m512i t = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + p * 32)));
-      we[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(t, 24), 24));
-      wo[b] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 8));
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float* xm = x + (m0 + m) * K2 + 2 * p;
-      const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
-      for (int b = 0; b < NB; ++b) a[m][b] = _mm512_fmadd_ps(we[b], x0, _mm512_fmadd_ps(wo[b], x1, a[m][b]));  // = dot(a, wv, xv)
-    }
+    for (int b = 0; b < NB; ++b) widen_q8(ws.at(b, p), we[b], wo[b]);
+    fma_pair<MR, NB>(a, x, K2, m0, p, we, wo);
   });
 }
 
@@ -213,26 +239,19 @@ inline void end_group_int4(__m512 (&acc)[MR][NB], const __m512 (&gacc)[MR][NB], 
 }
 
 // int4: an MR x NB tile, group by group, two accumulators per (row, block) within a group (gacc: inputs 4u and
-// 4u + 1 of each unit, gh: 4u + 2 and 4u + 3), added when the group ends. `unit(gacc, gh, wb, u)` adds unit u of every
-// row of x (wb: the NB blocks' weight streams); the two forms below differ only there.
+// 4u + 1 of each unit, gh: 4u + 2 and 4u + 3), added when the group ends. `unit(gacc, gh, u)` adds unit u of every row
+// of x; the forms below (codes decoded for vdpbf16ps, for FMAs, or read from a float32 panel) differ only there.
 template <int MR, int NB, class Unit>
-void tile_int4_frame(int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out, const Int4Args& a,
-                     const Unit& unit) {
+void tile_int4_frame(int64_t m0, const int64_t (&blk)[NB], const Out& out, const Int4Args& a, const Unit& unit) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  const int64_t Kq = K2 / 4, units = a.group / 4;
-  const uint8_t* wb[NB];
-  for (int b = 0; b < NB; ++b) wb[b] = w + blk[b] * Kq * 32;
+  const int64_t units = a.group / 4;
   for (int64_t g = 0; g < a.G; ++g) {
     __m512 gacc[MR][NB], gh[MR][NB];
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
-    for (int64_t u = g * units; u < (g + 1) * units; ++u) {
-      if ((u & 1) == 0)
-        for (int b = 0; b < NB; ++b) prefetch(wb[b] + u * 32);
-      unit(gacc, gh, wb, u);
-    }
+    for (int64_t u = g * units; u < (g + 1) * units; ++u) unit(gacc, gh, u);
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
     end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
@@ -244,11 +263,12 @@ template <int MR, int NB>
 void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                const Int4Args& a) {
   const __m512i base = set_words(0x4300), low4 = set_words(0xF);
-  tile_int4_frame<MR, NB>(K2, w, m0, blk, out, a,
-                          [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const uint8_t* const (&wb)[NB], int64_t u) {
+  const Streams<NB> ws(w, K2 / 4 * 32, blk);
+  tile_int4_frame<MR, NB>(m0, blk, out, a, [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], int64_t u) {
+    ws.prefetch_step(u);
     __m512i lo[NB], hi[NB];
     for (int b = 0; b < NB; ++b) {
-      const __m512i q = load32(wb[b] + u * 32);
+      const __m512i q = load32(ws.at(b, u));
       lo[b] = _mm512_ternarylogic_epi32(q, low4, base, 0xEA);   // (q & 0xf) | 0x4300: inputs 4u, 4u + 1
       hi[b] = _mm512_or_si512(_mm512_srli_epi16(q, 4), base);   // (q >> 4) | 0x4300: inputs 4u + 2, 4u + 3
     }
@@ -262,38 +282,151 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
   });
 }
 
+// Unit u of rows m0 .. m0 + MR - 1 of x (float32) against NB blocks' numbers 128 + q as float32 (w[i]: input 4u + i of
+// each output row), each vdpbf16ps of tile_int4 as its two FMAs: the odd input's product first
+template <int MR, int NB>
+inline void fma_unit(__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const float* x, int64_t K2, int64_t m0, int64_t u,
+                     const __m512 (&w0)[NB], const __m512 (&w1)[NB], const __m512 (&w2)[NB], const __m512 (&w3)[NB]) {
+  for (int m = 0; m < MR; ++m) {  // the two chains one after the other: half the weight vectors live at a time
+    const __m512 x0 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u]), x1 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 1]);
+    for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 x2 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 2]), x3 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 3]);
+    for (int b = 0; b < NB; ++b) gh[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w3[b], x3, gh[m][b]));  // = dot(gh, hi, x1)
+  }
+}
+
+// A unit's 32 bytes (16 output rows' codes of inputs 4u .. 4u + 3) as the float32 numbers 128 + q, w[i] for input 4u + i:
+// byte 2c | byte 2c + 1 << 8 holds w[4u] in bits 0-3, w[4u + 2] 4-7, w[4u + 1] 8-11, w[4u + 3] 12-15, and a
+// 16-entry table lookup (vpermps reads each lane's low 4 bits) gives 128 + q
+inline void widen_int4(const uint8_t* p, __m512& w0, __m512& w1, __m512& w2, __m512& w3) {
+  const __m512 lut = _mm512_setr_ps(128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143);
+  const __m512i t = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  w0 = _mm512_permutexvar_ps(t, lut);
+  w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lut);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 8), lut);
+  w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 12), lut);
+}
+
 // The same int4 tile with each vdpbf16ps replaced by the two float32 FMAs it is defined as (Intel SDM: the odd
 // pair's product first, then the even one's, each rounded to nearest even, DAZ and FTZ): on the Emerald Rapids host
 // one vdpbf16ps takes 2 cycles of one port while FMAs issue 2 a cycle, so from 2 rows of x on, the emulation does the
 // same arithmetic in about half the cycles (`bf16_dot_kernel` below says where it is used, and that it gives the
 // same bits). x is the bf16-rounded input widened to float32 ([M, K2], exact); a unit's 32 bytes become 16 words, one
-// per output row (bits 0-3 hold the code of w[4u], 4-7 of w[4u + 2], 8-11 of w[4u + 1], 12-15 of w[4u + 3]), and a
-// table lookup on each nibble gives the float32 number 128 + q that the bf16 path multiplies. The caller sets DAZ and
-// FTZ (`FlushDenormals`), as vdpbf16ps has them.
+// per output row, and a table lookup on each nibble gives the float32 number 128 + q that the bf16 path multiplies
+// (widen_int4). The caller sets DAZ and FTZ (`FlushDenormals`), as vdpbf16ps has them.
 template <int MR, int NB>
 void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                    const Int4Args& a) {
-  const __m512 lut = _mm512_setr_ps(128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143);
-  tile_int4_frame<MR, NB>(K2, w, m0, blk, out, a,
-                          [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const uint8_t* const (&wb)[NB], int64_t u) {
+  const Streams<NB> ws(w, K2 / 4 * 32, blk);
+  tile_int4_frame<MR, NB>(m0, blk, out, a, [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], int64_t u) {
+    ws.prefetch_step(u);
     __m512 w0[NB], w1[NB], w2[NB], w3[NB];
-    for (int b = 0; b < NB; ++b) {
-      // word c = byte 2c | byte 2c + 1 << 8: w[4u] in bits 0-3, w[4u + 2] 4-7, w[4u + 1] 8-11, w[4u + 3] 12-15
-      const __m512i t = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b] + u * 32)));
-      w0[b] = _mm512_permutexvar_ps(t, lut);  // the lookup reads each lane's low 4 bits
-      w2[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lut);
-      w1[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 8), lut);
-      w3[b] = _mm512_permutexvar_ps(_mm512_srli_epi32(t, 12), lut);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float* xm = x + (m0 + m) * K2 + 4 * u;
-      const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]), x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
-      for (int b = 0; b < NB; ++b) {
-        gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
-        gh[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w3[b], x3, gh[m][b]));      // = dot(gh, hi, x1)
-      }
-    }
+    for (int b = 0; b < NB; ++b) widen_int4(ws.at(b, u), w0[b], w1[b], w2[b], w3[b]);
+    fma_unit<MR, NB>(gacc, gh, x, K2, m0, u, w0, w1, w2, w3);
   });
+}
+
+// From kPanelFromInt4 / kPanelFromInt8 rows (below) the FMA form decodes each pair of weight blocks once into a float32
+// panel and runs every tile of rows from it, where the tiles above decode a block's codes again for every 8 rows (a
+// unit of int4 takes 8 decoding operations for its 32 FMAs at 8 rows, a Q8_0 pair-vector 5 for 16, on the ports the
+// FMAs use). A panel holds the codes of NBP blocks (16 * NBP output rows) as float32 [K2][16 * NBP], input by input
+// (int4: the numbers 128 + q), and the tiles take them in the order of the FMA tiles above, so every output is the
+// same number, bit for bit, at any row count. Each broadcast input then serves 32 outputs (two FMAs) where it served
+// 16. The panel (73-196 KB for SmolLM2's K) stays in L2; writing it costs about what 4 rows of FMAs do, so small row
+// counts keep the register tiles. Tried and not kept: panels of one block under 8-row tiles (each broadcast serving
+// one FMA again: 0.72-0.79x the register tiles at 16-64 rows), and 4-row tiles over two blocks (0.98x at 32 rows).
+constexpr int kPanelBlocks = 2;
+
+// The codes of NBP blocks as a float32 panel [K2][16 * NBP]: step s of each block's stream (32 bytes: kIn = 4 inputs of
+// int4, 2 of int8) widened by `widen(bytes, v)` into v[i], input kIn * s + i
+template <int NBP, int kIn, class Widen>
+void make_panel(const uint8_t* w, int64_t K2, const int64_t (&blk)[NBP], float* panel, const Widen& widen) {
+  const Streams<NBP> ws(w, K2 / kIn * 32, blk);
+  constexpr int W = 16 * NBP;
+  for (int64_t s = 0; s < K2 / kIn; ++s) {
+    ws.prefetch_step(s);
+    for (int b = 0; b < NBP; ++b) {
+      __m512 v[kIn];
+      widen(ws.at(b, s), v);
+      for (int i = 0; i < kIn; ++i) _mm512_store_ps(panel + (kIn * s + i) * W + 16 * b, v[i]);
+    }
+  }
+}
+
+template <int MR, int NBP>
+void panel_tile_int4(const float* x, int64_t K2, const float* panel, int64_t m0, const int64_t (&blk)[NBP], const Out& out,
+                     const Int4Args& a) {
+  constexpr int W = 16 * NBP;
+  tile_int4_frame<MR, NBP>(m0, blk, out, a, [&](__m512 (&gacc)[MR][NBP], __m512 (&gh)[MR][NBP], int64_t u) {
+    __m512 w[4][NBP];
+    for (int i = 0; i < 4; ++i)
+      for (int b = 0; b < NBP; ++b) w[i][b] = _mm512_load_ps(panel + (4 * u + i) * W + 16 * b);
+    fma_unit<MR, NBP>(gacc, gh, x, K2, m0, u, w[0], w[1], w[2], w[3]);
+  });
+}
+
+template <int MR, int NBP>
+void panel_tile_q8(const float* x, int64_t K2, const float* panel, int64_t m0, const int64_t (&blk)[NBP], const Out& out,
+                   const c10::Half* gscale, int64_t group) {
+  constexpr int W = 16 * NBP;
+  tile_q8_frame<MR, NBP>(K2, m0, blk, out, gscale, group, [&](__m512 (&a)[MR][NBP], int64_t p) {
+    __m512 we[NBP], wo[NBP];
+    for (int b = 0; b < NBP; ++b) {
+      we[b] = _mm512_load_ps(panel + (2 * p) * W + 16 * b);
+      wo[b] = _mm512_load_ps(panel + (2 * p + 1) * W + 16 * b);
+    }
+    fma_pair<MR, NBP>(a, x, K2, m0, p, we, wo);
+  });
+}
+
+constexpr int64_t kPanelChunk = 128;
+// From how many rows the FMA form takes panels (SmolLM2-135M, float32, Emerald Rapids, a decode step of n rows against
+// the register tiles, 4 alternated rounds: int4 16 / 24 / 32 / 64 / 256 rows 0.94-0.97x / 1.00-1.03x / 1.04-1.12x /
+// 1.10-1.16x / 1.13-1.18x; Q8_0 with 8-row tiles 12 / 16 / 32 / 64 / 256 rows 0.94x / 1.10x / 1.24x / 1.40x / 1.45x)
+constexpr int64_t kPanelFromInt4 = 24, kPanelFromInt8 = 16;
+
+// f.template operator()<mr>() for a run-time mr in 1 .. R
+template <int R, class F>
+inline void with_rows(int64_t mr, const F& f) {
+  if constexpr (R > 1) {
+    if (mr < R) return with_rows<R - 1>(mr, f);
+  }
+  f.template operator()<R>();
+}
+
+// M rows of x against every block: the blocks in panels of kPanelBlocks (the last may hold one), split over the
+// threads; each thread builds a panel (`make(blk, panel)`) and runs tiles of at most kMaxRows rows over it (`tile`),
+// as even as they can be (32 rows in tiles of 6: 6, 6, 5, 5, 5, 5, where a 2-row remainder would read the whole panel
+// for 2 rows), for each chunk of kPanelChunk rows (whose float32 rows then stay in the core's L2 while every panel
+// passes over them)
+template <int kMaxRows, class Make, class Tile>
+void over_panels(int64_t M, int64_t blocks, int64_t K2, const Make& make, const Tile& tile) {
+  const int64_t panels = (blocks + kPanelBlocks - 1) / kPanelBlocks;
+  for (int64_t c0 = 0; c0 < M; c0 += kPanelChunk) {
+    const int64_t c1 = std::min(M, c0 + kPanelChunk), tiles = (c1 - c0 + kMaxRows - 1) / kMaxRows;
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      FlushDenormals daz;  // the FMA form's float steps flush as vdpbf16ps does (see tile_int4_fma)
+      const std::unique_ptr<float, decltype(&std::free)> buffer(
+          static_cast<float*>(std::aligned_alloc(64, K2 * 16 * kPanelBlocks * sizeof(float))), &std::free);
+      auto rows = [&](auto nb, const auto& blk) {
+        constexpr int B = decltype(nb)::value;
+        make.template operator()<B>(blk, buffer.get());
+        for (int64_t t = 0, m0 = c0; t < tiles; ++t) {
+          const int64_t mr = (c1 - c0) / tiles + (t < (c1 - c0) % tiles);
+          with_rows<kMaxRows>(mr, [&]<int MR>() { tile.template operator()<MR, B>(m0, blk, buffer.get()); });
+          m0 += mr;
+        }
+      };
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b0 = p * kPanelBlocks;
+        const int64_t two[2] = {b0, b0 + 1}, one[1] = {b0};
+        if (b0 + 1 < blocks) rows(std::integral_constant<int, 2>{}, two);
+        else rows(std::integral_constant<int, 1>{}, one);
+      }
+    });
+  }
 }
 
 // Which form the bf16 dot products of several rows take. "fma" where the two-FMA form gives vdpbf16ps's bits on this
@@ -434,6 +567,15 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
   if (fp8) out.post = std::ldexp(1.f, kFp8Shift - kFp8InputShift);
   std::vector<float> xf;
   if (!fp8 && M >= 2 && use_fma_dots()) xf = widen(xw, M * K2);  // the same bits in fewer cycles (tile_int4_fma)
+  if (!xf.empty() && gscale && M >= kPanelFromInt8) {  // group scales (Q8_0): measured there; per-channel int8 keeps its 8 x 3 tiles
+    auto make = [&]<int B>(const int64_t (&blk)[B], float* panel) {
+      make_panel<B, 2>(w, K2, blk, panel, [](const uint8_t* p, __m512 (&v)[2]) { widen_q8(p, v[0], v[1]); });
+    };
+    auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B], const float* panel) {
+      panel_tile_q8<MR, B>(xf.data(), K2, panel, m0, blk, out, gscale, group);
+    };
+    return over_panels<8>(M, blocks, K2, make, tile);  // 8 rows x 32 outputs: 32 accumulators, the group's spilled
+  }
   auto body = [&]<int kMR, int NB>(auto decode) {
     using D = decltype(decode);
     if (!xf.empty()) {
@@ -450,10 +592,9 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
     sweep<kMR, NB>(M, blocks, tile);
   };
   if (fp8) body.template operator()<kRows, 3>(Fp8Decode{});
-  // 5-8 rows: see qmatmul_int4_into. The FMA form takes 8-row tiles from 16 rows on too (SmolLM2 Q8_0, float32,
-  // Emerald Rapids: a step of 16 / 32 rows 26.9 / 53.0 -> 25.8 / 48.2 ms; at 9-12 rows the 8 + 1 split cost 6-10% more
-  // than 4 + 4 + 1 over three streams)
-  else if (gscale && M > kRows / 2 && (M <= kRows || (M >= 2 * kRows && !xf.empty())))
+  // 5-8 rows: see qmatmul_int4_into. At 9-15 rows the FMA form keeps 4 x 3 tiles (there the 8 + 1 split cost 6-10% more
+  // than 4 + 4 + 1 over three streams), and from 16 rows it runs on panels (above)
+  else if (gscale && M > kRows / 2 && M <= kRows)
     body.template operator()<kRows, 1>(Int8Decode{});
   else if (gscale) body.template operator()<kRows / 2, 3>(Int8Decode{});  // per-group accumulators take registers too
   else body.template operator()<kRows, 3>(Int8Decode{});
@@ -475,6 +616,7 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   // The FMA form keeps 8-row tiles above 8 rows too, where each decoded weight then serves twice the rows (its
   // decoding is the costly part of that tile): Emerald Rapids, SmolLM2 Q4_1, float32, a decode step of 9 / 16 / 32
   // rows 15.6 / 24.6 / 48.3 -> 15.0 / 22.1 / 42.7 ms.
+  // From kPanelFromInt4 rows, float32 panels (over_panels).
   auto run = [&](const auto& tile, bool fma) {
     if (M <= 2) sweep<2, 3>(M, blocks, tile);
     else if (M <= 4 || (M > kRows && !fma)) sweep<4, 2>(M, blocks, tile);
@@ -482,6 +624,13 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   };
   if (M >= 2 && use_fma_dots()) {  // the same bits in fewer cycles where vdpbf16ps is slow (see tile_int4_fma)
     const std::vector<float> xf = widen(xw, M * K2);
+    if (M >= kPanelFromInt4)  // 6 rows x 32 outputs: 24 accumulators of the group in registers, the rest spilled
+      return over_panels<6>(M, blocks, K2, [&]<int B>(const int64_t (&blk)[B], float* panel) {
+                           make_panel<B, 4>(w, K2, blk, panel, [](const uint8_t* p, __m512 (&v)[4]) { widen_int4(p, v[0], v[1], v[2], v[3]); });
+                         },
+                         [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B], const float* panel) {
+                           panel_tile_int4<MR, B>(xf.data(), K2, panel, m0, blk, out, args);
+                         });
     return run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
       FlushDenormals daz;
       tile_int4_fma<MR, B>(xf.data(), K2, w, m0, blk, out, args);
@@ -494,6 +643,11 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 }
 
 std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
+int64_t quantized_panel_rows(const std::string& kind) {
+  TORCH_CHECK(kind == "int4" || kind == "q8_0" || kind == "int8" || kind == "fp8", "quantized_panel_rows: int4, q8_0, int8 or fp8, not ", kind);
+  if (!use_fma_dots() || kind == "fp8" || kind == "int8") return 0;  // fp8 codes take no FMA form; per-channel int8 keeps its tiles
+  return kind == "int4" ? kPanelFromInt4 : kPanelFromInt8;
+}
 bool bf16_dot_fma_exact() { return fma_dots_exact(); }
 std::string set_bf16_dot_kernel(const std::string& name) {
   TORCH_CHECK(name == "fma" || name == "dpbf16", "bf16 dot kernel: fma or dpbf16, not ", name);
