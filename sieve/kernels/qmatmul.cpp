@@ -334,9 +334,10 @@ void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, con
 // FMAs use). A panel holds the codes of NBP blocks (16 * NBP output rows) as float32 [K2][16 * NBP], input by input
 // (int4: the numbers 128 + q), and the tiles take them in the order of the FMA tiles above, so every output is the
 // same number, bit for bit, at any row count. Each broadcast input then serves 32 outputs (two FMAs) where it served
-// 16. The panel (73-196 KB for SmolLM2's K) stays in L2; writing it costs about what 4 rows of FMAs do, so small row
-// counts keep the register tiles. Tried and not kept: panels of one block under 8-row tiles (each broadcast serving
-// one FMA again: 0.72-0.79x the register tiles at 16-64 rows), and 4-row tiles over two blocks (0.98x at 32 rows).
+// 16. The panel (73-196 KB for SmolLM2's K) stays in L2. Writing and rereading it costs more than it saves at small
+// row counts (a first version took SmolLM2's 4-row step from 8.2 to 14.0 ms), so they keep the register tiles. Tried
+// and not kept: panels of one block under 8-row tiles (each broadcast serving one FMA again: 0.72-0.79x the register
+// tiles at 16-64 rows), and 4-row tiles over two blocks (0.98x at 32 rows).
 constexpr int kPanelBlocks = 2;
 
 // The codes of NBP blocks as a float32 panel [K2][16 * NBP]: step s of each block's stream (32 bytes: kIn = 4 inputs of
@@ -574,7 +575,8 @@ void qmatmul_q8_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_
     auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B], const float* panel) {
       panel_tile_q8<MR, B>(xf.data(), K2, panel, m0, blk, out, gscale, group);
     };
-    return over_panels<8>(M, blocks, K2, make, tile);  // 8 rows x 32 outputs: 32 accumulators, the group's spilled
+    // 8 rows x 32 outputs: 16 group sums in registers, the running sums spilled between groups
+    return over_panels<8>(M, blocks, K2, make, tile);
   }
   auto body = [&]<int kMR, int NB>(auto decode) {
     using D = decltype(decode);
@@ -624,13 +626,16 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   };
   if (M >= 2 && use_fma_dots()) {  // the same bits in fewer cycles where vdpbf16ps is slow (see tile_int4_fma)
     const std::vector<float> xf = widen(xw, M * K2);
-    if (M >= kPanelFromInt4)  // 6 rows x 32 outputs: 24 accumulators of the group in registers, the rest spilled
-      return over_panels<6>(M, blocks, K2, [&]<int B>(const int64_t (&blk)[B], float* panel) {
-                           make_panel<B, 4>(w, K2, blk, panel, [](const uint8_t* p, __m512 (&v)[4]) { widen_int4(p, v[0], v[1], v[2], v[3]); });
-                         },
-                         [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B], const float* panel) {
-                           panel_tile_int4<MR, B>(xf.data(), K2, panel, m0, blk, out, args);
-                         });
+    // 6 rows x 32 outputs: 24 group sums (two chains; GCC spills 2 of them), the running sums spilled between groups
+    if (M >= kPanelFromInt4) {
+      auto make = [&]<int B>(const int64_t (&blk)[B], float* panel) {
+        make_panel<B, 4>(w, K2, blk, panel, [](const uint8_t* p, __m512 (&v)[4]) { widen_int4(p, v[0], v[1], v[2], v[3]); });
+      };
+      auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B], const float* panel) {
+        panel_tile_int4<MR, B>(xf.data(), K2, panel, m0, blk, out, args);
+      };
+      return over_panels<6>(M, blocks, K2, make, tile);
+    }
     return run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
       FlushDenormals daz;
       tile_int4_fma<MR, B>(xf.data(), K2, w, m0, blk, out, args);
