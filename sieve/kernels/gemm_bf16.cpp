@@ -109,22 +109,8 @@ void tile(const float* x, int64_t K, const float* panel, int64_t m0, int64_t n0,
 }
 
 void rows_over_panel(const float* x, int64_t M, int64_t K, const float* panel, int64_t n0, int64_t N, const float* bias, bf16* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    switch (std::min<int64_t>(kTileRows, M - m0)) {
-      case 12: tile<12>(x, K, panel, m0, n0, N, bias, y); break;
-      case 11: tile<11>(x, K, panel, m0, n0, N, bias, y); break;
-      case 10: tile<10>(x, K, panel, m0, n0, N, bias, y); break;
-      case 9: tile<9>(x, K, panel, m0, n0, N, bias, y); break;
-      case 8: tile<8>(x, K, panel, m0, n0, N, bias, y); break;
-      case 7: tile<7>(x, K, panel, m0, n0, N, bias, y); break;
-      case 6: tile<6>(x, K, panel, m0, n0, N, bias, y); break;
-      case 5: tile<5>(x, K, panel, m0, n0, N, bias, y); break;
-      case 4: tile<4>(x, K, panel, m0, n0, N, bias, y); break;
-      case 3: tile<3>(x, K, panel, m0, n0, N, bias, y); break;
-      case 2: tile<2>(x, K, panel, m0, n0, N, bias, y); break;
-      default: tile<1>(x, K, panel, m0, n0, N, bias, y); break;
-    }
-  }
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+    with_rows<kTileRows>(std::min<int64_t>(kTileRows, M - m0), [&]<int MR>() { tile<MR>(x, K, panel, m0, n0, N, bias, y); });
 }
 
 }  // namespace

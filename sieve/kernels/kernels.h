@@ -28,6 +28,15 @@ namespace sieve {
 
 using bf16 = c10::BFloat16;
 
+// f.template operator()<mr>() for a run-time mr in 1 .. R: the tile sizes a kernel instantiates, R down to 1
+template <int R, class F>
+inline void with_rows(int64_t mr, const F& f) {
+  if constexpr (R > 1) {
+    if (mr < R) return with_rows<R - 1>(mr, f);
+  }
+  f.template operator()<R>();
+}
+
 // Runs `tile<MR, NB>(m0, blocks)` over all rows of x and all column blocks. Threads split the column
 // blocks; a thread cuts its share into NB parts and walks them side by side, so that each of its NB
 // read streams moves through consecutive memory (adjacent blocks in lockstep defeat the prefetcher:
@@ -36,18 +45,8 @@ template <int kMR, int NB, class Tile>
 void sweep(int64_t M, int64_t blocks, const Tile& tile) {
   auto rows = [&](auto nb, const auto& blk) {
     constexpr int B = decltype(nb)::value;
-    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-      switch (std::min<int64_t>(kMR, M - m0)) {
-        case 8: tile.template operator()<8, B>(m0, blk); break;
-        case 7: tile.template operator()<7, B>(m0, blk); break;
-        case 6: tile.template operator()<6, B>(m0, blk); break;
-        case 5: tile.template operator()<5, B>(m0, blk); break;
-        case 4: tile.template operator()<4, B>(m0, blk); break;
-        case 3: tile.template operator()<3, B>(m0, blk); break;
-        case 2: tile.template operator()<2, B>(m0, blk); break;
-        default: tile.template operator()<1, B>(m0, blk); break;
-      }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += kMR)
+      with_rows<kMR>(std::min<int64_t>(kMR, M - m0), [&]<int MR>() { tile.template operator()<MR, B>(m0, blk); });
   };
   at::parallel_for(0, blocks, NB, [&](int64_t b0, int64_t b1) {
     const int64_t part = (b1 - b0) / NB;

@@ -388,17 +388,9 @@ constexpr int64_t kPanelChunk = 128;
 // 1.10-1.16x / 1.13-1.18x; Q8_0 with 8-row tiles 12 / 16 / 32 / 64 / 256 rows 0.94x / 1.10x / 1.24x / 1.40x / 1.45x)
 constexpr int64_t kPanelFromInt4 = 24, kPanelFromInt8 = 16;
 
-// f.template operator()<mr>() for a run-time mr in 1 .. R
-template <int R, class F>
-inline void with_rows(int64_t mr, const F& f) {
-  if constexpr (R > 1) {
-    if (mr < R) return with_rows<R - 1>(mr, f);
-  }
-  f.template operator()<R>();
-}
-
 // M rows of x against every block: the blocks in panels of kPanelBlocks (the last may hold one), split over the
-// threads; each thread builds a panel (`make(blk, panel)`) and runs tiles of at most kMaxRows rows over it (`tile`),
+// threads; each thread builds a panel (`make(blk, panel)`) and runs tiles of at most kMaxRows rows over it (`tile`,
+// through kernels.h's with_rows),
 // as even as they can be (32 rows in tiles of 6: 6, 6, 5, 5, 5, 5, where a 2-row remainder would read the whole panel
 // for 2 rows), for each chunk of kPanelChunk rows (whose float32 rows then stay in the core's L2 while every panel
 // passes over them)

@@ -76,8 +76,8 @@ class BlockedKernel:
 
     def __init__(self, w: ChannelScaledWeight | Int4Weight, ops, bias: torch.Tensor | None = None):
         self.nbytes, self.kind = w.nbytes, w.kind
-        kind = "int4" if isinstance(w, Int4Weight) else "q8_0" if w.kind == "int8" and w.scale.dim() == 2 else w.kind
-        panels = ops.quantized_panel_rows(kind) if hasattr(ops, "quantized_panel_rows") else 0
+        panel_kind = "int4" if isinstance(w, Int4Weight) else "q8_0" if w.kind == "int8" and w.scale.dim() == 2 else w.kind
+        panels = ops.quantized_panel_rows(panel_kind) if hasattr(ops, "quantized_panel_rows") else 0
         self.name = f"{w.describe()} ({ops.isa} kernel)" + (f", float32 panels from {panels} rows" if panels else "")
         if isinstance(w, Int4Weight):
             blocked, scale, aux = block_int4(w)
