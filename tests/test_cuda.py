@@ -65,3 +65,55 @@ def test_gguf_model_on_the_gpu_matches_the_cpu(checkpoints, tmp_path):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta[0] == tb[0]
         assert a.outputs[0].logprobs[0][ta[0]].logprob == pytest.approx(b.outputs[0].logprobs[0][tb[0]].logprob, abs=0.1)
+
+
+@cuda
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "suffix", "num_speculative_tokens": "auto"}])
+def test_speculative_decoding_on_the_gpu_gives_the_plain_tokens(llama_engine_factory, spec):
+    """Verification rows on CUDA (the Triton decode attention, cuBLAS linears), float32: greedy tokens equal the plain
+    engine's on the same device, 33 requests at once and one alone, and the KV pool comes back whole."""
+    from test_spec import assert_pool_clean, grounded_workload
+
+    prompts, params = grounded_workload(33)
+    plain = llama_engine_factory(device="cuda")
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = llama_engine_factory(device="cuda", speculative_config=spec)
+    engine = llm.llm_engine
+    assert engine.runner.device.type == "cuda"
+    assert llm.generate([prompts[1]], [params[1]])[0].outputs[0].token_ids == reference[1]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0  # drafts were verified and kept
+    assert_pool_clean(engine)
+
+
+@cuda
+def test_triton_decode_attention_on_the_gpu_is_the_reference_and_each_row_its_own():
+    from test_attention_triton import check_paged_decode
+
+    check_paged_decode("cuda")
+
+
+@cuda
+@pytest.mark.parametrize("crowd", [False, True])
+def test_bfloat16_gguf_speculation_on_the_gpu_gives_the_plain_tokens(checkpoints, tmp_path, crowd):
+    """The H200 benchmark's case (a GGUF int4 file, bfloat16 activations, Triton linears): a drafted sequence's rows
+    are computed as each would be alone, so its greedy tokens equal speculation off's, one request at a time and
+    4 at once (decode steps of at most 16 rows: the linears' one tile shape; above 16 rows they take another)."""
+    from sieve import LLM
+    from sieve.bench.gguf_export import export_gguf
+    from test_spec import grounded_workload
+
+    path = export_gguf(checkpoints["llama"], tmp_path / "l.gguf", "q4_1", log=lambda s: None)
+    prompts, params = grounded_workload(17)
+    engines = [LLM(str(path), device="cuda", dtype="bfloat16", num_gpu_blocks_override=512, speculative_config=spec)
+               for spec in (None, {"method": "ngram", "num_speculative_tokens": 3})]
+
+    def run(llm):
+        if crowd:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params[:4])]
+        return [llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+
+    assert run(engines[1]) == run(engines[0])
+    assert engines[1].llm_engine.speculator.stats.num_accepted_tokens > 0

@@ -3,7 +3,8 @@
 The model runner lays a step out as decode tokens first (one per sequence), then prefill chunks.
 Every new K/V is written to its cache slot; then
   - decodes attend in one batched call, reading K/V through their block tables (on CPU a native
-    kernel reads them in place from the pool; elsewhere a padded gather + SDPA);
+    kernel reads them in place from the pool; on CUDA a Triton kernel does, each row's result independent
+    of the rest of the batch (attention_triton.py); a quantized cache on CUDA: a padded gather + SDPA);
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
     with a causal mask aligned to the chunk's end.
 A sliding-window layer (window W: a query at position p sees keys p - W < k <= p) gets its window's own
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sieve.kernels import cpu_ops
+from sieve.layers import attention_triton
 
 
 @dataclass
@@ -209,6 +211,9 @@ class Attention(nn.Module):
             return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
                                               meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale,
                                               meta.decode_first_visible)
+        if attention_triton.supports(q, cache.k, quantized=cache.k_scale is not None):  # CUDA: each row alone, in place
+            return attention_triton.paged_decode_attention(q, cache.k, cache.v, meta.decode_block_tables,
+                                                           meta.decode_context_lens, self.scale, meta.decode_first_visible)
         return decode_attention_reference(q, cache, meta, self.scale)
 
 

@@ -55,10 +55,12 @@ class GreedyHead:
     @staticmethod
     def supported(head, softcapping: float | None) -> bool:
         """A plain bf16 native linear on CPU (the GEMV the plain path runs), no bias, no logit soft-capping."""
+        if head.weight is None or head.weight.device.type != "cpu":  # before cpu_ops(): a GPU head builds no CPU kernels
+            return False
         ops = cpu_ops()
         return (ops is not None and hasattr(ops, "greedy_head") and softcapping is None and head.native is not None
-                and head.qkernel is None and head.weight is not None and head.weight.dtype == torch.bfloat16
-                and head.weight.device.type == "cpu" and head.bias is None and head.weight.shape[1] <= 4096)
+                and head.qkernel is None and head.weight.dtype == torch.bfloat16
+                and head.bias is None and head.weight.shape[1] <= 4096)
 
     @property
     def nbytes(self) -> int:
@@ -111,8 +113,10 @@ class GreedyHeadQ8:
     def supported(head, softcapping: float | None) -> bool:
         """A Q8_0 native head (groups of 32, no bias) under float32 activations, on a CPU build with AVX512-VNNI, no
         logit soft-capping. (Under bf16 activations the plain logits are rounded to bf16: this bound does not cover it.)"""
-        ops = cpu_ops()
         native = getattr(head, "native", None)
+        if native is None:  # only a CPU linear has a native kernel (and a GPU head builds no CPU kernels)
+            return False
+        ops = cpu_ops()
         return (ops is not None and hasattr(ops, "greedy_head_q8") and softcapping is None and native is not None
                 and head.dtype == torch.float32
                 and head.qkernel is not None and getattr(native, "kind", None) == ops.LINEAR_Q8 and not native.fp8

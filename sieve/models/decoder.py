@@ -225,9 +225,12 @@ class DecoderModel(nn.Module):
     def _build_native(self):
         """The C++ layer loop, where every piece of a layer has a native kernel: CPU, bf16 activations, or
         float32 activations with quantized linears (a GGUF file's weights, kept as stored)."""
-        a, ops = self.arch, cpu_ops()
+        a = self.arch
         first = self.layers[0].input_layernorm.weight if len(self.layers) else None
-        if (ops is None or not hasattr(ops, "NativeDecoder") or first is None or first.device.type != "cpu"
+        if first is None or first.device.type != "cpu":  # asked before cpu_ops(): a GPU model builds no CPU kernels
+            return None
+        ops = cpu_ops()
+        if (ops is None or not hasattr(ops, "NativeDecoder")
                 or self.tp is not None  # the C++ loop has no collectives
                 or first.dtype not in (torch.bfloat16, torch.float32) or a.is_moe  # the C++ loop has no expert routing,
                 or a.gemma or a.has_sliding_layers or a.is_mla  # nor Gemma's norms and GeGLU, windows or latent attention,

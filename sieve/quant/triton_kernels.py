@@ -28,7 +28,10 @@ except ImportError:  # CPU-only installs: make_kernel never asks for these
 
 if triton is not None:
 
-    @triton.jit
+    # M (the rows) is not specialized: Triton would compile M == 1 apart, and a variant may order a row's sums
+    # otherwise; so 1 to 16 rows (one tile shape) run one compiled kernel, and a decode row and the same row among
+    # a verification's drafted rows get the same bits (sieve/layers/attention_triton_kernel.py, the same rule).
+    @triton.jit(do_not_specialize=["M"])
     def _qlinear(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_q, stride_s, stride_ym,
                  GROUP: tl.constexpr, INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
