@@ -2,7 +2,8 @@
 the same bits whatever else is in the batch (alone, next to longer rows, as one of a sequence's drafted rows).
 
 On this CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: Triton reads the variable
-when the kernel is defined); tests/test_cuda.py runs the same checks compiled, on a GPU."""
+when the kernel is defined); tests/test_cuda.py runs the same checks compiled, on a GPU. Also: a model off the CPU
+never asks for the CPU kernels (a minute's build on a fresh GPU machine)."""
 
 from __future__ import annotations
 

@@ -99,3 +99,59 @@ def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys):
     run_distill(distill_args(STORIES, tmp_path / "m2", epochs=1, max_tokens=32, answers=str(answers)))
     assert "answers read from" not in capsys.readouterr().out
     assert json.loads(answers.read_text())["key"]["max_tokens"] == 32
+
+
+class _Tok:
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        assert not tokenize and not add_generation_prompt
+        return "<sys>be helpful</sys><user>" + messages[0]["content"] + "</user>"
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+class _LLM:
+    """Stands in for the target: hands out scripted completions, records what it was asked."""
+
+    def __init__(self, completions):
+        self.completions, self.calls = list(completions), []
+
+    def get_tokenizer(self):
+        return _Tok()
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        self.calls.append((prompts, params))
+        out, self.completions = self.completions[: len(prompts)], self.completions[len(prompts):]
+        out += [("", "length")] * (len(prompts) - len(out))
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=t, finish_reason=f)]) for t, f in out]
+
+
+def test_magpie_questions_come_from_the_targets_own_user_turn():
+    """--prompt-source magpie: the target is given its chat template up to the user's text and writes the question;
+    cut, short, special-token, repeated and benchmark questions are dropped, and sampling goes on until n are kept,
+    each request with its own seed."""
+    from sieve.bench.spec import CHAT_PROMPTS
+    from sieve.spec.distill import magpie_messages, prompt_messages
+
+    first = [("How do tides work?", "stop"), ("Explain recursion with an example, please.", "length"),  # cut: dropped
+             ("Hi there", "stop"), ("  how do  TIDES work? ", "stop"), (CHAT_PROMPTS[0], "stop"),
+             ("What is <|im_start|> for?", "stop"), ("Plan a three day trip to Lisbon for me.", "stop")]
+    llm = _LLM(first + [("", "length")] * 5 + [("Why is the sea salty, really?", "stop")])
+    got = magpie_messages(llm, 3, seed=7)
+    assert [m[0]["content"] for m in got] == ["How do tides work?", "Plan a three day trip to Lisbon for me.",
+                                              "Why is the sea salty, really?"]
+    assert all(m[0]["role"] == "user" for m in got)
+    assert len(llm.calls) == 2  # a second round for the one still missing
+    prefix = [ord(c) for c in "<sys>be helpful</sys><user>"]
+    params = [p for prompts, ps in llm.calls for p in ps]
+    assert all(p["prompt_token_ids"] == prefix for prompts, _ in llm.calls for p in prompts)
+    assert all(p.temperature == 1.0 for p in params) and len({p.seed for p in params}) == len(params)
+    with pytest.raises(ConfigError, match="unknown"):
+        prompt_messages(llm, "shakespeare", 3)
+    llm.get_tokenizer = lambda: None
+    with pytest.raises(ConfigError, match="chat template"):
+        magpie_messages(llm, 3)

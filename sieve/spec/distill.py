@@ -75,6 +75,63 @@ def distill_messages(n: int, seed: int = 0) -> list[list[dict]]:
     return [[{"role": "user", "content": p}] for p in prompts[:n]]
 
 
+def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[list[dict]]:
+    """`n` user questions the target writes itself (Magpie, Xu et al. 2024): the chat template up to the start of a
+    user turn (the system turn included), sampled at temperature 1.0 until the turn ends. An instruct model fills it
+    with the kinds of request it was tuned on, so the heads train on what open chat asks, where the templates above
+    give 20 phrasings. Turns cut by `max_tokens`, shorter than 3 words, holding a special token, repeated or equal to a
+    benchmark prompt are left out; each request has its own seed, so the list is the same on every run."""
+    from sieve.bench.spec import CHAT_PROMPTS
+    from sieve.config import ConfigError
+    from sieve.sampling_params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ConfigError("--prompt-source magpie needs a target with a chat template")
+    mark = "\x00sieve-magpie\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=False)
+    if mark not in text:
+        raise ConfigError("--prompt-source magpie: the chat template does not place the user's text verbatim")
+    prefix = {"prompt_token_ids": tok.encode(text[: text.index(mark)], add_special_tokens=False)}
+    banned = {p.strip().lower() for p in CHAT_PROMPTS}
+    found: list[str] = []
+    seen: set[str] = set()
+    base = seed * 1_000_003
+    for attempt in range(4):  # rounds of 1.5 n samples until n questions are kept
+        need = n - len(found)
+        if need <= 0:
+            break
+        count = need + need // 2 + 8
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=base + attempt * 100_003 + i)
+                  for i in range(count)]
+        for out in llm.generate([prefix] * count, params):
+            c = out.outputs[0]
+            q = c.text.strip()
+            key = " ".join(q.lower().split())
+            if (c.finish_reason != "stop" or len(q.split()) < 3 or "<|" in q or key in seen or key in banned):
+                continue
+            seen.add(key)
+            found.append(q)
+    if len(found) < n:
+        log.warning("magpie: %d of %d questions kept", len(found), n)
+    return [[{"role": "user", "content": q}] for q in found[:n]]
+
+
+def prompt_messages(llm, source: str, n: int, seed: int = 0) -> list[list[dict]]:
+    """The distillation prompts from `source`: templates (distill_messages), magpie, or mixed (half each)."""
+    from sieve.config import ConfigError
+
+    if source == "templates":
+        return distill_messages(n, seed)
+    if source == "magpie":
+        return magpie_messages(llm, n, seed)
+    if source == "mixed":
+        out = distill_messages(n - n // 2, seed) + magpie_messages(llm, n // 2, seed)
+        random.Random(seed).shuffle(out)
+        return out
+    raise ConfigError(f"--prompt-source {source}: unknown (templates, magpie, mixed)")
+
+
 def _stdlib_functions(n: int) -> list[str]:
     import calendar
     import colorsys
@@ -120,6 +177,9 @@ def answers(llm, messages: list[list[dict]], args: argparse.Namespace) -> list[t
 
     key = {"target": str(llm.llm_engine.config.model), "prompts": len(messages), "max_tokens": args.max_tokens,
            "temperature": args.temperature, "seed": args.seed}
+    source = getattr(args, "prompt_source", "templates")
+    if source != "templates":  # (files written before the option stay valid for the templates)
+        key["prompt_source"] = source
     path = Path(args.answers) if args.answers else None
     if path is not None and path.exists():
         try:
@@ -370,7 +430,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
-    messages = distill_messages(args.prompts, args.seed)
+    messages = prompt_messages(llm, getattr(args, "prompt_source", "templates"), args.prompts, args.seed)
     seqs = answers(llm, messages, args)
     generated = time.perf_counter()
     rng = random.Random(args.seed)
@@ -473,6 +533,9 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
                         "the one it guesses)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the heads can draft (the most frequent in the answers)")
     p.add_argument("--prompts", type=int, default=240)
+    p.add_argument("--prompt-source", default="templates", choices=["templates", "magpie", "mixed"],
+                   help="templates: instructions from templates x topics, passages and code; magpie: questions the target "
+                        "writes itself from its chat template's user turn; mixed: half each")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="how the target answers (0: its greedy answers)")
     p.add_argument("--answers", default=None, help="a JSON file the target's answers are kept in and reused from "
