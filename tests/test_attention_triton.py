@@ -41,7 +41,7 @@ def _case(device, dtype, cache_dtype, H, KVH, D, bs, lens, windows=None, seed=0)
     ctx = torch.tensor(lens, dtype=torch.int64, device=device)
     first = None if windows is None else torch.tensor(windows, dtype=torch.int64, device=device)
     q = torch.randn(len(lens), H, D, generator=g).to(device, dtype)
-    assert attention_triton.supports(q, k, quantized=False)
+    assert attention_triton.supports(q, k, v, quantized=False)
     got = attention_triton.paged_decode_attention(q, k, v, tab, ctx, D**-0.5, first)
     assert got.dtype == dtype and got.shape == q.shape
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64, device=device), len(lens), tab, ctx, [], first)
@@ -81,9 +81,10 @@ def test_a_cpu_query_without_the_interpreter_is_not_taken(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k = torch.zeros(1, 2, 8), torch.zeros(4, 16, 2, 8)
-    assert not attention_triton.supports(q, k, quantized=False)
-    assert not attention_triton.supports(q.cuda() if torch.cuda.is_available() else q, torch.zeros(4, 12, 2, 8), quantized=False)
-    assert not attention_triton.supports(q, k, quantized=True)
+    assert not attention_triton.supports(q, k, k, quantized=False)
+    odd = torch.zeros(4, 12, 2, 8)  # a block size that is not a power of two
+    assert not attention_triton.supports(q.cuda() if torch.cuda.is_available() else q, odd, odd, quantized=False)
+    assert not attention_triton.supports(q, k, k, quantized=True)
 
 
 def test_a_model_off_the_cpu_does_not_build_the_cpu_kernels(monkeypatch):

@@ -211,7 +211,7 @@ class Attention(nn.Module):
             return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, meta.decode_block_tables,
                                               meta.decode_context_lens, self.scale, cache.k_scale, cache.v_scale,
                                               meta.decode_first_visible)
-        if attention_triton.supports(q, cache.k, quantized=cache.k_scale is not None):  # CUDA: each row alone, in place
+        if attention_triton.supports(q, cache.k, cache.v, quantized=cache.k_scale is not None):  # CUDA: each row alone, in place
             return attention_triton.paged_decode_attention(q, cache.k, cache.v, meta.decode_block_tables,
                                                            meta.decode_context_lens, self.scale, meta.decode_first_visible)
         return decode_attention_reference(q, cache, meta, self.scale)

@@ -1,11 +1,11 @@
 """Paged decode attention on CUDA in one Triton kernel whose result for a row depends on that row alone.
 
 The PyTorch decode path (`attention.decode_attention_reference`) gathers every row's K/V padded to the
-longest table and runs masked SDPA. Its arithmetic for a row then depends on the rest of the batch: the
-padded length and the number of rows pick SDPA's backend and split. In bfloat16 that moves a row's output
-by a rounding step, enough to flip a near-tied greedy token: a sequence verifying drafted tokens (its rows
-padded to its last draft) then decodes other tokens than it does alone (seen on an H200 with the SmolLM2
-GGUF file: ngram, bfloat16, "TOKENS DIFFER FROM OFF"; docs/benchmarks.md).
+longest table and runs masked SDPA, so a row's arithmetic can depend on the rest of the batch: the padded
+length and the number of rows are what SDPA's kernels choose by. In bfloat16 a rounding step is enough to flip
+a near-tied greedy token, and a sequence verifying drafted tokens (its rows padded to its last draft) must
+decode the tokens it decodes alone. On an H200 with the SmolLM2 GGUF file, bfloat16 speculation did not
+("TOKENS DIFFER FROM OFF"; docs/benchmarks.md), float32 did.
 
 Here one program takes one (row, KV head): the row's query heads of that group ([GROUP, D]) walk the row's
 own blocks in order, block by block from its table, with an online softmax in float32 (the running max, the
@@ -28,12 +28,6 @@ import os
 import torch
 
 
-def _kernel():
-    from sieve.layers import attention_triton_kernel
-
-    return attention_triton_kernel
-
-
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -44,13 +38,13 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) -> bool:
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool) -> bool:
     """A CUDA query over an exact float cache whose block size is a power of two (or any device under Triton's
     interpreter, which the CPU tests use)."""
     if not _has_triton() or quantized or q.dtype not in _FLOATS or k_cache.dtype not in _FLOATS:
         return False
     bs = k_cache.shape[1]
-    if bs & (bs - 1) or k_cache.stride(-1) != 1:
+    if bs & (bs - 1) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return False
     return q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -70,9 +64,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     import triton
 
+    from sieve.layers.attention_triton_kernel import paged_decode
+
     group = H // KVH
-    mod = _kernel()
-    mod._paged_decode[(n, KVH)](
+    paged_decode[(n, KVH)](
         q, k_cache, v_cache, block_tables, context_lens, first_visible if first_visible is not None else context_lens, out,
         float(scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),

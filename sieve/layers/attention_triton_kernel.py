@@ -14,7 +14,7 @@ _PTRS = ["q_ptr", "k_ptr", "v_ptr", "tab_ptr", "len_ptr", "first_ptr", "out_ptr"
 
 
 @triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_PTRS)
-def _paged_decode(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, first_ptr, out_ptr, scale,
+def paged_decode(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, first_ptr, out_ptr, scale,
                   s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_tt, s_ot, s_oh,
                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                   HAS_FIRST: tl.constexpr):
