@@ -103,6 +103,7 @@ def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys):
 
 class _Tok:
     chat_template = "fake"
+    all_special_tokens = ["<|im_start|>", "<|im_end|>"]
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
         assert not tokenize and not add_generation_prompt

@@ -78,9 +78,10 @@ def distill_messages(n: int, seed: int = 0) -> list[list[dict]]:
 def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[list[dict]]:
     """`n` user questions the target writes itself (Magpie, Xu et al. 2024): the chat template up to the start of a
     user turn (the system turn included), sampled at temperature 1.0 until the turn ends. An instruct model fills it
-    with the kinds of request it was tuned on, so the heads train on what open chat asks, where the templates above
-    give 20 phrasings. Turns cut by `max_tokens`, shorter than 3 words, holding a special token, repeated or equal to a
-    benchmark prompt are left out; each request has its own seed, so the list is the same on every run."""
+    with the kinds of request it was tuned on, where the templates above give 20 phrasings. (For SmolLM2's EAGLE layer
+    that served open chat no better than the templates: docs/benchmarks.md, issue 15, fourteenth part.) Turns cut by
+    `max_tokens`, shorter than 3 words, holding one of the tokenizer's special tokens, repeated or equal to a benchmark
+    prompt are left out; each request has its own seed, so the list is the same on every run."""
     from sieve.bench.spec import CHAT_PROMPTS
     from sieve.config import ConfigError
     from sieve.sampling_params import SamplingParams
@@ -94,10 +95,11 @@ def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[li
         raise ConfigError("--prompt-source magpie: the chat template does not place the user's text verbatim")
     prefix = {"prompt_token_ids": tok.encode(text[: text.index(mark)], add_special_tokens=False)}
     banned = {p.strip().lower() for p in CHAT_PROMPTS}
+    specials = [t for t in getattr(tok, "all_special_tokens", []) if t] or ["<|"]
     found: list[str] = []
     seen: set[str] = set()
     base = seed * 1_000_003
-    for attempt in range(4):  # rounds of 1.5 n samples until n questions are kept
+    for attempt in range(4):  # up to 4 rounds, each sampling 1.5x the questions still missing
         need = n - len(found)
         if need <= 0:
             break
@@ -108,7 +110,8 @@ def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[li
             c = out.outputs[0]
             q = c.text.strip()
             key = " ".join(q.lower().split())
-            if (c.finish_reason != "stop" or len(q.split()) < 3 or "<|" in q or key in seen or key in banned):
+            if (c.finish_reason != "stop" or len(q.split()) < 3 or any(t in q for t in specials) or key in seen
+                    or key in banned):
                 continue
             seen.add(key)
             found.append(q)
@@ -177,9 +180,8 @@ def answers(llm, messages: list[list[dict]], args: argparse.Namespace) -> list[t
 
     key = {"target": str(llm.llm_engine.config.model), "prompts": len(messages), "max_tokens": args.max_tokens,
            "temperature": args.temperature, "seed": args.seed}
-    source = getattr(args, "prompt_source", "templates")
-    if source != "templates":  # (files written before the option stay valid for the templates)
-        key["prompt_source"] = source
+    if args.prompt_source != "templates":  # (files written before the option stay valid for the templates)
+        key["prompt_source"] = args.prompt_source
     path = Path(args.answers) if args.answers else None
     if path is not None and path.exists():
         try:
@@ -430,7 +432,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
-    messages = prompt_messages(llm, getattr(args, "prompt_source", "templates"), args.prompts, args.seed)
+    messages = prompt_messages(llm, args.prompt_source, args.prompts, args.seed)
     seqs = answers(llm, messages, args)
     generated = time.perf_counter()
     rng = random.Random(args.seed)
