@@ -32,21 +32,30 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.lru_cache(maxsize=None)
-def _has_triton() -> bool:
-    import importlib.util
+def _kernel():
+    """The jitted kernel, imported once (a CPU process never imports triton), or None where triton is missing."""
+    try:
+        from sieve.layers.attention_triton_kernel import paged_decode
+    except ImportError:
+        return None
+    return paged_decode
 
-    return importlib.util.find_spec("triton") is not None
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool) -> bool:
     """A CUDA query over an exact float cache whose block size is a power of two (or any device under Triton's
     interpreter, which the CPU tests use)."""
-    if not _has_triton() or quantized or q.dtype not in _FLOATS or k_cache.dtype not in _FLOATS:
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if quantized or q.dtype not in _FLOATS or k_cache.dtype not in _FLOATS:
         return False
     bs = k_cache.shape[1]
     if bs & (bs - 1) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         return False
-    return q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return _kernel() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -62,15 +71,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if n == 0:
         return out
-    import triton
-
-    from sieve.layers.attention_triton_kernel import paged_decode
-
     group = H // KVH
-    paged_decode[(n, KVH)](
+    _kernel()[(n, KVH)](
         q, k_cache, v_cache, block_tables, context_lens, first_visible if first_visible is not None else context_lens, out,
         float(scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GP=triton.next_power_of_2(group), D=D, DP=triton.next_power_of_2(D), BS=bs,
+        GROUP=group, GP=_pow2(group), D=D, DP=_pow2(D), BS=bs,
         HAS_FIRST=first_visible is not None, num_warps=4)
     return out

@@ -117,7 +117,7 @@ class GreedyHeadQ8:
         if native is None:  # only a CPU linear has a native kernel (and a GPU head builds no CPU kernels)
             return False
         ops = cpu_ops()
-        return (ops is not None and hasattr(ops, "greedy_head_q8") and softcapping is None and native is not None
+        return (ops is not None and hasattr(ops, "greedy_head_q8") and softcapping is None
                 and head.dtype == torch.float32
                 and head.qkernel is not None and getattr(native, "kind", None) == ops.LINEAR_Q8 and not native.fp8
                 and native.group == 32 and head.bias is None and native.weight.shape[1] * 2 <= 4096)
