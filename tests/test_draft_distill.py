@@ -88,8 +88,8 @@ def test_bad_draft_requests_are_refused(tmp_path):
         stories(speculative_config={"method": "draft_model", "model": "x", "quantization": "q3"})
 
 
-def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys):
-    """One generation serves several trainings (--answers FILE); other settings generate again."""
+def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys, monkeypatch):
+    """One generation serves several trainings (--answers FILE); other settings or prompts generate again."""
     _, report, answers = draft
     saved = json.loads(answers.read_text())
     assert 0 < len(saved["answers"]) <= report["prompts"] and saved["key"]["max_tokens"] == 96  # (prompts too long: left out)
@@ -99,6 +99,11 @@ def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys):
     run_distill(distill_args(STORIES, tmp_path / "m2", epochs=1, max_tokens=32, answers=str(answers)))
     assert "answers read from" not in capsys.readouterr().out
     assert json.loads(answers.read_text())["key"]["max_tokens"] == 32
+    from sieve.spec import distill  # the same settings and number of prompts, other prompts: generated again
+
+    monkeypatch.setattr(distill, "TEMPLATES", [t + " Please." for t in distill.TEMPLATES])
+    run_distill(distill_args(STORIES, tmp_path / "m3", epochs=1, max_tokens=32, answers=str(answers)))
+    assert "answers read from" not in capsys.readouterr().out
 
 
 class _Tok:
@@ -156,3 +161,57 @@ def test_magpie_questions_come_from_the_targets_own_user_turn():
     llm.get_tokenizer = lambda: None
     with pytest.raises(ConfigError, match="chat template"):
         magpie_messages(llm, 3)
+
+
+def test_the_held_out_tenth_is_whole_prompt_families():
+    """The held-out answers that measure a draft share no prompt family with the trained ones: the templates' prompts
+    differ only in their topic, Magpie's questions repeat their openings, and a
+    draft that memorised a family's answers overstated served acceptance 1.7x when a held-out prompt's family was
+    also trained on (docs/benchmarks.md, issue 15, fifteenth part)."""
+    from sieve.spec.distill import TEMPLATES, distill_messages, held_out_split, prompt_family
+
+    texts = [m[0]["content"] for m in distill_messages(600, seed=0)]
+    families = [prompt_family(t) for t in texts]
+    for i, t in enumerate(TEMPLATES):
+        assert prompt_family(t.format(t="penguins")) == prompt_family(t.format(t="the Roman Empire")) == f"template {i}"
+    assert len(set(texts)) == 600  # (the code task repeated 7 functions: 75 prompts, identical answers)
+    code = [t for t, f in zip(texts, families) if f.startswith("code")]
+    assert len(code) == 75 and len({f for f in families if f.startswith("code")}) == 75  # a family per function
+    assert prompt_family(code[0] + "\n") == prompt_family(code[0])
+    assert prompt_family("Can you provide a plan for my trip?") == prompt_family("can you PROVIDE me ideas") \
+        == "opening can you provide"
+    for seed in range(5):
+        held, train, how = held_out_split(families, 0.1, seed)
+        assert how == "family" and sorted(held + train) == list(range(600))
+        assert not {families[i] for i in held} & {families[i] for i in train}
+        assert 60 <= len(held) <= 120
+        for kind, size in (("template", 450), ("passage", 75), ("code", 75)):  # each kind held out alike
+            assert 0.08 * size <= sum(families[i].startswith(kind) for i in held) <= 0.34 * size
+        assert set(texts[i] for i in held).isdisjoint(texts[i] for i in train)  # no duplicate prompt on both sides
+    by_answer = held_out_split(families, 0.1, 0, by="answer")
+    assert by_answer[2] == "answer" and len(by_answer[0]) == 60
+    assert {families[i] for i in by_answer[0]} & {families[i] for i in by_answer[1]}  # (what the family split avoids)
+    # one family, or one that is most of them: answers held out instead, and said so
+    assert held_out_split(["a"] * 10, 0.1, 0)[2] == "answer"
+    held, train, how = held_out_split(["x a"] * 9 + ["x b"], 0.1, 0)
+    assert how == "family" and held == [9]
+    with pytest.raises(ConfigError, match="unknown"):
+        held_out_split(families, 0.1, 0, by="prompt")
+    with pytest.raises(ConfigError, match="at least 2"):
+        held_out_split(["a"], 0.1, 0)
+
+
+def test_answers_files_record_which_prompts_they_answer(draft):
+    """The distilled draft was measured on whole families (the report says which), and its answers file records
+    which prompts fit the context (the families are those prompts')."""
+    _, report, answers = draft
+    saved = json.loads(answers.read_text())
+    assert len(saved["kept"]) == len(saved["answers"]) and saved["kept"] == sorted(set(saved["kept"]))
+    assert report["held_out_by"] == "family" and report["held_out_families"]
+    assert report["target"].rstrip("/").endswith("stories260K")  # the model trained against, not the flag's text
+    assert 0 < report["held_out_answers"] < len(saved["answers"]) // 2
+    from sieve.bench.spec import _simulated_acceptance  # what `sieve bench spec` prints next to the served figure
+
+    out = draft[0]
+    assert _simulated_acceptance({"method": "draft_model", "model": str(out), "num_speculative_tokens": 3}) == \
+        (report["simulated_mean_acceptance_length"]["3"], "family")

@@ -189,9 +189,10 @@ def _concurrent(llm, prompts, users: int, args) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def _simulated_acceptance(config: dict | None) -> float | None:
+def _simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
     """Trained drafts (`sieve distill`: medusa and eagle heads, draft models) record the mean acceptance length they
-    reached on held-out answers."""
+    reached on held-out answers, and how those were held out (whole prompt families, or single answers: drafts
+    trained before families were held out)."""
     if not config or config.get("method") not in ("medusa", "eagle", "draft_model") or config.get("num_speculative_tokens") == "auto":
         return None
     folder = Path(config["model"])
@@ -199,7 +200,8 @@ def _simulated_acceptance(config: dict | None) -> float | None:
     if not meta_file.exists():  # a draft model sieve did not train
         return None
     meta = json.loads(meta_file.read_text())
-    return meta.get("simulated_mean_acceptance_length", {}).get(str(config.get("num_speculative_tokens", 4)))
+    value = meta.get("simulated_mean_acceptance_length", {}).get(str(config.get("num_speculative_tokens", 4)))
+    return None if value is None else (value, meta.get("held_out_by", "answer"))
 
 
 def run_bench_spec(args: argparse.Namespace) -> dict:
@@ -259,8 +261,8 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
                 extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
                 simulated = _simulated_acceptance(configs[names.index(name)])
                 if simulated is not None:  # what training measured on held-out answers, against what was served
-                    e["simulated_mean_acceptance_length"] = simulated
-                    extra += f" (simulated in training: {simulated:.2f})"
+                    e["simulated_mean_acceptance_length"], e["simulated_held_out_by"] = simulated
+                    extra += f" (simulated in training: {simulated[0]:.2f}, held out by {simulated[1]})"
                 if args.temperature == 0:
                     extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
             print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x (paired {e['paired_speedup']:.2f}x){extra}")

@@ -6,8 +6,9 @@
 2. The target answers them (its own tokens are the labels: the heads learn what this model writes, not what a
    dataset says), and one prefill pass over prompt + answer gives its last hidden state at every position.
 3. Plain PyTorch trains the heads on (hidden state at t, token t + 1 + k) pairs, a held-out tenth of the
-   answers measuring them: per-head top-1 accuracy, and the simulated acceptance the engine should see under
-   greedy verification (head k counts only if heads 1..k-1 were right), reported as a mean acceptance length.
+   answers measuring them (whole prompt families by default: `prompt_family`, `held_out_split`): per-head top-1
+   accuracy, and the simulated acceptance the engine should see under greedy verification (head k counts only if
+   heads 1..k-1 were right), reported as a mean acceptance length.
    `sieve bench spec` then reports the acceptance actually served, next to the simulated one.
 
 `--method draft` (sieve/spec/draft_train.py): a draft model cut from the target's layers, trained on its greedy
@@ -20,11 +21,13 @@ the target's next feature and its greedy next token at every position.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import logging
 import math
 import random
+import re
 import time
 from collections import Counter
 
@@ -135,27 +138,107 @@ def prompt_messages(llm, source: str, n: int, seed: int = 0) -> list[list[dict]]
     raise ConfigError(f"--prompt-source {source}: unknown (templates, magpie, mixed)")
 
 
+def _template_patterns() -> list[re.Pattern]:
+    out = []
+    for t in TEMPLATES:
+        head, tail = t.split("{t}")
+        out.append(re.compile(re.escape(head) + "(.+)" + re.escape(tail), re.DOTALL))
+    return out
+
+
+def prompt_family(text: str) -> str:
+    """The family a distillation prompt belongs to: prompts of one family share their wording, and so do their
+    answers, in spans a small draft memorises. For a held-out measure that predicts served acceptance, a family
+    is held out whole (`held_out_split`). Families: the template of an instruction (whatever its topic), the task of
+    a passage, the function of the code task, and otherwise (Magpie's questions, which repeat their openings: "Can
+    you provide a") the first three words."""
+    for i, rx in enumerate(_template_patterns()):
+        if rx.fullmatch(text):
+            return f"template {i}"
+    for i, task in enumerate(PASSAGE_TASKS):
+        if text.startswith(task.split("{p}")[0]):
+            return f"passage task {i}"
+    head = CODE_TASK.split("{c}")[0]
+    if text.startswith(head):
+        return "code " + text[len(head):].split("\n", 1)[0]  # its function's first line
+    return "opening " + " ".join(re.findall(r"[a-z0-9']+", text.lower())[:3])
+
+
+def held_out_split(families: list[str], fraction: float = 0.1, seed: int = 0,
+                   by: str = "family") -> tuple[list[int], list[int], str]:
+    """(held-out indices, training indices, how): about `fraction` of the answers held out, by whole families
+    (`by="family"`: no family on both sides; about `fraction` of each kind of family, so the held-out answers mix
+    instructions, passages and code as the trained ones do) or by answer (`by="answer"`: near-duplicates of a
+    held-out prompt may be trained on, and the held-out measure then overstates what is served: docs/benchmarks.md,
+    issue 15, fifteenth part). A family split falls back to answers when no whole family fits in half of its kind's answers (fewer
+    than two families of a kind, or one that is most of them), and says so in `how`."""
+    from sieve.config import ConfigError
+
+    n = len(families)
+    if n < 2:
+        raise ConfigError(f"distillation needs at least 2 answers to hold some out, got {n}")
+    if by not in ("family", "answer"):
+        raise ConfigError(f"--held-out-by {by}: unknown (family, answer)")
+    rng = random.Random(seed)
+    if by == "family":
+        members: dict[str, list[int]] = {}
+        for i, f in enumerate(families):
+            members.setdefault(f, []).append(i)
+        kinds: dict[str, list[str]] = {}  # the families of each kind ("template", "code", ...): each kind held out alike
+        for f in sorted(members):
+            kinds.setdefault(f.split(" ", 1)[0], []).append(f)
+        held: list[int] = []
+        for groups in kinds.values():
+            size = sum(len(members[g]) for g in groups)
+            want, took = max(1, round(fraction * size)), 0
+            rng.shuffle(groups)
+            for g in groups:
+                if took >= want:
+                    break
+                if took + len(members[g]) <= size // 2:
+                    took += len(members[g])
+                    held += members[g]
+        if held and len(members) > 1:
+            chosen = set(held)
+            return sorted(held), [i for i in range(n) if i not in chosen], "family"
+        log.warning("held-out split by family: no family fits in half of its kind's answers; holding out answers instead")
+    order = list(range(n))
+    rng.shuffle(order)
+    want = max(1, round(fraction * n))
+    return sorted(order[:want]), sorted(order[want:]), "answer"
+
+
 def _stdlib_functions(n: int) -> list[str]:
-    import calendar
-    import colorsys
-    import fnmatch
-    import posixpath
-    import statistics
-    import string
+    """Up to `n` distinct functions of Python's standard library (200-1,200 characters of source), in a fixed order;
+    none from the modules the benchmark's grounded tasks take theirs from (textwrap, heapq, shlex)."""
+    import importlib
 
-    picks = [posixpath.splitext, fnmatch.translate, colorsys.rgb_to_hsv, statistics.median, string.capwords,
-             calendar.monthrange, colorsys.hsv_to_rgb]
-    sources = []
-    for f in picks:
+    out: list[str] = []
+    for name in ("posixpath", "fnmatch", "colorsys", "statistics", "string", "calendar", "bisect", "difflib", "fractions",
+                 "ipaddress", "html", "base64", "glob", "urllib.parse", "email.utils", "csv", "json.decoder", "locale",
+                 "gettext", "tokenize"):
         try:
-            sources.append(inspect.getsource(f)[:1200])
-        except (OSError, TypeError):  # a build without the stdlib's sources
+            module = importlib.import_module(name)
+        except ImportError:
             continue
-    return sources[: max(1, n)] or ["def add(a, b):\n    return a + b\n"]
+        for _, f in sorted(inspect.getmembers(module, inspect.isfunction)):
+            if f.__module__ != module.__name__:
+                continue
+            try:
+                src = inspect.getsource(f)
+            except (OSError, TypeError):  # a build without the stdlib's sources
+                continue
+            if 200 <= len(src) <= 1200:
+                out.append(src)
+            if len(out) >= n:
+                return out
+    return out or ["def add(a, b):\n    return a + b\n"]
 
 
-def collect(llm, messages: list[list[dict]], max_tokens: int, temperature: float, seed: int) -> list[tuple[list[int], int]]:
-    """The target's answers: (prompt + answer token ids, prompt length) per prompt."""
+def collect(llm, messages: list[list[dict]], max_tokens: int, temperature: float,
+            seed: int) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """The target's answers, (prompt + answer token ids, prompt length) per prompt that fits the context, and the
+    indices in `messages` of those prompts."""
     from sieve.sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
@@ -166,37 +249,38 @@ def collect(llm, messages: list[list[dict]], max_tokens: int, temperature: float
         prompts = [m[0]["content"] for m in messages]
     limit = llm.llm_engine.config.max_model_len - max_tokens  # prompts too long for this model's context are left out
     encoded = [p if isinstance(p, dict) else {"prompt_token_ids": tok.encode(p)} for p in prompts]
-    prompts = [p for p in encoded if len(p["prompt_token_ids"]) <= limit]
-    if not prompts:
+    kept = [i for i, p in enumerate(encoded) if len(p["prompt_token_ids"]) <= limit]
+    if not kept:
         raise ValueError(f"no distillation prompt fits in {limit} tokens (the context minus --max-tokens)")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
-    return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs]
+    outs = llm.generate([encoded[i] for i in kept], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
+    return [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in outs], kept
 
 
-def answers(llm, messages: list[list[dict]], args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """The target's answers; with `--answers FILE`, read from it when it holds answers of this target to these
-    prompts with these settings, else generated and written there (one generation serves several trainings)."""
+def answers(llm, messages: list[list[dict]], args: argparse.Namespace) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """The target's answers and the indices of the prompts they answer (as `collect`); with `--answers FILE`, read
+    from it when it holds answers of this target to these prompts with these settings, else generated and written
+    there (one generation serves several trainings)."""
     from pathlib import Path
 
     key = {"target": str(llm.llm_engine.config.model), "prompts": len(messages), "max_tokens": args.max_tokens,
-           "temperature": args.temperature, "seed": args.seed}
-    if args.prompt_source != "templates":  # (files written before the option stay valid for the templates)
-        key["prompt_source"] = args.prompt_source
+           "temperature": args.temperature, "seed": args.seed, "prompt_source": args.prompt_source,
+           "prompts_sha256": hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()}
     path = Path(args.answers) if args.answers else None
     if path is not None and path.exists():
         try:
             saved = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             saved = {}
-        if saved.get("key") == key:
+        kept = saved.get("kept")
+        if saved.get("key") == key and kept is not None and len(kept) == len(saved["answers"]):
             print(f"distill: the target's answers read from {path}", flush=True)
-            return [(list(ids), int(p)) for ids, p in saved["answers"]]
+            return [(list(ids), int(p)) for ids, p in saved["answers"]], [int(i) for i in kept]
         log.info("%s holds answers of other settings: generating again", path)
-    seqs = collect(llm, messages, args.max_tokens, args.temperature, args.seed)
+    seqs, kept = collect(llm, messages, args.max_tokens, args.temperature, args.seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "answers": seqs}))
-    return seqs
+        path.write_text(json.dumps({"key": key, "answers": seqs, "kept": kept}))
+    return seqs, kept
 
 
 def examples(engine, seqs: list[tuple[list[int], int]], num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -433,15 +517,22 @@ def run_distill(args: argparse.Namespace) -> dict:
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
     messages = prompt_messages(llm, args.prompt_source, args.prompts, args.seed)
-    seqs = answers(llm, messages, args)
+    seqs, kept = answers(llm, messages, args)
     generated = time.perf_counter()
+    families = [prompt_family(messages[i][0]["content"]) for i in kept]
+    held_idx, train_idx, how = held_out_split(families, 0.1, args.seed, args.held_out_by)
     rng = random.Random(args.seed)
-    rng.shuffle(seqs)
-    n_held = max(1, len(seqs) // 10)
+    rng.shuffle(train_idx)
+    split = {"held_out_by": how, "held_out_answers": len(held_idx),
+             "held_out_families": sorted({families[i] for i in held_idx}) if how == "family" else None}
+    print(f"distill: {len(held_idx)} of {len(seqs)} answers held out by {how}"
+          + (f" ({len(split['held_out_families'])} of {len(set(families))} families)" if how == "family" else ""), flush=True)
+    seqs = [seqs[i] for i in held_idx] + [seqs[i] for i in train_idx]
+    n_held = len(held_idx)
     if args.method == "eagle":
-        return _finish_eagle(args, engine, seqs, n_held, len(messages), started, generated)
+        return _finish_eagle(args, engine, seqs, n_held, len(messages), started, generated, split)
     if args.method == "draft":
-        return _finish_draft(args, engine, seqs, n_held, len(messages), started, generated)
+        return _finish_draft(args, engine, seqs, n_held, len(messages), started, generated, split)
     held = examples(engine, seqs[:n_held], args.num_heads)
     train = examples(engine, seqs[n_held:], args.num_heads)
     print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
@@ -449,11 +540,11 @@ def run_distill(args: argparse.Namespace) -> dict:
     heads, history, covered = train_medusa(engine, train, held, args.num_heads, args.draft_vocab, args.epochs, args.lr,
                                            args.batch_size, args.seed, not args.independent_heads)
     final = history[-1]
-    meta = {"target": str(args.target), "head_type": "medusa" if args.independent_heads else "hydra", "target_vocab_size": engine.arch.vocab_size, "draft_vocab_coverage": covered,
+    meta = {"target": str(engine.config.model), "head_type": "medusa" if args.independent_heads else "hydra", "target_vocab_size": engine.arch.vocab_size, "draft_vocab_coverage": covered,
             "train_positions": len(train[0]), "held_out_positions": len(held[0]), "epochs": args.epochs,
             "head_accuracy": final["head_accuracy"], "chain_acceptance": final["chain_acceptance"],
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
-            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": len(messages)}
+            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": len(messages), **split}
     heads.save(args.out, meta)
     print(f"draft vocabulary: {len(heads.draft_vocab)} tokens covering {100 * covered:.1f}% of the answers' tokens")
     seconds = _report(args, final, started, "head accuracy (token k: head k)",
@@ -471,7 +562,7 @@ def _report(args, final: dict, started: float, what: str, serve: dict, extra: st
     return seconds
 
 
-def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float) -> dict:
+def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict) -> dict:
     held = eagle_examples(engine, seqs[:n_held])
     train = eagle_examples(engine, seqs[n_held:])
     n_train, n_held_pos = sum(len(s[0]) - 1 for s in train), sum(len(s[0]) - s[1] for s in held)
@@ -481,12 +572,12 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
     layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
                                           args.batch_tokens, args.seed)
     final = history[-1]
-    meta = {"target": str(args.target), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
+    meta = {"target": str(engine.config.model), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
             "draft_vocab_coverage": covered, "train_positions": n_train, "held_out_positions": n_held_pos,
             "epochs": args.epochs, "depth": args.depth, "head_accuracy": final["head_accuracy"],
             "chain_acceptance": final["chain_acceptance"],
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
-            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts}
+            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts, **split}
     layer.save(args.out, meta)
     print(f"draft vocabulary: {len(layer.draft_vocab)} tokens covering {100 * covered:.1f}% of the answers' tokens")
     seconds = _report(args, final, started, "draft accuracy (own features fed back)",
@@ -494,7 +585,7 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
     return {**meta, "history": history, "seconds": seconds, "out": str(args.out)}
 
 
-def _finish_draft(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float) -> dict:
+def _finish_draft(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict) -> dict:
     from sieve.spec.draft_train import cut_from_target, save_draft, train_draft
 
     held = eagle_examples(engine, seqs[:n_held], features=False)
@@ -507,12 +598,12 @@ def _finish_draft(args, engine, seqs, n_held: int, num_prompts: int, started: fl
           f"{params / 1e6:.1f}M parameters) trained on {n_train} positions, {n_held_pos} answer positions held out", flush=True)
     history = train_draft(model, train, held, args.depth, args.epochs, args.lr, args.batch_tokens, args.seed)
     final = history[-1]
-    meta = {"target": str(args.target), "head_type": "draft", "target_layers": layers, "parameters": params,
+    meta = {"target": str(engine.config.model), "head_type": "draft", "target_layers": layers, "parameters": params,
             "train_positions": n_train, "held_out_positions": n_held_pos, "epochs": args.epochs,
             "head_accuracy": final["head_accuracy"], "chain_acceptance": final["chain_acceptance"],
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
             "before_training": history[0]["simulated_mean_acceptance_length"],
-            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts}
+            "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts, **split}
     save_draft(model, ckpt, args.out, meta)
     seconds = _report(args, final, started, "agreement with the target (teacher-forced)",
                       {"method": "draft_model", "model": str(args.out), "num_speculative_tokens": args.depth},
@@ -538,10 +629,13 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-source", default="templates", choices=["templates", "magpie", "mixed"],
                    help="templates: instructions from templates x topics, passages and code; magpie: questions the target "
                         "writes itself from its chat template's user turn; mixed: half each")
+    p.add_argument("--held-out-by", default="family", choices=["family", "answer"],
+                   help="the tenth of the answers that measures the heads: whole prompt families (a template, a task, an "
+                        "opening: no near-duplicate of a held-out prompt is trained on) or single answers")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="how the target answers (0: its greedy answers)")
     p.add_argument("--answers", default=None, help="a JSON file the target's answers are kept in and reused from "
-                   "(same target, prompts, --max-tokens, --temperature and --seed)")
+                   "(same target, prompts (their text), --max-tokens, --temperature and --seed)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=256)
