@@ -21,6 +21,7 @@ the target's next feature and its greedy next token at every position.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import json
@@ -138,6 +139,7 @@ def prompt_messages(llm, source: str, n: int, seed: int = 0) -> list[list[dict]]
     raise ConfigError(f"--prompt-source {source}: unknown (templates, magpie, mixed)")
 
 
+@functools.cache
 def _template_patterns() -> list[re.Pattern]:
     out = []
     for t in TEMPLATES:
