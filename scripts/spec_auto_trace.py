@@ -4,7 +4,7 @@ accepted, its step-cost model (scale, predicted seconds at 32 / 40 / 64 tokens),
 predicted seconds of the steps it ran (by token count), and the median time of its decode-only steps of 28-32 rows
 (the host's speed in that repeat). Used in docs/benchmarks.md, issue 15, fifteenth part.
 
-    python scripts/spec_auto_trace.py [repeats] [users] [workload]"""
+    python scripts/spec_auto_trace.py [repeats] [users] [workload] [bench spec options: --model, --dtype, ...]"""
 import argparse
 import statistics
 import sys
@@ -18,7 +18,7 @@ users = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 workload = sys.argv[3] if len(sys.argv) > 3 else "mixed"
 p = argparse.ArgumentParser()
 add_bench_spec_args(p)
-args = p.parse_args(["--workload", workload, "--users", str(users), "--requests-per-user", "2", "--max-tokens", "128"])
+args = p.parse_args(["--workload", workload, "--users", str(users), "--requests-per-user", "2", "--max-tokens", "128", *sys.argv[4:]])
 off = _engine(args, None, users)
 auto = _engine(args, {"method": "ngram", "num_speculative_tokens": "auto"}, users)
 prompts = _prompt_ids(off, WORKLOADS[workload](users))
@@ -27,9 +27,9 @@ steps = []  # (tokens, seconds, predicted seconds) of each step auto ran
 observe = sp.observe_step
 
 
-def traced(num_tokens, seconds):
-    steps.append((num_tokens, seconds, sp.cost.predict(num_tokens) if sp.cost.ready else None))
-    observe(num_tokens, seconds)
+def traced(num_tokens, seconds, keys=0):
+    steps.append((num_tokens, seconds, sp.cost.predict(num_tokens, keys) if sp.cost.ready else None))
+    observe(num_tokens, seconds, keys)
 
 
 sp.observe_step = traced
@@ -49,6 +49,6 @@ for r in range(repeats):
           f"drafted {sp.stats.num_draft_tokens - drafted0} accepted {sp.stats.num_accepted_tokens - accepted0} | scale {c.scale:.3f} "
           f"pred32 {c.predict(32) * 1e3:.1f}ms pred40 {c.predict(40) * 1e3:.1f} pred64 {c.predict(64) * 1e3:.1f} | "
           + " ".join(f"{k}: n={len(v)} act/pred={statistics.median(v):.2f}" for k, v in sorted(err.items())), flush=True)
-    decode = [s for n, s, _ in steps if 28 <= n <= 32]
+    decode = [s for n, s, _ in steps if users - 4 <= n <= users]
     if decode:
-        print(f"   decode-only steps 28-32 rows median ms {statistics.median(decode) * 1e3:.1f} n {len(decode)}", flush=True)
+        print(f"   decode-only steps of {users - 4}-{users} rows median ms {statistics.median(decode) * 1e3:.1f} n {len(decode)}", flush=True)

@@ -103,6 +103,10 @@ def _generate(engine, args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            print(f"error: --chat: {engine.config.model} has no chat template (a base model); pass the prompt without "
+                  "--chat", file=sys.stderr)
+            return 2
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     try:
         params = SamplingParams(

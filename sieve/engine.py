@@ -15,6 +15,7 @@ import gc
 import itertools
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -239,17 +240,40 @@ class LLMEngine:
                               f"{self.arch.vocab_size}: a draft model must share the target's tokenizer")
         return draft
 
-    def _calibrate_step_cost(self, reps: int = 3) -> None:
+    def _calibrate_step_cost(self, reps: int = 5) -> None:
         """Seed the step-cost model of adaptive speculation: time decode steps of every row count up to the
         model's exact range (where kernels that take rows in groups make the cost a staircase), then of 64, 128,
-        256 rows, on this machine, before any request. Every real step refines it afterwards."""
+        256 rows, on this machine, before any request. Every real step refines it afterwards.
+
+        Untimed steps first (first calls allocate, compile and fill caches), then `reps` rounds over every count,
+        the median of each: a machine that speeds up or slows down while it runs shifts every count alike, where
+        timing one count's repeats after another's would give the first counts the slow start."""
         from sieve.model_runner import time_decode_rows
 
         cap = min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
+        rows = self.speculator.calibration_rows(cap)
         with self._borrowed_blocks(1) as tables:
-            for n in self.speculator.calibration_rows(cap):
-                times = sorted(time_decode_rows(self.runner, n, tables) for _ in range(reps))
-                self.speculator.observe_step(n, times[len(times) // 2])
+            for n in (rows[0], rows[-1], rows[0]):
+                time_decode_rows(self.runner, n, tables)
+            times = {n: [] for n in rows}
+            for _ in range(reps):
+                for n in rows:
+                    times[n].append(time_decode_rows(self.runner, n, tables))
+            for n in rows:
+                self.speculator.observe_step(n, statistics.median(times[n]), n)
+        # Then the same rows over a long context: what a drafted row's attention to its sequence adds. Models
+        # whose layers keep windows or recurrent state have no single context to time here: their keys cost 0.
+        if len(self.runner.layer_groups) > 1 or self.arch.mamba_layers:
+            return
+        free = self.block_manager.num_free_blocks * self.config.block_size
+        context = min(512, self.config.max_model_len // 2, free // 2)
+        if context < 2 * self.config.block_size:
+            return
+        with self._borrowed_blocks(context + 1) as tables:  # each long step beside a short one: their difference
+            for n in (r for r in (8, 16, 32) if r <= cap):
+                extra = [time_decode_rows(self.runner, n, tables, context) - time_decode_rows(self.runner, n, tables)
+                         for _ in range(reps)]
+                self.speculator.observe_keys(n, n * context, statistics.median(extra))
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):
@@ -414,6 +438,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        auto = self.speculator is not None and self.speculator.config.auto  # the adaptive depth times every step
+        keys = sched.decode_keys() if auto else 0
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # the requests of this step are lost; the rest of the engine is intact
@@ -473,10 +499,9 @@ class LLMEngine:
                 if req.kv_export and self.kv_connector is not None:  # its blocks are still cached: nothing ran since
                     out.kv_transfer_params = self.kv_connector.save(req.seqs[0])
             outputs.append(out)
-        if self.speculator is not None:
-            auto = self.speculator.config.auto  # only the adaptive depth uses step times and the coming prefill
+        if self.speculator is not None:  # only the adaptive depth uses step times and the coming prefill
             if auto:  # the target's step alone: the speculator times its proposer's drafting separately
-                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started)
+                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started, keys)
             self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
         return outputs
 

@@ -413,16 +413,19 @@ def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int
 
 
 @torch.inference_mode()
-def time_decode_rows(runner: ModelRunner, num_rows: int, tables) -> float:
-    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row on the first block of
-    the borrowed `tables` at position 0: the shape of the rows speculation adds, for the step-cost model."""
+def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 0) -> float:
+    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row at position `context`
+    of the borrowed `tables` (which hold at least `context` + 1 tokens), attending to the same `context` + 1
+    keys, as one sequence's drafted rows do: the shape of the rows speculation adds, for the step-cost model. The
+    time includes building the rows' attention metadata, as a real step's does."""
     dev = runner.device
-    meta = runner.metadata([(tables, 0, 1)] * num_rows, [(tables, 1, 1)] * num_rows, [])
-    ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    blocks = context // runner.block_size + 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
-    hidden = runner.model(ids, torch.zeros_like(ids), runner.caches, meta)
+    meta = runner.metadata([(tables, context, context + 1)] * num_rows, [(tables, context + 1, blocks)] * num_rows, [])
+    ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    hidden = runner.model(ids, torch.full_like(ids, context), runner.caches, meta)
     runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
     return time.perf_counter() - t0
 

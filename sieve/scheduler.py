@@ -66,6 +66,17 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def decode_keys(self) -> int:
+        """Keys the step's decode rows attend to (each row its context up to itself, drafted rows included);
+        prefill chunks are left out. Read before the step runs: it counts from the tokens computed so far."""
+        keys = 0
+        for s in self.scheduled:
+            c = s.seq.num_computed_tokens
+            if s.num_real_tokens == 1 and c == s.seq.num_tokens - 1:
+                n = s.num_new_tokens
+                keys += n * c + n * (n + 1) // 2
+        return keys
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from sieve import LLM, SamplingParams
 
@@ -27,6 +28,10 @@ def test_generate_greedy_matches_the_offline_api(llama_dir):
 def test_generate_reports_bad_input_without_a_traceback(llama_dir):
     r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens must be at least 1" in r.stderr and "Traceback" not in r.stderr
+    # --chat on a model without a chat template (stories260K, a base model): one line, not transformers' traceback
+    stories = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+    r = run_cli("generate", "--model", str(stories), "--prompt", "Once", "--chat", "--max-tokens", "4")
+    assert r.returncode == 2 and "has no chat template" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_model_demo_is_the_builtin_random_model(demo_dir):

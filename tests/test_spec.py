@@ -426,6 +426,100 @@ def test_step_cost_keeps_its_shape_when_the_machine_slows_down():
     assert [cost.predict(n) for n in range(1, 33)] == pytest.approx(before, rel=1e-9)
 
 
+def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engine_factory):
+    """A drafted row attends to its sequence's whole context, so on a long sequence it costs more than the load's
+    rows at position 0 showed. Rows nearly free at position 0, each key 2 us: 4 sequences whose drafts are accepted
+    0.6 of the time draft at 50 tokens of context and not at 3,000 (their rows would take more time than their
+    tokens save), and one short sequence among long ones is the one that drafts. Without the keys the depth is
+    the same at every length. The load measures the keys' cost on the model itself, and every step reports the
+    keys its decode rows attended to."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    cost = StepCostModel()
+    for n in cost.calibration_rows(64):
+        cost.observe(n, 0.010 + 0.00005 * n, n)
+    for n in (8, 16, 32):
+        cost.observe_keys(n, n * 512, 2e-6 * n * 512)
+    assert cost.per_key == pytest.approx(2e-6, rel=1e-6)
+    assert cost.predict(8, 8 * 1000) == pytest.approx(0.010 + 0.0004 + 0.016)
+    c = DepthController(config, cost)
+    seqs = [object() for _ in range(4)]
+    for i in range(50):
+        for s in seqs:
+            c.record(s, 1, int(i % 5 in (0, 2, 4)))
+    assert min(c.choose(seqs, [4] * 4, contexts=[50] * 4)) >= 2
+    assert c.choose(seqs, [4] * 4, contexts=[3000] * 4) == [0] * 4
+    ks = c.choose(seqs, [4] * 4, contexts=[3000, 3000, 50, 3000])
+    assert ks[2] > 0 and ks[0] == ks[1] == ks[3] == 0
+
+    # What a step's decode rows attend to: a decode with 2 drafts at 10 computed tokens attends to 11 + 12 + 13;
+    # a prefill chunk is left out.
+    seq = lambda computed, total: SimpleNamespace(num_computed_tokens=computed, num_tokens=total)
+    from sieve.scheduler import ScheduledSeq, SchedulerOutput
+    out = SchedulerOutput([ScheduledSeq(seq(10, 11), 3, draft=[1, 2]), ScheduledSeq(seq(4, 5), 1), ScheduledSeq(seq(0, 40), 16)])
+    assert out.decode_keys() == 11 + 12 + 13 + 5
+
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=8)
+    sp = llm.llm_engine.speculator
+    assert sp.cost.per_key > 0  # 8 to 32 rows at 512 tokens of context took longer than at position 0
+    seen = []
+    observe = sp.observe_step
+    sp.observe_step = lambda n, seconds, keys=0: (seen.append((n, keys)), observe(n, seconds, keys))
+    prompt = list(range(3, 40))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen[0] == (len(prompt), 0)  # the prefill
+    assert seen[1][1] >= len(prompt) + 1  # the first decode row attends to the prompt and itself, drafts to more
+
+
+def test_step_cost_fits_a_slow_sample_without_lifting_every_larger_count():
+    """The curve is made non-decreasing by a weighted monotone fit. One calibration step caught by a pause (5 rows
+    at 3x) must not set the price of every larger count, and counts that real steps measure often outweigh a
+    calibration sample that disagrees. With a running maximum, 6 to 256 rows were all priced at the pause; on an
+    H200 that priced every step of 33-96 rows at 1/0.78 of what it took, and `auto` drafted less than a fixed k."""
+    truth = lambda n: 0.010 + 0.0002 * n
+    cost = StepCostModel()
+    for n in cost.calibration_rows(256):
+        cost.observe(n, 3 * truth(n) if n == 5 else truth(n))
+    for n in range(20, 33):
+        assert cost.predict(n) == pytest.approx(truth(n), rel=0.05)
+    assert all(cost.predict(n) < 1.3 * truth(n) for n in range(5, 257))
+    cost = StepCostModel()  # a calibration that overstates 32 rows; real steps of 40 rows measure less, often
+    for n in cost.calibration_rows(256):
+        cost.observe(n, 1.4 * truth(n) if n >= 24 else truth(n))
+    for _ in range(30):
+        cost.observe(8, truth(8))
+        cost.observe(40, truth(40))
+    assert cost.predict(40) == pytest.approx(truth(40), rel=0.1)
+    assert cost.predict(8) == pytest.approx(truth(8), rel=0.05)
+
+
+def test_calibration_times_every_count_in_rounds(llama_engine_factory, monkeypatch):
+    """The load's calibration times its row counts in rounds (every count, then again), after untimed steps, and
+    the cost of attended keys as a long step beside a short one. A machine whose speed drifts while it runs (here
+    from 2x slow to normal) then shifts every count alike: the 32-row step's cost relative to the 1-row step's
+    stays near the truth (1.31), where timing all repeats of one count before the next priced the first counts
+    at the slow start (ratio 0.78); and the keys' cost is measured, where timing long steps after all the short
+    ones compared them with a slower machine and found none."""
+    import sieve.model_runner
+
+    calls = []
+    total = 3 + 5 * 32 + 3 * 5 * 2
+
+    def fake(runner, n, tables, context=0):
+        calls.append((n, context))
+        speed = 2.0 - min(len(calls), total) / total
+        return speed * (0.010 + 0.0001 * n + 1e-6 * n * context)
+
+    monkeypatch.setattr(sieve.model_runner, "time_decode_rows", fake)
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=8)
+    assert len(calls) == total
+    assert calls[3:3 + 5 * 32] == [(n, 0) for _ in range(5) for n in range(1, 33)]
+    cost = llm.llm_engine.speculator.cost
+    truth = (0.010 + 0.0032) / (0.010 + 0.0001)
+    assert cost.predict(32) / cost.predict(1) == pytest.approx(truth, rel=0.15)
+    context = calls[-2][1]
+    assert context > 0 and cost.predict(8, 8 * context) - cost.predict(8) == pytest.approx(1e-6 * 8 * context, rel=0.2)
+
+
 def test_adaptive_depth_counts_what_the_proposer_costs():
     """Drafts always accepted, a step cost nearly flat: drafting pays if asking the proposer is cheap, and not if
     each drafted token costs more than the step it saves."""
@@ -597,6 +691,19 @@ def test_cli_refuses_a_bad_speculative_config_in_one_line(llama_dir):
 
     r = run_cli("generate", "--model", str(llama_dir), "--prompt", "Hello", "--speculative-config", '{"method": "ngram", "k": 2}')
     assert r.returncode == 2 and "unknown field(s) k" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_spec_gives_a_base_model_its_prompts_as_text():
+    """A model without a chat template (stories260K, a base model) gets the workload's messages as plain text, as
+    `sieve distill` does; `bench spec` stopped on transformers' "chat_template is not set" before."""
+    from sieve.bench.spec import _prompt_ids, chat_messages
+
+    llm = LLM(str(STORIES), dtype="float32", num_gpu_blocks_override=64, device="cpu")
+    tok = llm.get_tokenizer()
+    assert not getattr(tok, "chat_template", None)
+    messages = chat_messages(2)
+    prompts = _prompt_ids(llm, messages)
+    assert [p["prompt_token_ids"] for p in prompts] == [tok.encode(m[0]["content"]) for m in messages]
 
 
 def test_bench_spec_reports_each_configuration_against_off(llama_dir):

@@ -131,9 +131,13 @@ def _engine(args, spec: dict | None, max_num_seqs: int):
 
 
 def _prompt_ids(llm, messages: list[list[dict]]) -> list[dict]:
+    """Token ids of each conversation through the model's chat template; a model without one (a base model) gets
+    its messages' text joined, with the tokenizer's own special tokens, as `sieve distill` does."""
     tok = llm.get_tokenizer()
-    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-    return [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    if getattr(tok, "chat_template", None):
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+        return [{"prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
+    return [{"prompt_token_ids": tok.encode("\n\n".join(x["content"] for x in m))} for m in messages]
 
 
 def _params(args, seed: int | None = None) -> SamplingParams:

@@ -3,13 +3,17 @@
 Fixed depth: `num_speculative_tokens` for every sequence. "auto": the depth that maximises expected tokens
 per second of the next step, from two measured things:
 
-- `StepCostModel`: seconds per engine step as a function of the tokens it computes, measured on this machine
-  (a calibration at load, then every step, as exponential moving averages per token count up to 32 and per
-  geometric bucket above, interpolated, times a scale that follows the machine's drift). Decode on a small
-  batch is bound by the weights' bytes, so extra rows are nearly free; on a large batch, or on a CPU where
-  compute is the limit, every row costs — the model sees which. Small counts are kept apart because the cost
-  is a staircase there: the AVX2 int4 kernels take rows four at a time, so on SmolLM2 the 9th row of a step
-  costs ~6 ms and the 10th to 12th ~1 ms each.
+- `StepCostModel`: seconds per engine step as a function of the tokens it computes and of the keys its decode
+  rows attend to, measured on this machine (a calibration at load, then every step, as exponential moving
+  averages per token count up to 32 and per geometric bucket above, interpolated, plus a cost per attended key,
+  all times a scale that follows the machine's drift). Decode on a small batch is bound by the weights' bytes,
+  so extra rows are nearly free; on a large batch, or on a CPU where compute is the limit, every row costs —
+  the model sees which. Small counts are kept apart because the cost is a staircase there: the AVX2 int4
+  kernels take rows four at a time, so on SmolLM2 the 9th row of a step costs ~6 ms and the 10th to 12th ~1 ms
+  each. A drafted row also attends to its sequence's whole context: on this CPU 32 rows at 512 tokens of
+  context take 1.4x the time of 32 rows at position 0 (SmolLM2), and 3.5x at 128 tokens on a model small
+  enough for attention to lead (stories260K), so a calibration at position 0 alone makes long sequences'
+  drafts look cheaper than they are.
 - Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
   before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
   method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every
@@ -54,22 +58,29 @@ class StepCostModel:
     BASE = 1.25  # above it, bucket width: token counts within 25% share a bucket
     DECAY = 0.8  # of a bucket's mean token count
     SCALE_RATE, SHAPE_RATE = 0.18, 0.02  # shares of an observation's log error taken by the scale and by its bucket
+    MAX_WEIGHT = 20  # a bucket's weight in the monotone fit: the observations it holds, up to this many
 
     def __init__(self) -> None:
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, seconds / scale]
+        # bucket -> [mean tokens, seconds / scale without the keys' part, weight]
+        self.buckets: dict[int, list[float]] = {}
         self.scale = 1.0
+        self.per_key = 0.0  # seconds / scale per key a decode row attends to (its context), from `observe_keys`
+        self._keys_seen = 0
         self._curve: tuple[list[float], list[float]] | None = None  # (xs, non-decreasing ys), until the next observation
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
+        """A step of `num_tokens` tokens took `seconds`; its decode rows attended to `keys` keys in all."""
         if num_tokens < 1 or not seconds > 0:
             return
         self._curve = None
         b = num_tokens if num_tokens <= self.EXACT else self.EXACT + 1 + round(math.log(num_tokens / self.EXACT, self.BASE))
         point = self.buckets.get(b)
+        attention = self.per_key * keys
         if point is None:
-            self.buckets[b] = [float(num_tokens), seconds / self.scale]
+            self.buckets[b] = [float(num_tokens), max(seconds / self.scale - attention, 0.1 * seconds / self.scale), 1.0]
         else:
-            error = seconds / (self.scale * point[1])
+            point[2] = min(point[2] + 1, self.MAX_WEIGHT)
+            error = seconds / (self.scale * (point[1] + attention))
             if num_tokens <= self.EXACT:  # decode-sized: the steps speculation chooses between
                 self.scale *= error**self.SCALE_RATE
                 point[1] *= error**self.SHAPE_RATE
@@ -84,20 +95,40 @@ class StepCostModel:
             rows.append(rows[-1] * 2)
         return rows
 
+    def observe_keys(self, num_tokens: int, keys: int, extra_seconds: float) -> None:
+        """Calibration: `num_tokens` rows attending to `keys` more keys in all took `extra_seconds` longer (a step
+        over a long context against the same rows at position 0, timed side by side). Several calls (other row
+        counts) average."""
+        if keys < 1:
+            return
+        x = max(0.0, extra_seconds / self.scale / keys)
+        self._keys_seen += 1
+        self.per_key += (x - self.per_key) / self._keys_seen
+
     @property
     def ready(self) -> bool:
         return len(self.buckets) >= 2
 
-    def predict(self, num_tokens: float) -> float:
-        """Seconds for a step of `num_tokens` tokens: piecewise linear through the bucket means (made
-        non-decreasing), extended beyond them along the nearest segment (never decreasing)."""
+    def predict(self, num_tokens: float, keys: float = 0.0) -> float:
+        """Seconds for a step of `num_tokens` tokens whose decode rows attend to `keys` keys: piecewise linear
+        through the bucket means made non-decreasing, extended beyond them along the nearest segment (never
+        decreasing), plus the keys' part.
+
+        Non-decreasing by a weighted monotone (isotonic) fit: adjacent buckets out of order are pooled into their
+        weighted mean, each weighing the observations it holds. A running maximum instead lets one slow sample
+        (a calibration step caught by a pause) lift every larger count to it, however often real steps there
+        measured less: on an H200 every step of 33 to 96 rows came in at 0.78 of its prediction that way."""
         if self._curve is None:
             pts = sorted(self.buckets.values())
-            xs, ys = [p[0] for p in pts], []
-            for p in pts:
-                ys.append(max(p[1], ys[-1]) if ys else p[1])
-            self._curve = xs, ys
-        return self.scale * self._shape(num_tokens)
+            pools: list[list[float]] = []  # [weighted sum, weight, buckets pooled]
+            for _, y, w in pts:
+                pools.append([w * y, w, 1])
+                while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
+                    top = pools.pop()
+                    pools[-1] = [pools[-1][0] + top[0], pools[-1][1] + top[1], pools[-1][2] + top[2]]
+            ys = [total / weight for total, weight, count in pools for _ in range(count)]
+            self._curve = [p[0] for p in pts], ys
+        return self.scale * (self._shape(num_tokens) + self.per_key * keys)
 
     def _shape(self, num_tokens: float) -> float:
         xs, ys = self._curve
@@ -148,36 +179,43 @@ class DepthController:
         return out
 
     def choose(self, seqs: list[Sequence], caps: list[int], extra_tokens: int = 0, budget: int | None = None,
-               draft_cost: float = 0.0) -> list[int]:
+               draft_cost: float = 0.0, contexts: list[int] | None = None) -> list[int]:
         """Draft depth per sequence (each at most its cap); `extra_tokens`: other tokens expected next step;
-        `draft_cost`: seconds the proposer takes per token it drafts."""
+        `draft_cost`: seconds the proposer takes per token it drafts; `contexts`: each sequence's length (the
+        keys its decode row attends to; its j-th drafted row attends to j more)."""
         if not self.auto:
             return [min(self.K, c) for c in caps]
         n = len(seqs)
         if not n or not self.cost.ready:
             return [0] * n
-        gains = []
+        contexts = contexts or [0] * n
+        gains = []  # (expected tokens the row adds, sequence, keys the row attends to)
         for i, (seq, cap) in enumerate(zip(seqs, caps)):
             g = 1.0
-            for a in self.rates(seq, cap):
+            for j, a in enumerate(self.rates(seq, cap), 1):
                 g *= a
-                gains.append((g, i))
-        gains.sort(key=lambda x: -x[0])
+                gains.append((g, i, contexts[i] + j))
+        base, keys = n + extra_tokens, sum(contexts)
+        # Rows in order of tokens per second they add: a row's cost is the step's average row (at position 0) plus
+        # its keys. Within a sequence that order is its depth order (gains fall, keys grow).
+        row = max((self.cost.predict(base + len(gains)) - self.cost.predict(base)) / max(len(gains), 1), 1e-9)
+        key = self.cost.predict(base, 1.0) - self.cost.predict(base)
+        gains.sort(key=lambda x: -x[0] / (row + key * x[2]))
         if budget is not None:
             del gains[max(0, budget - n - extra_tokens):]
-        base = n + extra_tokens
-        best_rate, best_m = n / self.cost.predict(base) * (1 + MARGIN), 0
-        expected, most = float(n), n + sum(g for g, _ in gains)
-        for m, (g, _) in enumerate(gains, 1):
+        best_rate, best_m = n / self.cost.predict(base, keys) * (1 + MARGIN), 0
+        expected, most = float(n), n + sum(g for g, _, _ in gains)
+        for m, (g, _, row_keys) in enumerate(gains, 1):
             expected += g
-            t = self.cost.predict(base + m) + draft_cost * m
+            keys += row_keys
+            t = self.cost.predict(base + m, keys) + draft_cost * m
             if most / t <= best_rate:  # t only grows with m: no later m can do better
                 break
             rate = expected / t
             if rate > best_rate:
                 best_rate, best_m = rate, m
         ks = [0] * n
-        for _, i in gains[:best_m]:
+        for _, i, _ in gains[:best_m]:
             ks[i] += 1
         return ks
 

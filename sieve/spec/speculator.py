@@ -106,7 +106,7 @@ class Speculator:
                 if d.token_ids:
                     self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
             caps = [len(d.token_ids) for d in drafts]  # nothing to verify beyond what was drafted
-            ks = self.controller.choose(ready, caps, extra_tokens, self.budget)
+            ks = self.controller.choose(ready, caps, extra_tokens, self.budget, contexts=[s.num_tokens for s in ready])
             for seq, k, d in zip(ready, ks, drafts):
                 seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             return
@@ -115,7 +115,7 @@ class Speculator:
             self.num_prepares += 1
             self._resolve_probes(ready)
         cost = self.draft_cost.per_token or self.probe_cost.per_token or 0.0
-        ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost)
+        ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost, [s.num_tokens for s in ready])
         chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
         probed = self._due_for_probe(ready, caps, ks, extra_tokens) if auto else []
         asked = chosen + probed
@@ -143,7 +143,7 @@ class Speculator:
         idle = [(s, self.controller.probe_depth(s, c)) for s, c, k in zip(seqs, caps, ks) if k == 0]
         if not idle or not self.cost.ready or self.probe_share <= 0:
             return []
-        step = self.cost.predict(len(seqs) + extra_tokens)
+        step = self.cost.predict(len(seqs) + extra_tokens, sum(s.num_tokens for s in seqs))
         per_token = self.probe_cost.per_token or self.draft_cost.per_token
         interval = 1 if per_token is None else math.ceil(sum(d for _, d in idle) * per_token / (self.probe_share * step))
         interval = min(interval, MAX_PROBE_INTERVAL)
@@ -200,8 +200,11 @@ class Speculator:
         """Row counts worth timing at load for the step-cost model (at most `cap`)."""
         return self.cost.calibration_rows(cap)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
+        self.cost.observe(num_tokens, seconds, keys)
+
+    def observe_keys(self, num_tokens: int, keys: int, extra_seconds: float) -> None:
+        self.cost.observe_keys(num_tokens, keys, extra_seconds)
 
     def finish(self, seq: Sequence) -> None:
         seq.draft_token_ids, seq.draft_probs = [], None
