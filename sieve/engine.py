@@ -270,7 +270,7 @@ class LLMEngine:
         if context < 2 * self.config.block_size:
             return
         with self._borrowed_blocks(context + 1) as tables:  # each long step beside a short one: their difference
-            for n in (r for r in (8, 16, 32) if r <= cap):
+            for n in sorted({min(r, cap) for r in (8, 16, 32)}):  # one sequence's engine (cap 4) too
                 extra = [time_decode_rows(self.runner, n, tables, context) - time_decode_rows(self.runner, n, tables)
                          for _ in range(reps)]
                 self.speculator.observe_keys(n, n * context, statistics.median(extra))

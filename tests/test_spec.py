@@ -518,6 +518,9 @@ def test_calibration_times_every_count_in_rounds(llama_engine_factory, monkeypat
     assert cost.predict(32) / cost.predict(1) == pytest.approx(truth, rel=0.15)
     context = calls[-2][1]
     assert context > 0 and cost.predict(8, 8 * context) - cost.predict(8) == pytest.approx(1e-6 * 8 * context, rel=0.2)
+    calls.clear()  # an engine for one sequence at a time (4 rows at most) measures the keys too
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=1)
+    assert [n for n, c in calls if c] == [4] * 5 and llm.llm_engine.speculator.cost.per_key > 0
 
 
 def test_adaptive_depth_counts_what_the_proposer_costs():
@@ -717,8 +720,40 @@ def test_bench_spec_reports_each_configuration_against_off(llama_dir):
     args = p.parse_args(["--model", str(llama_dir), "--dtype", "float32", "--workload", "mixed", "--prompts", "3", "--max-tokens", "12", "--repeats", "2",
                          "--users", "1,3", "--requests-per-user", "1",
                          "--configs", '{"method":"ngram","num_speculative_tokens":2};{"method":"suffix","num_speculative_tokens":"auto"}'])
-    res = run_bench_spec(args)["results"]
+    import sieve.bench.spec as bench_spec
+
+    engines, warm = [], []
+    make = bench_spec._engine
+
+    def engine(*a):  # each engine, and its speculator's counts after the bench's warm-up (its first generate)
+        llm = make(*a)
+        engines.append(llm)
+        generate = llm.generate
+
+        def first(*ga, **kw):
+            out = generate(*ga, **kw)
+            st = llm.llm_engine.speculator.stats if llm.llm_engine.speculator else None
+            if st:  # as if the warm-up had drafted 5 times, all accepted (this random model's 8 tokens seldom do)
+                st.num_drafts += 5
+                st.accepted_per_pos[0] += 5
+            warm.append((llm, st.num_drafts, list(st.accepted_per_pos)) if st else (llm, 0, []))
+            llm.generate = generate
+            return out
+        llm.generate = first
+        return llm
+
+    bench_spec._engine = engine
+    try:
+        res = run_bench_spec(args)["results"]
+    finally:
+        bench_spec._engine = make
     assert list(res) == ["off", '{"method":"ngram","num_speculative_tokens":2}', '{"method":"suffix","num_speculative_tokens":"auto"}']
+    assert sum(d for _, d, _ in warm) > 0  # the warm-up's drafts must stay out of the figures
+    for (llm, drafts0, accepted0), name in zip(warm[1:], list(res)[1:]):
+        st = llm.llm_engine.speculator.stats
+        drafts = st.num_drafts - drafts0
+        assert res[name]["accepted_per_position"] == pytest.approx(
+            [(a - a0) / drafts if drafts else 0.0 for a, a0 in zip(st.accepted_per_pos, accepted0)])
     for name, r in res.items():
         one, three = r["users_1"], r["users_3"]
         assert one["tok_s"] > 0 and len(one["runs_tok_s"]) == 2 and three["tok_s"] > 0

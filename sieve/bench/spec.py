@@ -225,6 +225,9 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
           + (f", activation_quantization {args.activation_quantization}" if args.activation_quantization else ""))
     for llm in engines:  # warm-up: first-call costs (allocations, kernel selection) out of the figures
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))
+    # The warm-up's drafts stay out of the acceptance per position too.
+    warm = {name: (llm.llm_engine.speculator.stats.num_drafts, list(llm.llm_engine.speculator.stats.accepted_per_pos))
+            for name, llm in zip(names, engines) if llm.llm_engine.speculator is not None}
     results: dict = {name: {} for name in names}
     for u in users:
         runs: dict = {name: [] for name in names}
@@ -273,8 +276,10 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     for name, llm in zip(names, engines):
         s = llm.llm_engine.speculator
         if s is not None:
-            results[name]["accepted_per_position"] = [a / s.stats.num_drafts if s.stats.num_drafts else 0.0
-                                                      for a in s.stats.accepted_per_pos]
+            drafts0, accepted0 = warm[name]
+            drafts = s.stats.num_drafts - drafts0
+            results[name]["accepted_per_position"] = [(a - a0) / drafts if drafts else 0.0
+                                                      for a, a0 in zip(s.stats.accepted_per_pos, accepted0)]
     for r in results.values():
         for e in r.values():
             if isinstance(e, dict):
