@@ -426,7 +426,7 @@ def test_step_cost_keeps_its_shape_when_the_machine_slows_down():
     assert [cost.predict(n) for n in range(1, 33)] == pytest.approx(before, rel=1e-9)
 
 
-def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engine_factory):
+def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engine_factory, monkeypatch):
     """A drafted row attends to its sequence's whole context, so on a long sequence it costs more than the load's
     rows at position 0 showed. Rows nearly free at position 0, each key 2 us: 4 sequences whose drafts are accepted
     0.6 of the time draft at 50 tokens of context and not at 3,000 (their rows would take more time than their
@@ -458,9 +458,13 @@ def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engi
     out = SchedulerOutput([ScheduledSeq(seq(10, 11), 3, draft=[1, 2]), ScheduledSeq(seq(4, 5), 1), ScheduledSeq(seq(0, 40), 16)])
     assert out.decode_keys() == 11 + 12 + 13 + 5
 
+    import sieve.model_runner
+
+    # The load's timings from a fake machine (this one's speed must not decide the test): each key costs 1 us.
+    monkeypatch.setattr(sieve.model_runner, "time_decode_rows", lambda runner, n, tables, context=0: 0.01 + 1e-6 * n * context)
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=8)
     sp = llm.llm_engine.speculator
-    assert sp.cost.per_key > 0  # 8 to 32 rows at 512 tokens of context took longer than at position 0
+    assert sp.cost.per_key == pytest.approx(1e-6)  # 8 to 32 rows at 512 tokens of context took longer than at position 0
     seen = []
     observe = sp.observe_step
     sp.observe_step = lambda n, seconds, keys=0: (seen.append((n, keys)), observe(n, seconds, keys))

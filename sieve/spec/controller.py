@@ -106,6 +106,11 @@ class StepCostModel:
         self.per_key += (x - self.per_key) / self._keys_seen
 
     @property
+    def seconds_per_key(self) -> float:
+        """What one more attended key adds to a step, at the machine's present speed."""
+        return self.scale * self.per_key
+
+    @property
     def ready(self) -> bool:
         return len(self.buckets) >= 2
 
@@ -128,7 +133,7 @@ class StepCostModel:
                     pools[-1] = [pools[-1][0] + top[0], pools[-1][1] + top[1], pools[-1][2] + top[2]]
             ys = [total / weight for total, weight, count in pools for _ in range(count)]
             self._curve = [p[0] for p in pts], ys
-        return self.scale * (self._shape(num_tokens) + self.per_key * keys)
+        return self.scale * self._shape(num_tokens) + self.seconds_per_key * keys
 
     def _shape(self, num_tokens: float) -> float:
         xs, ys = self._curve
@@ -199,7 +204,7 @@ class DepthController:
         # Rows in order of tokens per second they add: a row's cost is the step's average row (at position 0) plus
         # its keys. Within a sequence that order is its depth order (gains fall, keys grow).
         row = max((self.cost.predict(base + len(gains)) - self.cost.predict(base)) / max(len(gains), 1), 1e-9)
-        key = self.cost.predict(base, 1.0) - self.cost.predict(base)
+        key = self.cost.seconds_per_key
         gains.sort(key=lambda x: -x[0] / (row + key * x[2]))
         if budget is not None:
             del gains[max(0, budget - n - extra_tokens):]
