@@ -170,3 +170,57 @@ def test_bad_eagle_layers_are_refused(eagle, tmp_path):
     (tmp_path / "eagle.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="does not load"):
         stories(speculative_config={"method": "eagle", "model": str(tmp_path)})
+
+
+def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(tmp_path):
+    """`--token-loss soft`: each level's token loss is -sum p log q, p the target's distribution over the draft
+    vocabulary (its LM-head rows times its next feature), q the layer's; the hard loss takes the target's greedy
+    token alone. The feature regression is added with its weight; a negative weight is refused."""
+    from sieve.config import ConfigError
+    from sieve.spec.distill import eagle_loss
+
+    torch.manual_seed(0)
+    H, V, T = 16, 30, 9
+    layer = EagleLayer(H, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 3)))
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    table, teacher = torch.randn(V, H), torch.randn(len(layer.draft_vocab), H)
+    ids, feats = torch.randint(0, V, (T + 1,)), torch.randn(T + 1, H)
+    nxt = layer.draft_vocab[(feats @ teacher.t()).argmax(-1)]  # the target's greedy tokens, in the draft vocabulary
+    index = torch.full((V,), -100, dtype=torch.int64)
+    index[layer.draft_vocab] = torch.arange(len(layer.draft_vocab))
+    seq = (ids, 0, feats, nxt)
+    for depth in (1, 2):
+        soft, n = eagle_loss(layer, seq, table, index, depth, teacher=teacher, reg_weight=0.0)
+        hard, _ = eagle_loss(layer, seq, table, index, depth, reg_weight=0.0)
+        outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
+        want_soft = want_hard = 0.0
+        for s, g in enumerate(outs):
+            i = torch.arange(s, T)
+            q = torch.log_softmax(layer.logits(g[i]), -1)
+            want_soft += -(torch.softmax(feats[i + 1] @ teacher.t(), -1) * q).sum()
+            want_hard += -q.gather(1, index[nxt[i + 1]][:, None]).sum()
+        count = sum(T - s for s in range(depth))
+        assert n == T
+        assert torch.allclose(soft, want_soft / count, rtol=1e-5) and torch.allclose(hard, want_hard / count, rtol=1e-5)
+        assert not torch.allclose(soft, hard, rtol=1e-3)
+    # the feature regression is added with its weight
+    with_reg, _ = eagle_loss(layer, seq, table, index, 1, teacher=teacher, reg_weight=2.0)
+    g = layer.unrolled(table[ids[1:]], feats[:T], 1)[0]
+    reg = torch.nn.functional.smooth_l1_loss(g, layer.scale_features(feats[1:]), reduction="none").mean(-1).sum() / T
+    assert torch.allclose(with_reg, eagle_loss(layer, seq, table, index, 1, teacher=teacher, reg_weight=0.0)[0] + 2 * reg,
+                          rtol=1e-5)
+    from sieve.spec.distill import run_distill
+
+    with pytest.raises(ConfigError, match="--feature-loss-weight"):
+        run_distill(distill_args(STORIES, tmp_path, method="eagle", feature_loss_weight=-1.0))
+    import argparse
+
+    from sieve.spec.distill import add_distill_args
+
+    parser = argparse.ArgumentParser()
+    add_distill_args(parser)
+    assert parser.parse_args(["--out", "x", "--token-loss", "soft"]).token_loss == "soft"
+    with pytest.raises(SystemExit):  # a loss it does not know
+        parser.parse_args(["--out", "x", "--token-loss", "kl"])

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 
 import torch
+from torch.nn import functional as F
 
 log = logging.getLogger("sieve")
 
@@ -411,9 +412,13 @@ def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int
 REG_WEIGHT = 1.0  # EAGLE's feature regression beside the token loss (its features are unnormed: it weighs tokens 0.1)
 
 
-def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, depth: int) -> tuple[torch.Tensor, int]:
-    """Mean over levels and positions of the token loss (the target's greedy next token, in the draft vocabulary)
-    and the feature regression (smooth L1 against the target's next feature); and the sequence's positions."""
+def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, depth: int,
+               teacher: torch.Tensor | None = None, reg_weight: float = REG_WEIGHT) -> tuple[torch.Tensor, int]:
+    """Mean over levels and positions of the token loss and the feature regression (smooth L1 against the target's
+    next feature, weighed `reg_weight`); and the sequence's positions. The token loss is the cross-entropy against
+    the target's greedy next token (in the draft vocabulary), or with `teacher` (the target's LM-head rows of the
+    draft vocabulary [V', H]) against the target's whole distribution there, softmax(teacher @ f): EAGLE's own
+    classification loss, which tells the layer how far the runners-up are as well as which token won."""
     ids, _, feats, nxt = seq
     T = len(ids) - 1
     outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
@@ -423,9 +428,15 @@ def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, dept
         if not len(i):
             break
         pred = g[i]
-        ce = torch.nn.functional.cross_entropy(layer.logits(pred).float(), index[nxt[i + 1]], ignore_index=-100, reduction="sum")
-        reg = torch.nn.functional.smooth_l1_loss(pred, layer.scale_features(feats[i + 1]), reduction="none").mean(-1).sum()
-        total = total + ce + REG_WEIGHT * reg
+        logits = layer.logits(pred).float()
+        if teacher is None:
+            ce = F.cross_entropy(logits, index[nxt[i + 1]], ignore_index=-100, reduction="sum")
+        else:
+            with torch.no_grad():
+                p = torch.softmax(feats[i + 1].float() @ teacher.t(), dim=-1)
+            ce = -(p * torch.log_softmax(logits, dim=-1)).sum()
+        reg = F.smooth_l1_loss(pred, layer.scale_features(feats[i + 1]), reduction="none").mean(-1).sum()
+        total = total + ce + reg_weight * reg
         n += len(i)
     return total / max(1, n), T
 
@@ -462,7 +473,7 @@ def warmup_decay(opt, steps: int):
 
 
 def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft_vocab_size: int, epochs: int, lr: float,
-                batch_tokens: int, seed: int) -> tuple:
+                batch_tokens: int, seed: int, token_loss: str = "hard", reg_weight: float = REG_WEIGHT) -> tuple:
     from sieve.spec.eagle import EagleLayer
 
     torch.manual_seed(seed)
@@ -475,8 +486,10 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
     covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
     layer = EagleLayer.for_target(engine.arch, vocab)
     layer.calibrate(torch.cat([f for _, _, f, _ in train[:64]]), table)
+    rows = lm_head_rows(engine, vocab)
     with torch.no_grad():
-        layer.head.weight.copy_(lm_head_rows(engine, vocab))
+        layer.head.weight.copy_(rows)
+    teacher = rows if token_loss == "soft" else None
     index = torch.full((engine.arch.vocab_size,), -100, dtype=torch.int64)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
     opt = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
@@ -490,7 +503,7 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
         total, seen, pending = 0.0, 0, 0
         opt.zero_grad(set_to_none=True)
         for k, j in enumerate(order):
-            loss, n = eagle_loss(layer, train[j], table, index, depth)
+            loss, n = eagle_loss(layer, train[j], table, index, depth, teacher, reg_weight)
             (loss * n / batch_tokens).backward()
             total += loss.item() * n
             seen += n
@@ -515,6 +528,8 @@ def run_distill(args: argparse.Namespace) -> dict:
     for flag, value in (("--draft-layers", args.draft_layers), ("--depth", args.depth), ("--batch-tokens", args.batch_tokens)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not args.feature_loss_weight >= 0:  # NaN included
+        raise ConfigError(f"--feature-loss-weight must be >= 0, got {args.feature_loss_weight}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
@@ -572,11 +587,12 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
           f"{generated - started:.0f} s); training an EAGLE layer on {n_train} positions ({args.depth} drafting steps "
           f"unrolled), {n_held_pos} answer positions held out", flush=True)
     layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
-                                          args.batch_tokens, args.seed)
+                                          args.batch_tokens, args.seed, args.token_loss, args.feature_loss_weight)
     final = history[-1]
     meta = {"target": str(engine.config.model), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
             "draft_vocab_coverage": covered, "train_positions": n_train, "held_out_positions": n_held_pos,
-            "epochs": args.epochs, "depth": args.depth, "head_accuracy": final["head_accuracy"],
+            "epochs": args.epochs, "depth": args.depth, "token_loss": args.token_loss,
+            "feature_loss_weight": args.feature_loss_weight, "head_accuracy": final["head_accuracy"],
             "chain_acceptance": final["chain_acceptance"],
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
             "temperature": args.temperature, "max_tokens": args.max_tokens, "prompts": num_prompts, **split}
@@ -622,6 +638,11 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=3, help="eagle: drafting steps unrolled in training (EAGLE-3's training-time "
                    "test); eagle and draft: draft tokens the simulated acceptance is reported for")
     p.add_argument("--draft-layers", type=int, default=4, help="draft: decoder layers of the target the draft keeps (evenly spaced)")
+    p.add_argument("--token-loss", default="hard", choices=["hard", "soft"],
+                   help="eagle: the draft's token loss: cross-entropy against the target's greedy token (hard) or against its "
+                        "distribution over the draft vocabulary (soft, EAGLE's)")
+    p.add_argument("--feature-loss-weight", type=float, default=REG_WEIGHT,
+                   help="eagle: weight of the regression onto the target's next feature beside the token loss")
     p.add_argument("--batch-tokens", type=int, default=256, help="eagle and draft: positions per optimiser step (at least one sequence)")
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-1's independent heads (default: Hydra's sequential heads, each also reading the token before "
