@@ -175,7 +175,8 @@ def test_bad_eagle_layers_are_refused(eagle, tmp_path):
 def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(tmp_path):
     """`--token-loss soft`: each level's token loss is -sum p log q, p the target's distribution over the draft
     vocabulary (its LM-head rows times its next feature), q the layer's; the hard loss takes the target's greedy
-    token alone. The feature regression is added with its weight; a negative weight is refused."""
+    token alone. The feature regression is added with its weight; a negative weight is refused, and so are
+    both options for heads other than EAGLE's."""
     from sieve.config import ConfigError
     from sieve.spec.distill import eagle_loss
 
@@ -215,6 +216,11 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
 
     with pytest.raises(ConfigError, match="--feature-loss-weight"):
         run_distill(distill_args(STORIES, tmp_path, method="eagle", feature_loss_weight=-1.0))
+    for method in ("medusa", "draft"):  # options of the EAGLE layer's training are not ignored elsewhere
+        with pytest.raises(ConfigError, match="train an EAGLE layer"):
+            run_distill(distill_args(STORIES, tmp_path, method=method, token_loss="soft"))
+        with pytest.raises(ConfigError, match="train an EAGLE layer"):
+            run_distill(distill_args(STORIES, tmp_path, method=method, feature_loss_weight=0.5))
     import argparse
 
     from sieve.spec.distill import add_distill_args

@@ -530,6 +530,8 @@ def run_distill(args: argparse.Namespace) -> dict:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if not args.feature_loss_weight >= 0:  # NaN included
         raise ConfigError(f"--feature-loss-weight must be >= 0, got {args.feature_loss_weight}")
+    if args.method != "eagle" and (args.token_loss != "hard" or args.feature_loss_weight != REG_WEIGHT):
+        raise ConfigError(f"--token-loss and --feature-loss-weight train an EAGLE layer, not --method {args.method}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
