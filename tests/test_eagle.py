@@ -5,6 +5,7 @@ prefix-cache hits and preemption). The proposer's drafts are what the training-t
 
 from __future__ import annotations
 
+import argparse
 import json
 from types import SimpleNamespace
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from sieve import SamplingParams
+from sieve.config import ConfigError
+from sieve.spec.distill import add_distill_args, eagle_loss, run_distill
 from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
 
 from test_medusa import STORIES, distill_args, stories, workload
@@ -20,8 +23,6 @@ from test_spec import assert_pool_clean, ids
 
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory):
-    from sieve.spec.distill import run_distill
-
     out = tmp_path_factory.mktemp("eagle")
     report = run_distill(distill_args(STORIES, out, method="eagle", depth=3, batch_tokens=512))
     return out, report
@@ -177,9 +178,6 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
     vocabulary (its LM-head rows times its next feature), q the layer's; the hard loss takes the target's greedy
     token alone. The feature regression is added with its weight; a negative weight is refused, and so are
     both options for heads other than EAGLE's."""
-    from sieve.config import ConfigError
-    from sieve.spec.distill import eagle_loss
-
     torch.manual_seed(0)
     H, V, T = 16, 30, 9
     layer = EagleLayer(H, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, rope_theta=10000.0,
@@ -212,8 +210,6 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
     reg = torch.nn.functional.smooth_l1_loss(g, layer.scale_features(feats[1:]), reduction="none").mean(-1).sum() / T
     assert torch.allclose(with_reg, eagle_loss(layer, seq, table, index, 1, teacher=teacher, reg_weight=0.0)[0] + 2 * reg,
                           rtol=1e-5)
-    from sieve.spec.distill import run_distill
-
     with pytest.raises(ConfigError, match="--feature-loss-weight"):
         run_distill(distill_args(STORIES, tmp_path, method="eagle", feature_loss_weight=-1.0))
     for method in ("medusa", "draft"):  # options of the EAGLE layer's training are not ignored elsewhere
@@ -221,10 +217,6 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
             run_distill(distill_args(STORIES, tmp_path, method=method, token_loss="soft"))
         with pytest.raises(ConfigError, match="train an EAGLE layer"):
             run_distill(distill_args(STORIES, tmp_path, method=method, feature_loss_weight=0.5))
-    import argparse
-
-    from sieve.spec.distill import add_distill_args
-
     parser = argparse.ArgumentParser()
     add_distill_args(parser)
     assert parser.parse_args(["--out", "x", "--token-loss", "soft"]).token_loss == "soft"

@@ -713,7 +713,7 @@ def test_bench_spec_gives_a_base_model_its_prompts_as_text():
     assert [p["prompt_token_ids"] for p in prompts] == [tok.encode(m[0]["content"]) for m in messages]
 
 
-def test_bench_spec_reports_each_configuration_against_off(llama_dir):
+def test_bench_spec_reports_each_configuration_against_off(llama_dir, monkeypatch):
     """`sieve bench spec` at batch 1 (prompts interleaved across configurations) and with users: every configuration
     has its figures and its ratio to off, and greedy speculation is token-identical to off."""
     from sieve.bench.spec import add_bench_spec_args, chat_messages, grounded_messages, mixed_messages, run_bench_spec
@@ -746,11 +746,8 @@ def test_bench_spec_reports_each_configuration_against_off(llama_dir):
         llm.generate = first
         return llm
 
-    bench_spec._engine = engine
-    try:
-        res = run_bench_spec(args)["results"]
-    finally:
-        bench_spec._engine = make
+    monkeypatch.setattr(bench_spec, "_engine", engine)
+    res = run_bench_spec(args)["results"]
     assert list(res) == ["off", '{"method":"ngram","num_speculative_tokens":2}', '{"method":"suffix","num_speculative_tokens":"auto"}']
     assert sum(d for _, d, _ in warm) > 0  # the warm-up's drafts must stay out of the figures
     for (llm, drafts0, accepted0), name in zip(warm[1:], list(res)[1:]):

@@ -422,6 +422,9 @@ def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, dept
     ids, _, feats, nxt = seq
     T = len(ids) - 1
     outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
+    if teacher is not None:  # the target's distribution after each position, once for every level
+        with torch.no_grad():
+            target = torch.softmax(feats[1:].float() @ teacher.t(), dim=-1)
     total, n = 0.0, 0
     for s, g in enumerate(outs):
         i = torch.arange(s, T)
@@ -432,9 +435,7 @@ def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, dept
         if teacher is None:
             ce = F.cross_entropy(logits, index[nxt[i + 1]], ignore_index=-100, reduction="sum")
         else:
-            with torch.no_grad():
-                p = torch.softmax(feats[i + 1].float() @ teacher.t(), dim=-1)
-            ce = -(p * torch.log_softmax(logits, dim=-1)).sum()
+            ce = -(target[i] * torch.log_softmax(logits, dim=-1)).sum()
         reg = F.smooth_l1_loss(pred, layer.scale_features(feats[i + 1]), reduction="none").mean(-1).sum()
         total = total + ce + reg_weight * reg
         n += len(i)
