@@ -195,6 +195,41 @@ class BlockManager:
         setattr(child, self.REGISTERED, min(getattr(parent, self.REGISTERED), full))
         child.num_computed_tokens = num_tokens
 
+    def reserve_branch(self, seq: Sequence, start: int, end: int) -> tuple[list[int], list[int], list[tuple[int, int, int]]] | bool:
+        """Blocks for another chain of `seq`'s draft tree, whose rows are positions start .. end - 1 (`start` the
+        sequence's next position to compute): its table (the sequence's blocks before the one holding `start`, then
+        fresh ones), the fresh blocks, and the copy (group, source, destination) that gives the first of them the
+        sequence's positions before `start` in that block, to be done before the step. False (nothing changed) when
+        the pool is short."""
+        first = start // self.block_size
+        need = self.blocks_needed(end) - first
+        if need > self.num_free_blocks:
+            return False
+        blocks = []
+        for _ in range(need):
+            block = self._take_block()
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        table = getattr(seq, self.TABLE)
+        copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
+        return table[:first] + blocks, blocks, copies
+
+    def release_branch(self, blocks: list[int]) -> None:
+        """A draft branch's blocks, not kept."""
+        self._release(blocks)
+
+    def adopt_branch(self, seq: Sequence, start: int, blocks: list[int]) -> None:
+        """`seq` continues with the chain of a draft branch reserved at `start`: its blocks from the one holding `start`
+        (its own, being written, are private to it) give way to the branch's."""
+        first = start // self.block_size
+        table = getattr(seq, self.TABLE)
+        for block in table[first:]:
+            if self.ref_counts[block] != 1:
+                raise RuntimeError(f"a draft branch replaces shared block {block}: only a sequence's own blocks may be")
+            self._forget(block)
+        self._release(table[first:])
+        table[first:] = blocks
+
     def commit(self, seq: Sequence) -> None:
         """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
         content another block already holds stays private (and is freed as usual)."""

@@ -160,6 +160,10 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             sc = config.speculative_config
+            if sc.num_branches > 1 and (self.arch.has_sliding_layers or self.arch.mamba_layers):
+                raise ConfigError("speculative_config.num_branches > 1 takes a model whose layers all attend to the full "
+                                  "context: a draft branch copies its sequence's partial block of one KV-cache group, and a "
+                                  "recurrent state cannot branch")
             try:
                 proposer = build_proposer(sc, make_engine=self._draft_engine, hidden_size=self.arch.hidden_size,
                                           vocab_size=self.arch.vocab_size, device=self.device, dtype=self.dtype,
@@ -170,8 +174,9 @@ class LLMEngine:
             self.runner.keep_hidden = self.speculator.needs_hidden
             if sc.auto:
                 self._calibrate_step_cost()
-            log.info("speculative decoding: %s, %s draft tokens", sc.method,
-                     f"auto (up to {sc.max_k})" if sc.auto else sc.num_speculative_tokens)
+            log.info("speculative decoding: %s, %s draft tokens%s", sc.method,
+                     f"auto (up to {sc.max_k})" if sc.auto else sc.num_speculative_tokens,
+                     f", {sc.num_branches} branches at the root" if sc.num_branches > 1 else "")
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -443,6 +448,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # the requests of this step are lost; the rest of the engine is intact
+            self.scheduler.discard_branches(sched)
             failed = list(dict.fromkeys(item.seq.request.request_id for item in sched.scheduled))
             for rid in failed:
                 self.abort(rid)
@@ -474,7 +480,7 @@ class LLMEngine:
                 item = drafted.get(id(seq))
                 if item is not None:
                     # Drafts accepted by verification (the metric), and those now part of the sequence (their K/V stays).
-                    self.speculator.record(seq, len(item.draft), len(tokens) - 1)
+                    self.speculator.record(seq, len(item.draft), len(tokens) - 1, sum(len(b.draft) for b in item.branches))
                     item.num_accepted = appended - 1
             if seq.finish_reason is not None:
                 finished.append(seq)

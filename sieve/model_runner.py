@@ -10,6 +10,7 @@ every sequence in the batch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -262,10 +263,18 @@ class ModelRunner:
             writes.append((seq, start, end))
             if item.is_decode:  # a decode and its drafts: rows of one table (the kernel walks it once for them all)
                 decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
+                for branch in item.branches:  # a draft tree's other chains: the last token again, then the chain
+                    b_end = start + branch.num_rows
+                    input_ids += seq.token_ids[start : start + 1] + branch.draft
+                    positions += range(start, b_end)
+                    writes.append((branch, start, b_end))
+                    decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
             else:
                 prefills.append((row, item.num_new_tokens, end, seq))
         meta = self.metadata(writes, decodes, prefills)
 
+        if sched.branch_copies:  # draft branches start from a copy of their sequence's partial last block
+            self.copy_blocks(sched.branch_copies)
         hidden = self.model(
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
         )
@@ -274,17 +283,20 @@ class ModelRunner:
         # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
         # forked from it, which samples from the same logits), and each drafted position after it, sampled as
         # if the drafts before it were already generated (`pending`).
-        seqs, pending, sample_rows, groups, row, prompt_lps, kept = [], [], [], [], 0, [], []
+        # A draft tree's other chains sample their drafted rows only (their first row is the sequence's own last
+        # token again): `chains[id(item)]` lists, per chain, the sampled rows of its positions 0 .. len(draft).
+        seqs, pending, sample_rows, groups, row, prompt_lps = [], [], [], [], 0, []
+        chains, first_rows = {}, []  # first_rows: (item, its first row, each branch's first row)
         for item in items:
             if item.seq.needs_prompt_logprobs:
                 prompt_lps += self._prompt_logprobs(item, hidden, row)
-            if self.keep_hidden == "all":
-                rows = hidden[row: row + item.num_new_tokens]
-                kept += [(seq, item.seq.num_computed_tokens, rows) for seq in [item.seq, *item.forks]]
             last = row + item.num_real_tokens - 1
-            row += item.num_new_tokens
+            branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens))
+            first_rows.append((item, row, branch_rows[: len(item.branches)]))
+            row += item.num_rows
             if not item.samples:
                 continue
+            own = len(seqs)
             for seq in [item.seq, *item.forks]:
                 first = len(seqs)
                 for j in range(len(item.draft) + 1 if seq is item.seq else 1):
@@ -292,8 +304,17 @@ class ModelRunner:
                     pending.append(item.draft[:j])
                     sample_rows.append(last + j)
                 groups.append((seq, item if seq is item.seq else None, first))
+            if item.branches:  # (drafts, so a decode: no forks)
+                chains[id(item)] = [range(own, own + len(item.draft) + 1)]
+                for branch, b_row in zip(item.branches, branch_rows):
+                    b_first = len(seqs)
+                    for j in range(1, branch.num_rows):
+                        seqs.append(item.seq)
+                        pending.append(branch.draft[:j])
+                        sample_rows.append(b_row + j)
+                    chains[id(item)].append([chains[id(item)][0][0], *range(b_first, len(seqs))])
         if not seqs:
-            return StepResult([], prompt_lps, hidden=kept)
+            return StepResult([], prompt_lps, hidden=self._kept_hidden(first_rows, hidden))
         sampled_hidden = hidden[sample_rows]
         mask_seconds, masked, meta_s = 0.0, 0, None
         with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
@@ -312,10 +333,11 @@ class ModelRunner:
         targets = out.token_ids.tolist()
         wanted = [s.params.logprobs for s in seqs]
         lp_dicts = _logprob_dicts(out, wanted)
-        result = []
+        result, last_rows = [], []
         for seq, item, first in groups:
             if item is None or not item.draft:
                 result.append((seq, [targets[first]], [lp_dicts[first]]))
+                last_rows.append(first)
                 continue
             k, target = len(item.draft), targets[first : first + len(item.draft) + 1]
             if item.draft_probs is not None and not seq.params.greedy:
@@ -326,14 +348,36 @@ class ModelRunner:
                     i = first + len(emitted) - 1
                     chosen = torch.tensor([emitted[-1]], device=self.device)
                     lp_dicts[i] = _logprob_dicts(logprobs_of(out.raw_logprobs[i : i + 1], chosen, n), [n])[0]
+            elif item.branches:  # a draft tree: the chain with the longest accepted prefix goes on (the first of equals)
+                drafts = [item.draft] + [b.draft for b in item.branches]
+                verified = [verify_deterministic(d, [targets[i] for i in rows]) for d, rows in zip(drafts, chains[id(item)])]
+                item.chosen_branch = max(range(len(drafts)), key=lambda c: (len(verified[c]), -c))
+                emitted, rows = verified[item.chosen_branch], chains[id(item)][item.chosen_branch]
+                result.append((seq, emitted, [lp_dicts[i] for i in rows[: len(emitted)]]))
+                last_rows.append(rows[len(emitted) - 1])
+                continue
             else:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
+            last_rows.append(first + len(emitted) - 1)
+        kept = self._kept_hidden(first_rows, hidden)
         if self.keep_hidden == "last":  # the row that sampled each sequence's last emitted token, at its position
-            last = [first + len(emitted) - 1 for (_, item, first), (_, emitted, _) in zip(groups, result)]
-            rows = sampled_hidden.index_select(0, torch.tensor(last, device=self.device))
+            rows = sampled_hidden.index_select(0, torch.tensor(last_rows, device=self.device))
             kept = [(seq, seq.num_tokens + len(emitted) - 2, rows[i: i + 1]) for i, (seq, emitted, _) in enumerate(result)]
         return StepResult(result, prompt_lps, mask_seconds, masked, kept)
+
+    def _kept_hidden(self, first_rows: list, hidden: torch.Tensor) -> list:
+        """keep_hidden "all": each scheduled sequence's rows (those of the draft chain verification kept)."""
+        if self.keep_hidden != "all":
+            return []
+        kept = []
+        for item, row, branch_rows in first_rows:
+            if item.chosen_branch:
+                row, n = branch_rows[item.chosen_branch - 1], item.branches[item.chosen_branch - 1].num_rows
+            else:
+                n = item.num_new_tokens
+            kept += [(seq, item.seq.num_computed_tokens, hidden[row: row + n]) for seq in [item.seq, *item.forks]]
+        return kept
 
     def _apply_grammars(self, logits: torch.Tensor, groups: list) -> tuple[float, int]:
         """Structured outputs: forbid, in each constrained row, every token its grammar does not allow next (a

@@ -23,6 +23,22 @@ from sieve.sequence import Sequence, SequenceStatus
 
 
 @dataclass
+class DraftBranch:
+    """Another chain of a draft tree, verified beside the sequence's own: rows of the sequence's last token and
+    `draft` after it, written to blocks of its own (`blocks`, after the sequence's full blocks in `block_table`), the
+    first a copy of the sequence's partial last block. If it is the chain verification keeps, the sequence adopts its
+    blocks; otherwise they are given back."""
+
+    draft: list[int]
+    block_table: list[int]
+    blocks: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.draft)
+
+
+@dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step, drafts included (1 + k for a decode with k drafts)
@@ -34,6 +50,15 @@ class ScheduledSeq:
     # Sibling choices forked from `seq` at the end of its prompt: they take its K/V and sample their first
     # token from the same logits (n > 1 prefills the prompt once).
     forks: list[Sequence] = field(default_factory=list)
+    # A draft tree's other chains (rows after the sequence's own), and which chain verification kept (0: the
+    # sequence's own draft, b: branches[b - 1]), set by the model runner.
+    branches: list[DraftBranch] = field(default_factory=list)
+    chosen_branch: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step's flattened batch: the sequence's own tokens and drafts, and its other chains'."""
+        return self.num_new_tokens + sum(b.num_rows for b in self.branches)
 
     @property
     def num_real_tokens(self) -> int:
@@ -57,10 +82,12 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # (KV-cache group, source, destination) block copies, done after the step's writes
     block_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # ... and before them: draft branches' copies of their sequence's partial last block
+    branch_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_rows for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -73,8 +100,8 @@ class SchedulerOutput:
         for s in self.scheduled:
             c = s.seq.num_computed_tokens
             if s.num_real_tokens == 1 and c == s.seq.num_tokens - 1:
-                n = s.num_new_tokens
-                keys += n * c + n * (n + 1) // 2
+                for n in [s.num_new_tokens] + [b.num_rows for b in s.branches]:
+                    keys += n * c + n * (n + 1) // 2
         return keys
 
 
@@ -165,7 +192,40 @@ class Scheduler:
         for item in out.scheduled:
             if item.seq.request.unforked and item.samples:
                 self._fork(item, out)
+
+        # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        for item in out.scheduled:
+            if item.draft and item.seq.draft_alternatives and budget > 1:
+                budget -= self._branch(item, out, budget)
         return out
+
+    def _branch(self, item: ScheduledSeq, out: SchedulerOutput, budget: int) -> int:
+        """Reserve `item`'s other draft chains (each as long as its own draft, at most); the rows they take."""
+        seq, k, taken = item.seq, len(item.draft), 0
+        seen = {tuple(item.draft)}
+        for alt in seq.draft_alternatives:
+            alt = alt[:k]
+            if not alt or tuple(alt) in seen:  # (a chain cut to the same tokens as another adds nothing)
+                continue
+            if 1 + len(alt) > budget - taken:
+                break
+            reserved = self.blocks.reserve_branch(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1 + len(alt))
+            if reserved is False:
+                break
+            table, blocks, copies = reserved
+            seen.add(tuple(alt))
+            item.branches.append(DraftBranch(alt, table, blocks))
+            out.branch_copies += copies
+            taken += 1 + len(alt)
+        return taken
+
+    def discard_branches(self, out: SchedulerOutput) -> None:
+        """Give back every draft branch's blocks of a step that did not run to its end (it failed)."""
+        for item in out.scheduled:
+            for b in item.branches:
+                self.blocks.release_branch(b.blocks)
+            item.branches = []
 
     def _fork(self, item: ScheduledSeq, out: SchedulerOutput) -> None:
         parent, unforked = item.seq, item.seq.request.unforked
@@ -204,7 +264,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.blocks.free(seq)
-        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -216,6 +276,11 @@ class Scheduler:
         back the blocks that only rejected drafts reached. Only then are full blocks entered in the prefix
         cache, so a rejected draft never is."""
         for s in out.scheduled:
+            for b, branch in enumerate(s.branches, start=1):
+                if b == s.chosen_branch:  # its blocks now hold the sequence's tokens from its last partial block on
+                    self.blocks.adopt_branch(s.seq, s.seq.num_computed_tokens, branch.blocks)
+                else:
+                    self.blocks.release_branch(branch.blocks)
             s.seq.num_computed_tokens += s.num_real_tokens + s.num_accepted
             if s.draft:
                 self.blocks.truncate(s.seq, s.seq.num_tokens)

@@ -62,6 +62,7 @@ class Sequence:
     # until accepted), and the distribution each was drawn from (None: deterministic drafts).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None
+    draft_alternatives: list[list[int]] = field(default_factory=list)  # further chains of a draft tree (num_branches)
     grammar: Any = None  # structured outputs: this sequence's GrammarMatcher (sieve/structured), or None
 
     # Output side (written by the output processor).

@@ -89,6 +89,25 @@ def test_speculative_decoding_on_the_gpu_gives_the_plain_tokens(llama_engine_fac
 
 
 @cuda
+def test_draft_trees_on_the_gpu_give_the_plain_tokens(llama_engine_factory):
+    """Draft trees of 3 chains on CUDA (the branches' block copies before the step, their rows in the Triton decode
+    attention, the kept chain's blocks adopted): greedy tokens equal the plain engine's, and the pool comes back whole."""
+    from test_spec import TreeOracle, assert_pool_clean, count_chosen_branches, grounded_workload
+
+    prompts, params = grounded_workload(33)
+    plain = llama_engine_factory(device="cuda")
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = llama_engine_factory(device="cuda", block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    engine = llm.llm_engine
+    engine.speculator.proposer = TreeOracle({(tuple(p["prompt_token_ids"]), 0): r for p, r in zip(prompts, reference)})
+    engine.speculator.branches = 3
+    chosen = count_chosen_branches(engine)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    assert chosen.count(1) + chosen.count(2) > 10
+    assert_pool_clean(engine)
+
+
+@cuda
 def test_triton_decode_attention_on_the_gpu_is_the_reference_and_each_row_its_own():
     from test_attention_triton import check_paged_decode
 

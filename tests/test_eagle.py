@@ -18,7 +18,7 @@ from sieve.spec.distill import add_distill_args, eagle_loss, run_distill
 from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
 
 from test_medusa import STORIES, distill_args, stories, workload
-from test_spec import assert_pool_clean, ids
+from test_spec import assert_pool_clean, count_chosen_branches, ids
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,61 @@ def test_eagle_with_prefix_hits_preemption_forks_and_auto_depth(eagle):
         assert_pool_clean(engine)
 
 
+def test_eagle_draft_tree_is_lossless_and_keeps_its_other_chains(eagle):
+    """num_branches = 3: the layer's three likeliest first tokens, each continued as its own chain, verified in one
+    pass (a chain other than the first attends to its own entries of the draft cache, not the others'). Greedy output equals the plain engine's (chunked prefill, a pool small enough to preempt, prefix hits);
+    sampled requests draft one chain; the other chains are kept where the first is wrong, so more first drafts are
+    accepted than by the chain alone."""
+    out, _ = eagle
+    prompts, params = workload(10)
+    prompts, params = prompts + prompts[:4], params + params[:4]
+    plain = stories(num_gpu_blocks_override=48, block_size=4, max_num_seqs=4)
+    reference = ids(plain.generate(prompts, params))
+    accepted_first, accepted = {}, {}
+    for branches in (1, 3):
+        spec = stories(num_gpu_blocks_override=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                       speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 3,
+                                           "num_branches": branches})
+        engine = spec.llm_engine
+        chosen = count_chosen_branches(engine)
+        assert ids(spec.generate(prompts, params)) == reference
+        stats = engine.speculator.stats
+        accepted_first[branches] = stats.accepted_per_pos[0] / stats.num_drafts
+        accepted[branches] = stats.num_accepted_tokens / stats.num_drafts
+        if branches == 3:
+            assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_hit_tokens > 0
+            assert len(chosen) > 50 and chosen.count(0) > 0
+            assert chosen.count(1) + chosen.count(2) > 10  # a second or third chain matched, and was adopted
+            assert stats.num_draft_tokens > 4 * stats.num_drafts  # the other chains' tokens count as drafted (one: at most 3)
+            sampled = [SamplingParams(max_tokens=p.max_tokens, temperature=0.9, seed=i, ignore_eos=True)
+                       for i, p in enumerate(params[:6])]
+            before = len(chosen)
+            assert ids(spec.generate(prompts[:6], sampled)) == ids(plain.generate(prompts[:6], sampled))
+            assert len(chosen) == before  # sampled requests verify one chain
+        else:
+            assert not chosen
+        assert_pool_clean(engine)
+    assert accepted_first[3] > accepted_first[1] + 0.05  # (0.50 against 0.41 here)
+    assert accepted[3] > accepted[1] + 0.05  # accepted tokens per draft (0.88 against 0.74 here)
+
+
+def _random_layer(path, H: int = 32, V: int = 50):
+    """A small EAGLE layer with random weights (not the near-identity start) saved at `path`, for a target of hidden
+    size H and vocabulary V drafting its even ids; and an embedding table for that target."""
+    layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    layer.save(path, {})
+    return H, V, torch.randn(V, H)
+
+
 def test_served_drafts_are_what_training_unrolls(tmp_path):
     """The proposer (features entered in pieces, rejected rows replaced, a draft cache grown) drafts exactly the
     tokens the unrolled training pass predicts for the same context and the same tokens: simulated acceptance is the
     served one."""
     torch.manual_seed(0)
-    H, V = 32, 50
-    layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
-    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):  # not the near-identity start
-        torch.nn.init.normal_(lin.weight, std=0.3)
-    layer.save(tmp_path, {})
-    table = torch.randn(V, H)
+    H, V, table = _random_layer(tmp_path)
     proposer = EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
     feats = torch.randn(40, H, dtype=torch.float64)
     tokens = torch.randint(0, V, (40,)).tolist()
@@ -117,6 +160,50 @@ def test_served_drafts_are_what_training_unrolls(tmp_path):
     assert not proposer.states
 
 
+def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_token(tmp_path, monkeypatch):
+    """num_branches: chain c begins with the layer's (c + 1)-th likeliest first token and goes on exactly as the
+    unrolled pass predicts after that token (so it attends to its own draft entries, never another chain's); the first
+    chain is the draft without branches; a sequence asked for one chain beside it drafts as alone. The draft cache's
+    unwritten memory is NaN here, as uninitialised memory may be: no chain reads it."""
+    from sieve.spec.eagle import _SeqState
+
+    reserve = _SeqState.reserve
+
+    def poisoned(self, size, like):
+        reserve(self, size, like)
+        self.k[self.n:], self.v[self.n:] = float("nan"), float("nan")
+
+    monkeypatch.setattr(_SeqState, "reserve", poisoned)
+    torch.manual_seed(2)
+    H, V, table = _random_layer(tmp_path)
+    make = lambda: EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
+    feats = torch.randn(2, 30, H, dtype=torch.float64)
+    tokens = torch.randint(0, V, (2, 30)).tolist()
+    n = (20, 14)
+    tree, chain = make(), make()
+    drafts = {}
+    for name, proposer, branches in (("tree", tree, [3, 1]), ("chain", chain, None)):
+        seqs = [SimpleNamespace(token_ids=tokens[i][: n[i] + 1], num_computed_tokens=n[i]) for i in range(2)]
+        for i, seq in enumerate(seqs):
+            proposer.observe_hidden(seq, 0, feats[i, : n[i]])
+        drafts[name] = proposer.propose(seqs, [4, 3], branches)
+    t, c = drafts["tree"], drafts["chain"]
+    assert len(t[0].alternatives) == 2 and not t[1].alternatives
+    assert t[0].token_ids == c[0].token_ids and t[1].token_ids == c[1].token_ids
+    L = tree.layer
+    with torch.inference_mode():
+        first = L.draft_vocab[L.logits(L.unrolled(table[torch.tensor(tokens[0][1: n[0] + 1])].double(),
+                                                  feats[0, : n[0]], 1)[0][-1]).topk(3).indices].tolist()
+        chains = [t[0].token_ids, *t[0].alternatives]
+        assert [ch[0] for ch in chains] == first
+        for ch in chains:
+            assert len(ch) == 4
+            path = torch.tensor(tokens[0][: n[0] + 1] + ch)
+            T = len(path) - 1
+            outs = L.unrolled(table[path[1:]].double(), torch.cat([feats[0, : n[0]], feats[0, : T - n[0]]]), 4)
+            assert ch[1:] == [L.draft_vocab[L.logits(outs[s][n[0] - 1 + s]).argmax()].item() for s in range(1, 4)]
+
+
 def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
     """A sequence not drafted for over MAX_CATCH_UP positions ("auto" chose k = 0) is not caught up position by
     position at its next probe: its context restarts at its last MAX_CATCH_UP positions, and the drafts are then
@@ -124,13 +211,7 @@ def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
     from sieve.spec.eagle import MAX_CATCH_UP
 
     torch.manual_seed(1)
-    H, V = 32, 50
-    layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
-    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
-        torch.nn.init.normal_(lin.weight, std=0.3)
-    layer.save(tmp_path, {})
-    table = torch.randn(V, H)
+    H, V, table = _random_layer(tmp_path)
     make = lambda: EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
     n, end = 30, 30 + MAX_CATCH_UP + 50
     feats = torch.randn(end + 1, H, dtype=torch.float64)

@@ -14,7 +14,7 @@ from sieve import SamplingParams
 from sieve.spec.distill import add_distill_args, run_distill
 
 from conftest import SHARED
-from test_spec import assert_pool_clean, ids
+from test_spec import assert_pool_clean, count_chosen_branches, ids
 
 STORIES = SHARED / "models" / "stories260K"  # a tiny trained model: its answers are predictable enough to learn
 OPENINGS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park.",
@@ -79,6 +79,31 @@ def test_medusa_greedy_and_seeded_output_equal_no_speculation(heads):
     sampled = [SamplingParams(max_tokens=p.max_tokens, temperature=0.9, seed=i, ignore_eos=True) for i, p in enumerate(params)]
     assert ids(spec.generate(prompts, sampled)) == ids(plain.generate(prompts, sampled))
     assert_pool_clean(spec.llm_engine)
+
+
+def test_medusa_draft_tree_is_lossless(heads):
+    """num_branches = 3: the first head's three likeliest tokens, each followed by the later heads' guesses (a
+    sequential head's after that chain's own tokens). The first chain is what the heads draft alone; greedy output
+    equals the plain engine's, and the other chains are kept where the first is wrong."""
+    from sieve.spec.medusa import MedusaHeads
+
+    out, _ = heads
+    layer, _ = MedusaHeads.load(out)
+    hidden = torch.randn(5, layer.hidden_size)
+    last = torch.randn(5, layer.hidden_size)
+    embed = torch.nn.Embedding(int(layer.draft_vocab.max()) + 1, layer.hidden_size)
+    tree = layer.draft_tree(hidden, 3, 3, last, embed)
+    assert tree.shape == (5, 3, 3)
+    assert torch.equal(tree[:, 0], layer.draft(hidden, 3, last, embed))
+    assert all(len(set(t[:, 0].tolist())) == 3 for t in tree)  # distinct first tokens
+    plain = stories()
+    spec = stories(speculative_config={"method": "medusa", "model": str(out), "num_speculative_tokens": 3, "num_branches": 3})
+    engine = spec.llm_engine
+    chosen = count_chosen_branches(engine)
+    prompts, params = workload(16)
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    assert len(chosen) > 50 and chosen.count(1) + chosen.count(2) > 5
+    assert_pool_clean(engine)
 
 
 def test_medusa_auto_depth_is_lossless(heads):

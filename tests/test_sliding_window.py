@@ -217,6 +217,10 @@ def test_speculative_decoding_with_sliding_layers_is_lossless(sliding_checkpoint
     b = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompt_ids], params)]
     assert a == b
     assert spec.llm_engine.speculator.stats.num_draft_tokens > 0
+    from sieve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="all attend to the full context"):  # draft trees copy one group's blocks
+        engine(path, speculative_config={"method": "eagle", "model": "heads", "num_speculative_tokens": 2, "num_branches": 2})
 
 
 # ---- the real Gemma-3-270M (K-quant GGUF) -------------------------------------------------------------------

@@ -42,6 +42,32 @@ def ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def assert_same_choices(reference, outs):
+    """Every choice's tokens and finish reason equal the reference's; logprobs agree, ranks included."""
+    for r, o in zip(reference, outs):
+        for a, b in zip(r.outputs, o.outputs):
+            assert b.token_ids == a.token_ids, (r.request_id, a.index)
+            assert b.finish_reason == a.finish_reason
+            if a.logprobs is not None:
+                for da, db in zip(a.logprobs, b.logprobs):
+                    assert da.keys() == db.keys()
+                    for tok in da:
+                        assert db[tok].logprob == pytest.approx(da[tok].logprob, abs=1e-4)
+                        assert db[tok].rank == da[tok].rank
+
+
+def count_chosen_branches(engine) -> list[int]:
+    """Which chain of each draft tree verification kept (0: the first), step by step, as the engine runs."""
+    chosen, real = [], engine.scheduler.postprocess
+
+    def postprocess(out):
+        chosen.extend(item.chosen_branch for item in out.scheduled if item.branches)
+        real(out)
+
+    engine.scheduler.postprocess = postprocess
+    return chosen
+
+
 def assert_pool_clean(engine):
     bm = engine.block_manager
     assert not engine.has_unfinished()
@@ -124,6 +150,35 @@ class OracleProposer:
         self.finished += 1
 
 
+class TreeOracle(OracleProposer):
+    """Draft trees of `branches` chains: the reference continuation (corrupted as OracleProposer's) is the first
+    chain, another one, or none of them; the other chains begin with other tokens. Asked with branches = 1 (sampled
+    requests), it drafts one chain, right or wrong."""
+
+    def __init__(self, refs: dict, error: float = 0.25, seed: int = 0):
+        super().__init__(refs, error, seed)
+        self.asked_for_trees = 0
+
+    def propose(self, seqs, ks, branches=None):
+        drafts = super().propose(seqs, ks)
+        for i, (d, k) in enumerate(zip(drafts, ks)):
+            width = branches[i] if branches else 1
+            if width == 1 or not d.token_ids:
+                continue
+            self.asked_for_trees += 1
+            chains = [[self.rng.randrange(3, VOCAB) for _ in range(len(d.token_ids))] for _ in range(width)]
+            where = self.rng.randrange(width + 1)  # width: the reference is in no chain
+            if where < width:
+                chains[where] = d.token_ids
+            firsts = set()
+            for c in chains:  # distinct first tokens, the reference's kept
+                while c is not d.token_ids and (c[0] in firsts or c[0] == d.token_ids[0]):
+                    c[0] = self.rng.randrange(3, VOCAB)
+                firsts.add(c[0])
+            drafts[i] = Draft(chains[0], alternatives=chains[1:])
+        return drafts
+
+
 def option_workload(n: int, seed: int = 1):
     """Every sampling option that depends on the generated history or position, seeded where random."""
     rng = random.Random(seed)
@@ -156,16 +211,7 @@ def test_every_sampling_option_and_seed_behaves_as_without_speculation(llama_eng
     engine = llm.llm_engine
     engine.speculator.proposer = oracle = OracleProposer(refs)
     outs = llm.generate(prompts, params)
-    for r, o in zip(reference, outs):
-        for a, b in zip(r.outputs, o.outputs):
-            assert b.token_ids == a.token_ids, (r.request_id, a.index)
-            assert b.finish_reason == a.finish_reason
-            if a.logprobs is not None:
-                for da, db in zip(a.logprobs, b.logprobs):
-                    assert da.keys() == db.keys()
-                    for tok in da:
-                        assert db[tok].logprob == pytest.approx(da[tok].logprob, abs=1e-4)
-                        assert db[tok].rank == da[tok].rank
+    assert_same_choices(reference, outs)
     s = engine.speculator.stats
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert s.num_accepted_tokens > 50 and s.num_draft_tokens - s.num_accepted_tokens > 50
@@ -176,6 +222,41 @@ def test_every_sampling_option_and_seed_behaves_as_without_speculation(llama_eng
         assert m.spec_num_accepted_tokens <= m.spec_num_draft_tokens
         if m.spec_num_drafts:
             assert 1 <= m.spec_mean_acceptance_length <= 5
+    assert_pool_clean(engine)
+
+
+def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
+    """Draft trees of 3 chains (sieve/scheduler.py DraftBranch) through the same workload: the chain that matches is
+    kept wherever it is, its blocks adopted (block size 4: chains cross blocks), and every choice's tokens and logprobs
+    are the plain engine's. Continuations of the answers, asked next, hit blocks that adopted chains wrote: their K/V
+    is the plain engine's too."""
+    prompts, params = option_workload(24)
+    reference = plain.generate(prompts, params)
+    refs = {(tuple(p["prompt_token_ids"]), c.index): c.token_ids for p, r in zip(prompts, reference) for c in r.outputs}
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+                               num_gpu_blocks_override=96, block_size=4, max_num_batched_tokens=96)
+    engine = llm.llm_engine
+    engine.speculator.proposer = oracle = TreeOracle(refs)
+    engine.speculator.branches = 3  # (configs refuse trees for ngram, which drafts one chain; the oracle drafts trees)
+    chosen = count_chosen_branches(engine)
+    outs = llm.generate(prompts, params)
+    assert_same_choices(reference, outs)
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    # Trees take the budget and blocks left over (the pool is tight here): about a third of those drafted ran.
+    assert oracle.asked_for_trees > 100 and len(chosen) > 30
+    assert chosen.count(1) + chosen.count(2) > 10 and chosen.count(0) > 15
+    s = engine.speculator.stats
+    assert s.num_accepted_tokens > 50
+    assert_pool_clean(engine)
+    # The answers so far, continued: their blocks (adopted chains' among them) are prefix-cache hits now.
+    greedy = [i for i, sp in enumerate(params) if sp.temperature == 0 and sp.n == 1]
+    more = [{"prompt_token_ids": prompts[i]["prompt_token_ids"] + reference[i].outputs[0].token_ids} for i in greedy]
+    more_params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(more)
+    expected = plain.generate(more, more_params)
+    oracle.refs.update({(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(more, expected)})
+    hits = engine.block_manager.num_hit_tokens
+    assert ids(llm.generate(more, more_params)) == ids(expected)
+    assert engine.block_manager.num_hit_tokens - hits > 100
     assert_pool_clean(engine)
 
 
@@ -195,21 +276,25 @@ def test_stop_inside_accepted_drafts_drops_the_rest(llama_engine_factory, plain)
     assert_pool_clean(llm.llm_engine)
 
 
-def test_kv_accounting_through_rejections_aborts_and_failed_steps(llama_engine_factory, plain):
+@pytest.mark.parametrize("branches", [1, 3])
+def test_kv_accounting_through_rejections_aborts_and_failed_steps(llama_engine_factory, plain, branches):
+    """With draft trees (branches = 3) too: no block of a chain that was not kept, nor of a step that failed, stays
+    taken."""
     prompts, params = grounded_workload(14, seed=7)
     reference = plain.generate(prompts, params)
     refs = {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)}
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 5},
                                num_gpu_blocks_override=48, block_size=4, max_num_batched_tokens=40)
     engine = llm.llm_engine
-    engine.speculator.proposer = OracleProposer(refs, error=0.4)
+    engine.speculator.proposer = (TreeOracle if branches > 1 else OracleProposer)(refs, error=0.4)
+    engine.speculator.branches = branches
     bm = engine.block_manager
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
     real_execute, failed, aborted, step = engine.runner.execute, [], [], 0
 
     def flaky(sched):  # one failure, in a step that verifies drafts
-        if step == 6 and not failed and any(item.draft for item in sched.scheduled):
+        if step >= 6 and not failed and any(item.branches if branches > 1 else item.draft for item in sched.scheduled):
             failed.append(True)
             raise RuntimeError("injected fault")
         return real_execute(sched)
@@ -650,6 +735,10 @@ def test_probing_a_proposer_that_catches_up_never_stops_and_its_drafting_cost_is
     ({"method": "draft_model"}, "needs \"model\""),
     ({"method": "eagle"}, "needs \"model\""),
     ({"method": "ngram", "model": "x"}, "takes no"),
+    ({"method": "ngram", "num_branches": 2}, "drafts one chain"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": "auto", "num_branches": 2}, "fixed num_speculative_tokens"),
+    ({"method": "eagle", "model": "x", "num_branches": 0}, "positive integer"),
+    ({"method": "medusa", "model": "x", "num_branches": 9}, "at most 8"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_speculative_config_is_refused(bad, message):

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+MAX_BRANCHES = 8
 
 
 @dataclass
@@ -15,6 +16,11 @@ class SpeculativeConfig:
     # the measured cost of the step (sieve/spec/controller.py), up to `max_num_speculative_tokens`.
     num_speculative_tokens: int | str = 4
     max_num_speculative_tokens: int = 8  # the ceiling of "auto"
+    # A draft tree of `num_branches` chains, all verified in the same target pass, the chain with the longest accepted
+    # prefix going on: eagle keeps its likeliest drafts by cumulative probability (EAGLE-2's tree, flattened into its
+    # paths); medusa its first head's likeliest tokens, each followed by the later heads' guesses. Greedy requests
+    # without a grammar (others draft one chain); fixed k.
+    num_branches: int = 1
     model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
     quantization: str | None = None  # draft_model: the draft's weight format (as --quantization: int8, fp8, int4)
     # ngram (prompt lookup): the longest match of the sequence's last n tokens, n from max down to min.
@@ -65,6 +71,16 @@ class SpeculativeConfig:
         if not self.auto:
             positive_int("num_speculative_tokens (or \"auto\")", self.num_speculative_tokens)
         positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)
+        positive_int("num_branches", self.num_branches)
+        if self.num_branches > 1:
+            if self.method not in ("eagle", "medusa"):
+                raise ValueError(f"speculative_config.num_branches > 1 takes a proposer that ranks its guesses (eagle or "
+                                 f"medusa); {self.method!r} drafts one chain")
+            if self.auto:
+                raise ValueError("speculative_config.num_branches > 1 takes a fixed num_speculative_tokens: the adaptive "
+                                 "depth does not price branches")
+            if self.num_branches > MAX_BRANCHES:
+                raise ValueError(f"speculative_config.num_branches must be at most {MAX_BRANCHES}, got {self.num_branches}")
         positive_int("prompt_lookup_min", self.prompt_lookup_min)
         positive_int("prompt_lookup_max", self.prompt_lookup_max)
         positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)

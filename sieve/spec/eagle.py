@@ -255,7 +255,7 @@ class EagleProposer:
         st.hold(start, rows)  # replaces what follows `start` (an earlier step's rejected rows)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         batch = []  # (index, state, number of positions to enter)
         for i, seq in enumerate(seqs):
@@ -298,6 +298,10 @@ class EagleProposer:
         out = layer.finish(x, torch.cat(attn))
         last = torch.tensor(list(itertools.accumulate(m for _, _, m in batch)), device=self.device) - 1
         g = out.index_select(0, last)  # each sequence's prediction of the feature after its last committed position
+        width = [min(branches[i], len(layer.draft_vocab)) if branches else 1 for i, _, _ in batch]
+        if max(width) > 1:
+            self._draft_trees(ks, batch, g, width, k_max, k[:1], drafts)
+            return drafts
         guesses = [[] for _ in batch]
         active = list(range(len(batch)))
         for j in range(k_max):
@@ -323,6 +327,55 @@ class EagleProposer:
         for (i, _, _), gs in zip(batch, guesses):
             drafts[i] = Draft(gs[: ks[i]])
         return drafts
+
+    def _draft_trees(self, ks, batch, g, width, k_max, like, drafts) -> None:
+        """Draft trees that branch at their root: sequence a's width[a] likeliest first tokens, each continued greedily
+        as its own chain. (Keeping instead the likeliest paths by cumulative probability, EAGLE-2's beam, accepted less
+        on open chat: this layer's confidence is a poor guide, and the first token is where the chains must differ.)
+        Chain c's own entries in the draft cache sit at n + c * k_max + j, after the committed ones; one masked pass
+        per sequence attends each chain to those and its own."""
+        layer, dev = self.layer, self.device
+        for _, st, _ in batch:
+            st.reserve(st.n + k_max * max(width), like)
+            # Zeros where no chain has written yet: a masked-out key still enters the product, and the buffer's
+            # uninitialised memory may hold NaN, which no mask takes back out.
+            st.k[st.n: st.n + k_max * max(width)] = 0
+            st.v[st.n: st.n + k_max * max(width)] = 0
+        top = layer.logits(g).topk(max(width), dim=-1).indices
+        rows = [(a, c) for a in range(len(batch)) for c in range(width[a])]  # (sequence, chain)
+        d = top[torch.tensor([a for a, _ in rows], device=dev), torch.tensor([c for _, c in rows], device=dev)]
+        g = g.index_select(0, torch.tensor([a for a, _ in rows], device=dev))
+        paths = {r: [] for r in rows}  # draft-vocabulary indices
+        for j in range(k_max):
+            for r, t in zip(rows, d.tolist()):
+                paths[r].append(t)
+            live = [n for n, (a, _) in enumerate(rows) if ks[batch[a][0]] > j + 1]
+            if not live:
+                break
+            # The next token of every chain still short of its sequence's k: the layer on the chain's own feature and guess.
+            sel = torch.tensor(live, device=dev)
+            rows, g, d = [rows[n] for n in live], g.index_select(0, sel), d.index_select(0, sel)
+            pos = torch.tensor([batch[a][1].entered + j for a, _ in rows], device=dev)
+            x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, pos)
+            by_seq: dict[int, list[int]] = {}
+            for n, (a, _) in enumerate(rows):
+                by_seq.setdefault(a, []).append(n)
+            attn = torch.empty(len(rows), q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
+            for a, idx in by_seq.items():
+                st, cs, ix = batch[a][1], [rows[n][1] for n in idx], torch.tensor(idx, device=dev)
+                slots = st.n + torch.tensor(cs, device=dev) * k_max + j
+                st.k[slots], st.v[slots] = k[ix], v[ix]
+                S = st.n + max(cs) * k_max + j + 1
+                mask = torch.zeros(len(idx), S, dtype=torch.bool, device=dev)
+                mask[:, : st.n] = True
+                for r, c in enumerate(cs):
+                    mask[r, st.n + c * k_max: st.n + c * k_max + j + 1] = True
+                attn[ix] = layer.attend(q[ix], st.k[:S], st.v[:S], mask)
+            g = layer.finish(x, attn)
+            d = layer.logits(g).argmax(dim=-1)
+        for a, (i, _, _) in enumerate(batch):
+            chains = [layer.draft_vocab[torch.tensor(paths[(a, c)], device=dev)].tolist()[: ks[i]] for c in range(width[a])]
+            drafts[i] = Draft(chains[0], alternatives=chains[1:])
 
     def finish(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)

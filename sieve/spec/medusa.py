@@ -72,6 +72,30 @@ class MedusaHeads(nn.Module):
             e = embed(g).to(s.dtype)
         return torch.stack(guesses, dim=1)
 
+    @torch.inference_mode()
+    def draft_tree(self, hidden: torch.Tensor, k: int, width: int, last_emb: torch.Tensor | None = None,
+                   embed=None) -> torch.Tensor:
+        """A draft tree that branches at its root, as target token ids [B, width, k]: the first head's `width`
+        likeliest tokens, each followed by the next heads' greedy guesses (independent heads guess the same after
+        every first token; sequential heads read each chain's own)."""
+        low = self.proj.weight.dtype
+        B = hidden.shape[0]
+        if not self.sequential:
+            logits = self.proj(self._independent_states(hidden, k).to(low))  # [B, k, V']
+            first = logits[:, 0].topk(width, dim=-1).indices  # [B, width]
+            rest = logits[:, 1:].argmax(dim=-1)[:, None, :].expand(B, width, k - 1)
+            return self.draft_vocab[torch.cat([first[:, :, None], rest], dim=2)]
+        s = hidden + nn.functional.silu(self.blocks[0](torch.cat([hidden, last_emb], dim=-1)))
+        first = self.draft_vocab[self.proj(s.to(low)).topk(width, dim=-1).indices].reshape(-1)  # [B * width]
+        s, guesses = s.repeat_interleave(width, dim=0), [first]
+        e = embed(first).to(s.dtype)
+        for b in self.blocks[1:k]:
+            s = s + nn.functional.silu(b(torch.cat([s, e], dim=-1)))
+            g = self.draft_vocab[self.proj(s.to(low)).argmax(dim=-1)]
+            guesses.append(g)
+            e = embed(g).to(s.dtype)
+        return torch.stack(guesses, dim=1).view(B, width, k)
+
     def save(self, out: str | Path, meta: dict) -> None:
         save_folder(self, out, WEIGHTS, {"method": "medusa", "hidden_size": self.hidden_size, "num_heads": self.num_heads,
                                          "sequential": self.sequential, "draft_vocab": self.draft_vocab.tolist(), **meta})
@@ -113,7 +137,7 @@ class MedusaProposer:
         self.hidden[id(seq)] = rows[-1]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
         have = [i for i, s in enumerate(seqs) if id(s) in self.hidden]
         drafts = [Draft([]) for _ in seqs]
         if not have:
@@ -123,6 +147,13 @@ class MedusaProposer:
         last = None
         if self.heads.sequential:
             last = self.embed(torch.tensor([seqs[i].token_ids[-1] for i in have], device=states.device)).to(self.dtype)
+        width = min(max(branches[i] for i in have), len(self.config["draft_vocab"])) if branches else 1
+        if width > 1:  # a draft tree: each sequence takes its first branches[i] chains
+            trees = self.heads.draft_tree(states, k, width, last, self.embed).tolist()
+            for i, t in zip(have, trees):
+                chains = [c[: ks[i]] for c in t[: branches[i]]]
+                drafts[i] = Draft(chains[0], alternatives=chains[1:])
+            return drafts
         guesses = self.heads.draft(states, k, last, self.embed).tolist()
         for i, g in zip(have, guesses):
             drafts[i] = Draft(g[: ks[i]])

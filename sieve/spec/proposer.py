@@ -4,11 +4,15 @@ A proposer sees the sequences that will decode next step and how many tokens eac
 the depth controller), and returns a `Draft` per sequence: at most k token ids, and optionally the
 distribution each was drawn from. Without a distribution the draft counts as deterministic (q one-hot), which
 is what the n-gram and suffix proposers, and any proposer drafting its argmax, are.
+
+A proposer that ranks its guesses (EAGLE, Medusa) may also be asked for `branches[i]` chains per sequence: a draft
+tree, flattened into its paths. `alternatives` are the chains after the first; they are verified beside it, and the
+chain with the longest accepted prefix goes on (greedy requests only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -20,11 +24,13 @@ from sieve.sequence import Sequence
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32: q of each drafted position; None: one-hot
+    alternatives: list[list[int]] = field(default_factory=list)  # further chains (deterministic) of a draft tree
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        """Up to ks[i] draft tokens to follow seqs[i]'s last token (each k >= 1)."""
+    def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
+        """Up to ks[i] draft tokens to follow seqs[i]'s last token (each k >= 1); with `branches` (asked only of a
+        proposer built for them), up to branches[i] - 1 alternative chains as well."""
         ...
 
     def finish(self, seq: Sequence) -> None:

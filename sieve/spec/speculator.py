@@ -70,6 +70,7 @@ class Speculator:
         self.cost = StepCostModel()
         self.controller = DepthController(config, self.cost)
         self.stats = SpecStats(config.max_k)
+        self.branches = config.num_branches  # chains per draft tree (1: a chain)
         # "auto" with a proposer that costs nothing to ask: draft full depth every step (a probe), verify the
         # chosen prefix, and learn acceptance from the whole probe once the tokens it guessed are known.
         self.probing = config.auto and getattr(proposer, "free", False)
@@ -89,7 +90,7 @@ class Speculator:
         """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
         ready, caps = [], []
         for seq in running:
-            seq.draft_token_ids, seq.draft_probs = [], None
+            seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.request.unforked:
                 continue
             # Drafted tokens must fit in the context, and the step emits at most k + 1 tokens.
@@ -122,12 +123,18 @@ class Speculator:
         if not asked:
             return
         started = self.clock()
-        drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
+        if self.branches > 1:  # a draft tree for the sequences that can verify one (greedy, no grammar)
+            drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked],
+                                           [self.branches if _branchable(s) else 1 for s, _ in asked])
+        else:
+            drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
         if auto:  # only the adaptive depth weighs what drafting costs
             (self.draft_cost if chosen else self.probe_cost).observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
         for (seq, k), d in zip(chosen, drafts):
             seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
+            if d.alternatives and seq.draft_token_ids and _branchable(seq):
+                seq.draft_alternatives = [a[:k] for a in d.alternatives if a]
             if auto:  # verification gives evidence from here (a probe still waiting would count it twice)
                 self.evidence[id(seq)] = self.num_prepares
                 self.probes.pop(id(seq), None)
@@ -170,17 +177,18 @@ class Speculator:
             # positions 0..a-1 right; position a wrong if it is known, else not yet tried
             self.controller.record(seq, a + 1 if a < len(known) else a, a)
 
-    def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
-        """A draft of `num_draft` tokens was verified and its first `num_accepted` kept."""
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int, num_alternative: int = 0) -> None:
+        """A draft of `num_draft` tokens (and `num_alternative` more in its tree's other chains) was verified and
+        `num_accepted` kept: the first tokens of the chain that matched."""
         s = self.stats
         s.num_drafts += 1
-        s.num_draft_tokens += num_draft
+        s.num_draft_tokens += num_draft + num_alternative
         s.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             s.accepted_per_pos[j] += 1
         m = seq.request.metrics
         m.spec_num_drafts += 1
-        m.spec_num_draft_tokens += num_draft
+        m.spec_num_draft_tokens += num_draft + num_alternative
         m.spec_num_accepted_tokens += num_accepted
         if not self.probing:
             self.controller.record(seq, num_draft, num_accepted)
@@ -207,11 +215,17 @@ class Speculator:
         self.cost.observe_keys(num_tokens, keys, extra_seconds)
 
     def finish(self, seq: Sequence) -> None:
-        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
         self.proposer.finish(seq)
         self.controller.forget(seq)
         self.probes.pop(id(seq), None)
         self.evidence.pop(id(seq), None)
+
+
+def _branchable(seq: Sequence) -> bool:
+    """Whether a sequence's draft may be a tree: verification picks the chain that matches the target's greedy token,
+    so greedy requests without a grammar (a grammar masks rows as one chain)."""
+    return seq.params.greedy and seq.grammar is None
 
 
 def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
