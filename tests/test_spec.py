@@ -237,7 +237,7 @@ def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
                                num_gpu_blocks_override=96, block_size=4, max_num_batched_tokens=96)
     engine = llm.llm_engine
     engine.speculator.proposer = oracle = TreeOracle(refs)
-    engine.speculator.branches = 3  # (configs refuse trees for ngram, which drafts one chain; the oracle drafts trees)
+    engine.speculator.branches = 3  # (the oracle drafts the trees)
     chosen = count_chosen_branches(engine)
     outs = llm.generate(prompts, params)
     assert_same_choices(reference, outs)
@@ -258,6 +258,33 @@ def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
     assert ids(llm.generate(more, more_params)) == ids(expected)
     assert engine.block_manager.num_hit_tokens - hits > 100
     assert_pool_clean(engine)
+
+
+def test_ngram_draft_trees_take_the_continuations_of_other_matches(llama_engine_factory, plain):
+    """ngram with num_branches: the continuations of the longest n's matches, most recent first and each once, then
+    of shorter n's; the first is the one-chain draft. Served, the greedy tokens are the plain engine's."""
+    from sieve.spec.ngram import TokenBuffer, lookup, lookup_many
+
+    tokens = [5, 6, 7, 1, 9, 9, 5, 6, 7, 2, 8, 5, 6, 7, 1, 4, 3, 6, 7, 3, 0, 5, 6, 7]
+    buf = TokenBuffer()
+    buf.sync(tokens)
+    chains = lookup_many(buf, tokens, 3, 2, 3, 4)
+    assert chains == [[1, 4, 3], [2, 8, 5], [1, 9, 9], [3, 0, 5]]  # [5, 6, 7]'s matches, latest first, then [6, 7]'s
+    assert chains[0] == lookup(buf, tokens, 3, 2, 3)
+    assert lookup_many(buf, tokens, 3, 2, 3, 2) == chains[:2]
+    assert lookup_many(buf, tokens, 2, 3, 3, 4) == [[1, 4], [2, 8], [1, 9]]  # n = 3 only
+    rng = random.Random(5)
+    prompts, params = grounded_workload(24)
+    alphabet = [3, 4, 5, 6, 7, 8]
+    for i in range(0, len(prompts), 2):  # text of a small alphabet (the output too, by its logit bias): an n-gram
+        prompts[i]["prompt_token_ids"] = [rng.choice(alphabet) for _ in range(80)]  # recurs with other continuations
+        params[i] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={t: 50.0 for t in alphabet})
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_branches": 3,
+                                                   "prompt_lookup_min": 1}, block_size=4)
+    chosen = count_chosen_branches(llm.llm_engine)
+    assert ids(llm.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    assert len(chosen) > 50 and chosen.count(1) + chosen.count(2) > 5
+    assert_pool_clean(llm.llm_engine)
 
 
 def test_stop_inside_accepted_drafts_drops_the_rest(llama_engine_factory, plain):
@@ -735,7 +762,7 @@ def test_probing_a_proposer_that_catches_up_never_stops_and_its_drafting_cost_is
     ({"method": "draft_model"}, "needs \"model\""),
     ({"method": "eagle"}, "needs \"model\""),
     ({"method": "ngram", "model": "x"}, "takes no"),
-    ({"method": "ngram", "num_branches": 2}, "drafts one chain"),
+    ({"method": "suffix", "num_branches": 2}, "drafts one chain"),
     ({"method": "eagle", "model": "x", "num_speculative_tokens": "auto", "num_branches": 2}, "fixed num_speculative_tokens"),
     ({"method": "eagle", "model": "x", "num_branches": 0}, "positive integer"),
     ({"method": "medusa", "model": "x", "num_branches": 9}, "at most 8"),

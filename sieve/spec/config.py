@@ -17,9 +17,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 4
     max_num_speculative_tokens: int = 8  # the ceiling of "auto"
     # A draft tree of `num_branches` chains, all verified in the same target pass, the chain with the longest accepted
-    # prefix going on: eagle keeps its likeliest drafts by cumulative probability (EAGLE-2's tree, flattened into its
-    # paths); medusa its first head's likeliest tokens, each followed by the later heads' guesses. Greedy requests
-    # without a grammar (others draft one chain); fixed k.
+    # prefix going on. eagle branches at the root (its likeliest first tokens, each continued greedily); medusa takes
+    # its first head's likeliest tokens, each followed by the later heads' guesses; ngram the different continuations
+    # of its matches, most recent first. Greedy requests without a grammar (others draft one chain); fixed k.
     num_branches: int = 1
     model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
     quantization: str | None = None  # draft_model: the draft's weight format (as --quantization: int8, fp8, int4)
@@ -73,9 +73,9 @@ class SpeculativeConfig:
         positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)
         positive_int("num_branches", self.num_branches)
         if self.num_branches > 1:
-            if self.method not in ("eagle", "medusa"):
-                raise ValueError(f"speculative_config.num_branches > 1 takes a proposer that ranks its guesses (eagle or "
-                                 f"medusa); {self.method!r} drafts one chain")
+            if self.method not in ("eagle", "medusa", "ngram"):
+                raise ValueError(f"speculative_config.num_branches > 1 takes a proposer with several guesses (eagle, medusa "
+                                 f"or ngram); {self.method!r} drafts one chain")
             if self.auto:
                 raise ValueError("speculative_config.num_branches > 1 takes a fixed num_speculative_tokens: the adaptive "
                                  "depth does not price branches")

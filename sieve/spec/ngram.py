@@ -1,5 +1,6 @@
 """Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the sequence's last n tokens
-(n from `prompt_lookup_max` down to `prompt_lookup_min`) and propose the tokens that followed it.
+(n from `prompt_lookup_max` down to `prompt_lookup_min`) and propose the tokens that followed it; for a draft tree
+(`num_branches`), the different continuations of the other matches as well.
 
 Input-grounded tasks (summarise, extract, rewrite, edit code) copy spans of the prompt, so the continuation of
 an earlier match is often the next tokens. Each sequence's tokens are kept as int32 bytes, appended as they
@@ -47,6 +48,26 @@ def lookup(buf: TokenBuffer, tokens: list[int], k: int, n_min: int, n_max: int) 
     return []
 
 
+def lookup_many(buf: TokenBuffer, tokens: list[int], k: int, n_min: int, n_max: int, width: int) -> list[list[int]]:
+    """Up to `width` different continuations (up to k tokens each), for a draft tree: those of the longest n's
+    matches, most recent first, then of shorter n's. The first is `lookup`'s. At most 4 x width matches are read per n."""
+    L, out, seen = len(tokens), [], set()
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        end = L - 1
+        for _ in range(4 * width):
+            start = buf.find_last(tokens[L - n:], end)
+            if start < 0:
+                break
+            cont = tuple(tokens[start + n: start + n + k])
+            if cont not in seen:
+                seen.add(cont)
+                out.append(list(cont))
+                if len(out) == width:
+                    return out
+            end = start + n - 1  # the next match ends before this one does
+    return out
+
+
 class NgramProposer:
     free = True  # asking costs next to nothing: "auto" may probe it at full depth every step
 
@@ -54,14 +75,18 @@ class NgramProposer:
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self.buffers: dict[int, TokenBuffer] = {}
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
         drafts = []
-        for seq, k in zip(seqs, ks):
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             buf = self.buffers.get(id(seq))
             if buf is None:
                 buf = self.buffers[id(seq)] = TokenBuffer()
             buf.sync(seq.token_ids)
-            drafts.append(Draft(lookup(buf, seq.token_ids, k, self.n_min, self.n_max)))
+            if branches and branches[i] > 1:  # a draft tree: the continuations of other matches too
+                chains = lookup_many(buf, seq.token_ids, k, self.n_min, self.n_max, branches[i])
+                drafts.append(Draft(chains[0], alternatives=chains[1:]) if chains else Draft([]))
+            else:
+                drafts.append(Draft(lookup(buf, seq.token_ids, k, self.n_min, self.n_max)))
         return drafts
 
     def finish(self, seq: Sequence) -> None:
