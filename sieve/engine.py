@@ -176,7 +176,7 @@ class LLMEngine:
                 self._calibrate_step_cost()
             log.info("speculative decoding: %s, %s draft tokens%s", sc.method,
                      f"auto (up to {sc.max_k})" if sc.auto else sc.num_speculative_tokens,
-                     f", {sc.num_branches} branches at the root" if sc.num_branches > 1 else "")
+                     f", draft trees of {sc.num_branches} chains" if sc.num_branches > 1 else "")
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
