@@ -161,11 +161,7 @@ class BlockManager:
         need = self.num_new_blocks(seq, num_tokens)
         if need > self.num_free_blocks:
             return False
-        for _ in range(need):
-            block = self._take_block()
-            assert self.ref_counts[block] == 0
-            self.ref_counts[block] = 1
-            getattr(seq, self.TABLE).append(block)
+        getattr(seq, self.TABLE).extend(self._new_blocks(need))
         return True
 
     def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
@@ -177,10 +173,8 @@ class BlockManager:
             return []
         if not self.num_free_blocks:
             return False
-        block = self._take_block()
-        self.ref_counts[block] = 1
-        setattr(child, self.TABLE, [block])
-        return [(self.GROUP, getattr(parent, self.TABLE)[num_tokens // self.block_size], block)]
+        setattr(child, self.TABLE, self._new_blocks(1))
+        return [(self.GROUP, getattr(parent, self.TABLE)[num_tokens // self.block_size], getattr(child, self.TABLE)[0])]
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """After that step: `child` shares `parent`'s full blocks of those tokens (before its reserved one),
@@ -205,11 +199,7 @@ class BlockManager:
         need = self.blocks_needed(end) - first
         if need > self.num_free_blocks:
             return False
-        blocks = []
-        for _ in range(need):
-            block = self._take_block()
-            self.ref_counts[block] = 1
-            blocks.append(block)
+        blocks = self._new_blocks(need)
         table = getattr(seq, self.TABLE)
         copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
         return table[:first] + blocks, blocks, copies
@@ -276,6 +266,14 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             self._forget(block)
             self.free_blocks.append(block)
+
+    def _new_blocks(self, n: int) -> list[int]:
+        """`n` blocks taken from the pool, each referenced once (the caller checked there are enough)."""
+        blocks = [self._take_block() for _ in range(n)]
+        for block in blocks:
+            assert self.ref_counts[block] == 0
+            self.ref_counts[block] = 1
+        return blocks
 
     def _take_block(self) -> int:
         if self.free_blocks:

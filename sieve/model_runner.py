@@ -291,8 +291,9 @@ class ModelRunner:
             if item.seq.needs_prompt_logprobs:
                 prompt_lps += self._prompt_logprobs(item, hidden, row)
             last = row + item.num_real_tokens - 1
-            branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens))
-            first_rows.append((item, row, branch_rows[: len(item.branches)]))
+            branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens)) \
+                if item.branches else []
+            first_rows.append((item, row, branch_rows))
             row += item.num_rows
             if not item.samples:
                 continue

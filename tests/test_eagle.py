@@ -110,7 +110,7 @@ def test_eagle_draft_tree_is_lossless_and_keeps_its_other_chains(eagle):
         else:
             assert not chosen
         assert_pool_clean(engine)
-    assert accepted_first[3] > accepted_first[1] + 0.05  # (0.50 against 0.41 here)
+    assert accepted_first[3] > accepted_first[1] + 0.05  # (0.49 against 0.41 here)
     assert accepted[3] > accepted[1] + 0.05  # accepted tokens per draft (0.88 against 0.74 here)
 
 

@@ -299,52 +299,31 @@ class EagleProposer:
         last = torch.tensor(list(itertools.accumulate(m for _, _, m in batch)), device=self.device) - 1
         g = out.index_select(0, last)  # each sequence's prediction of the feature after its last committed position
         width = [min(branches[i], len(layer.draft_vocab)) if branches else 1 for i, _, _ in batch]
-        if max(width) > 1:
-            self._draft_trees(ks, batch, g, width, k_max, k[:1], drafts)
-            return drafts
-        guesses = [[] for _ in batch]
-        active = list(range(len(batch)))
-        for j in range(k_max):
-            d = layer.draft_vocab[layer.logits(g).argmax(dim=-1)]
-            for a, t in zip(active, d.tolist()):
-                guesses[a].append(t)
-            active_next = [n for n, a in enumerate(active) if ks[batch[a][0]] > j + 1]
-            if not active_next:
-                break
-            # 2. The next draft token: the layer on its own predicted feature and guess, one position further.
-            sel = torch.tensor(active_next, device=self.device)
-            g, d = g.index_select(0, sel), d.index_select(0, sel)
-            active = [active[n] for n in active_next]
-            p = torch.tensor([batch[a][1].entered + j for a in active], device=self.device)
-            x, q, k, v = layer.project(self.embed(d).to(self.dtype), g, p)
-            attn = []
-            for r, a in enumerate(active):
-                st = batch[a][1]
-                S = st.n + j + 1
-                st.k[S - 1], st.v[S - 1] = k[r], v[r]
-                attn.append(layer.attend(q[r: r + 1], st.k[:S], st.v[:S], None))
-            g = layer.finish(x, torch.cat(attn))
-        for (i, _, _), gs in zip(batch, guesses):
-            drafts[i] = Draft(gs[: ks[i]])
+        self._draft(ks, batch, g, width, k_max, k[:1], drafts)
         return drafts
 
-    def _draft_trees(self, ks, batch, g, width, k_max, like, drafts) -> None:
-        """Draft trees that branch at their root: sequence a's width[a] likeliest first tokens, each continued greedily
-        as its own chain. (Keeping instead the likeliest paths by cumulative probability, EAGLE-2's beam, accepted less
-        on open chat: this layer's confidence is a poor guide, and the first token is where the chains must differ.)
-        Chain c's own entries in the draft cache sit at n + c * k_max + j, after the committed ones; one masked pass
-        per sequence attends each chain to those and its own."""
-        layer, dev = self.layer, self.device
-        for _, st, _ in batch:
-            st.reserve(st.n + k_max * max(width), like)
-            # Zeros where no chain has written yet: a masked-out key still enters the product, and the buffer's
-            # uninitialised memory may hold NaN, which no mask takes back out.
-            st.k[st.n: st.n + k_max * max(width)] = 0
-            st.v[st.n: st.n + k_max * max(width)] = 0
-        top = layer.logits(g).topk(max(width), dim=-1).indices
-        rows = [(a, c) for a in range(len(batch)) for c in range(width[a])]  # (sequence, chain)
-        d = top[torch.tensor([a for a, _ in rows], device=dev), torch.tensor([c for _, c in rows], device=dev)]
-        g = g.index_select(0, torch.tensor([a for a, _ in rows], device=dev))
+    def _draft(self, ks, batch, g, width, k_max, like, drafts) -> None:
+        """Draft up to ks[i] tokens greedily for each sequence in `batch` from `g`, its predicted next feature; with
+        width[a] > 1, a draft tree that branches at its root: sequence a's width[a] likeliest first tokens, each
+        continued greedily as its own chain. (Keeping instead the likeliest paths by cumulative probability, EAGLE-2's
+        beam, accepted less on open chat: this layer's confidence is a poor guide, and the first token is where the
+        chains must differ.) Chain c's own entries in the draft cache sit at n + c * k_max + j, after the committed
+        ones; one masked pass per sequence attends each chain to those and its own."""
+        layer, dev, W = self.layer, self.device, max(width)
+        logits = layer.logits(g)
+        if W > 1:
+            for _, st, _ in batch:
+                st.reserve(st.n + k_max * W, like)
+                # Zeros where no chain has written yet: a masked-out key still enters the product, and the buffer's
+                # uninitialised memory may hold NaN, which no mask takes back out.
+                st.k[st.n: st.n + k_max * W] = 0
+                st.v[st.n: st.n + k_max * W] = 0
+            top = logits.topk(W, dim=-1).indices
+            rows = [(a, c) for a in range(len(batch)) for c in range(width[a])]  # (sequence, chain)
+            d = top[torch.tensor([a for a, _ in rows], device=dev), torch.tensor([c for _, c in rows], device=dev)]
+            g = g.index_select(0, torch.tensor([a for a, _ in rows], device=dev))
+        else:
+            rows, d = [(a, 0) for a in range(len(batch))], logits.argmax(dim=-1)
         paths = {r: [] for r in rows}  # draft-vocabulary indices
         for j in range(k_max):
             for r, t in zip(rows, d.tolist()):
@@ -357,25 +336,41 @@ class EagleProposer:
             rows, g, d = [rows[n] for n in live], g.index_select(0, sel), d.index_select(0, sel)
             pos = torch.tensor([batch[a][1].entered + j for a, _ in rows], device=dev)
             x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, pos)
-            by_seq: dict[int, list[int]] = {}
-            for n, (a, _) in enumerate(rows):
-                by_seq.setdefault(a, []).append(n)
-            attn = torch.empty(len(rows), q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
-            for a, idx in by_seq.items():
-                st, cs, ix = batch[a][1], [rows[n][1] for n in idx], torch.tensor(idx, device=dev)
-                slots = st.n + torch.tensor(cs, device=dev) * k_max + j
-                st.k[slots], st.v[slots] = k[ix], v[ix]
-                S = st.n + max(cs) * k_max + j + 1
-                mask = torch.zeros(len(idx), S, dtype=torch.bool, device=dev)
-                mask[:, : st.n] = True
-                for r, c in enumerate(cs):
-                    mask[r, st.n + c * k_max: st.n + c * k_max + j + 1] = True
-                attn[ix] = layer.attend(q[ix], st.k[:S], st.v[:S], mask)
+            if W == 1:  # one chain a sequence: its committed entries and its own are contiguous, no mask
+                attn = []
+                for n, (a, _) in enumerate(rows):
+                    st = batch[a][1]
+                    S = st.n + j + 1
+                    st.k[S - 1], st.v[S - 1] = k[n], v[n]
+                    attn.append(layer.attend(q[n: n + 1], st.k[:S], st.v[:S], None))
+                attn = torch.cat(attn)
+            else:
+                attn = self._attend_chains(batch, rows, q, k, v, k_max, j)
             g = layer.finish(x, attn)
             d = layer.logits(g).argmax(dim=-1)
         for a, (i, _, _) in enumerate(batch):
             chains = [layer.draft_vocab[torch.tensor(paths[(a, c)], device=dev)].tolist()[: ks[i]] for c in range(width[a])]
             drafts[i] = Draft(chains[0], alternatives=chains[1:])
+
+    def _attend_chains(self, batch, rows, q, k, v, k_max: int, j: int) -> torch.Tensor:
+        """Draft step j of chains laid out as `_draft` says: each row's K/V entered at its chain's slot, then one masked
+        pass per sequence over its committed entries and each chain's own."""
+        dev = self.device
+        by_seq: dict[int, list[int]] = {}
+        for n, (a, _) in enumerate(rows):
+            by_seq.setdefault(a, []).append(n)
+        attn = torch.empty(len(rows), q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
+        for a, idx in by_seq.items():
+            st, cs, ix = batch[a][1], [rows[n][1] for n in idx], torch.tensor(idx, device=dev)
+            slots = st.n + torch.tensor(cs, device=dev) * k_max + j
+            st.k[slots], st.v[slots] = k[ix], v[ix]
+            S = st.n + max(cs) * k_max + j + 1
+            mask = torch.zeros(len(idx), S, dtype=torch.bool, device=dev)
+            mask[:, : st.n] = True
+            for r, c in enumerate(cs):
+                mask[r, st.n + c * k_max: st.n + c * k_max + j + 1] = True
+            attn[ix] = self.layer.attend(q[ix], st.k[:S], st.v[:S], mask)
+        return attn
 
     def finish(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
