@@ -136,3 +136,33 @@ def test_bfloat16_gguf_speculation_on_the_gpu_gives_the_plain_tokens(checkpoints
 
     assert run(engines[1]) == run(engines[0])
     assert engines[1].llm_engine.speculator.stats.num_accepted_tokens > 0
+
+
+@cuda
+def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, monkeypatch):
+    """`sieve distill --method eagle` with the target on CUDA trains the layer there too (every loss computed on the
+    GPU), learns as on the CPU (the bounds of test_eagle's CPU run), and saves a layer that serves losslessly."""
+    from sieve import LLM, SamplingParams
+    from sieve.spec import distill
+    from test_medusa import STORIES, distill_args, workload
+
+    devices = set()
+    loss = distill.eagle_loss
+
+    def recording(layer, seq, *args, **kwargs):
+        devices.add((layer.fc.weight.device.type, seq[2].device.type))
+        return loss(layer, seq, *args, **kwargs)
+
+    monkeypatch.setattr(distill, "eagle_loss", recording)
+    report = distill.run_distill(distill_args(STORIES, tmp_path, method="eagle", depth=3, batch_tokens=512))
+    assert devices == {("cuda", "cuda")}
+    first, last = report["history"][0], report["history"][-1]
+    assert last["loss"] < first["loss"] and last["head_accuracy"][0] > 0.4
+    assert 1.3 < report["simulated_mean_acceptance_length"]["3"] <= 4.0
+    prompts, params = workload(8)
+    plain = LLM(str(STORIES), device="cuda", dtype="float32", kv_cache_memory_gb=0.25)
+    spec = LLM(str(STORIES), device="cuda", dtype="float32", kv_cache_memory_gb=0.25,
+               speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0

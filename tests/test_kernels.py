@@ -465,3 +465,86 @@ def test_native_decode_attention_reads_a_16bit_cache_under_float32_queries(kv):
     assert got.dtype == torch.float32
     ref = decode_attention_reference(q, KVCacheLayer(k, v), meta, head_dim**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _amx_or_skip(ops):
+    if ops is None or not hasattr(ops, "set_int4_amx"):
+        pytest.skip(f"a {ops.isa if ops else 'PyTorch-only'} build: no AMX kernel")
+    try:
+        return ops.set_int4_amx(True)
+    except RuntimeError:
+        pytest.skip("this CPU has no AMX-BF16, or Linux does not grant the tile registers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_on_amx_tiles_matches_the_fma_form_and_keeps_each_row_its_own(dtype):
+    """SIEVE_INT4_AMX=1 (qmatmul.cpp): a group of 32 inputs against 16 output rows is one bf16 tile product. Every
+    output is within float32 rounding of the other forms' (the tile sums in its own order), with and without mins,
+    groups of 32 to 128, padded rows and inputs, past one tile of 16 rows; and a row's bits are the same alone as
+    among any number of others, since that form serves every row count."""
+    from sieve.quant.formats import Int4Weight, quantize_int4
+    from sieve.quant.kernels import make_kernel
+
+    ops = cpu_ops()
+    before = _amx_or_skip(ops)
+    try:
+        torch.manual_seed(5)
+        q = quantize_int4(torch.randn(130, 96) * 0.05, 32)
+        weights = [quantize_int4(torch.randn(200, 300) * 0.05, 32), quantize_int4(torch.randn(96, 256) * 0.05, 128),
+                   quantize_int4(torch.randn(64, 192) * 0.05, 64), Int4Weight(q.packed, q.scale, None, 32, q.k)]
+        for w in weights:
+            bias = torch.randn(w.scale.shape[0]).to(dtype)
+            x = (torch.randn(150, w.k) * torch.logspace(-3, 2, w.k)).to(dtype)
+            x[5] = torch.randn(w.k) * 1e-38  # subnormals: flushed, as by the other forms
+            ops.set_int4_amx(True)
+            kern = make_kernel(w, dtype, bias)
+            assert kern.name.endswith("(AMX tiles, SIEVE_INT4_AMX=1)"), kern.name
+            rows = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 150)
+            amx = [kern(x[:r]) for r in rows]
+            ops.set_int4_amx(False)
+            other = kern(x)
+            for a in amx:
+                assert torch.equal(a, amx[-1][: a.shape[0]]), (w.describe(), a.shape[0])
+            scale = other.float().abs().amax(dim=1, keepdim=True) + 1e-30
+            err = ((amx[-1].float() - other.float()).abs() / scale).max().item()
+            assert err < (5e-5 if dtype == torch.float32 else 8e-3), (w.describe(), err)
+            assert not torch.equal(amx[-1], torch.zeros_like(amx[-1]))
+    finally:
+        ops.set_int4_amx(before)
+
+
+def test_speculation_on_amx_int4_gives_the_plain_tokens(checkpoints, tmp_path):
+    """With int4 on AMX tiles, a GGUF Q4_1 model's decode rows (one a step) and verification rows (5 a step, among 9
+    requests) are computed alike: greedy tokens with ngram speculation equal those without it, token for token."""
+    from sieve import LLM
+    from sieve.bench.gguf_export import export_gguf
+    from test_spec import grounded_workload
+
+    ops = cpu_ops()
+    before = _amx_or_skip(ops)
+    try:
+        path = export_gguf(checkpoints["llama"], tmp_path / "m.gguf", "q4_1", log=lambda s: None)
+        prompts, params = grounded_workload(9)
+        plain = LLM(str(path), device="cpu", dtype="float32", num_gpu_blocks_override=256)
+        names = {m.kernel_name() for m in plain.llm_engine.runner.model.modules() if hasattr(m, "kernel_name")}
+        assert any("AMX" in n for n in names), names
+        reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        spec = LLM(str(path), device="cpu", dtype="float32", num_gpu_blocks_override=256,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == reference
+        assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        ops.set_int4_amx(before)
+
+
+def test_sieve_int4_amx_fails_closed_on_a_bad_value():
+    import os
+    import subprocess
+    import sys
+
+    if cpu_ops() is None:
+        pytest.skip("no native kernels here")
+    code = "from sieve.kernels import cpu_ops; cpu_ops()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "SIEVE_INT4_AMX": "yes"})
+    assert out.returncode != 0 and "SIEVE_INT4_AMX=yes: expected 0 or 1" in out.stderr

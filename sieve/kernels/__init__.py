@@ -18,6 +18,8 @@ In the avx512 build the int4 and int8 kernels run several rows' bf16 dot product
 two float32 FMAs that instruction is defined as (the same bits; chosen where this CPU agrees bit for bit and the
 FMAs are faster, `ops.bf16_dot_kernel()`); SIEVE_BF16_DOT=fma|dpbf16 forces one. Where it reads "fma", bf16 weights
 above the GEMV's rows also run float32 FMAs on widened panels (gemm_bf16.cpp) instead of oneDNN's bf16 GEMM.
+SIEVE_INT4_AMX=1 multiplies int4 weights on AMX tiles instead, at every row count (`ops.int4_amx()`): several rows
+for about the price of one, one row slower; a CPU or kernel without AMX-BF16 then fails closed.
 """
 
 from __future__ import annotations
@@ -80,11 +82,14 @@ def limit_torch_isa() -> None:
 
 
 def _bf16_dot_form(ops, dot: str | None):
-    """Apply SIEVE_BF16_DOT (already checked to be fma or dpbf16) to a loaded module."""
+    """Apply SIEVE_BF16_DOT (already checked to be fma or dpbf16) to a loaded module, and check SIEVE_INT4_AMX."""
     if dot:
         if not hasattr(ops, "set_bf16_dot_kernel"):
             raise ConfigError(f"SIEVE_BF16_DOT={dot}: the {ops.isa} build has no bf16 dot products to choose a form for")
         ops.set_bf16_dot_kernel(dot)
+    amx = os.environ.get("SIEVE_INT4_AMX")
+    if amx == "1" and not (hasattr(ops, "int4_amx") and ops.int4_amx()):
+        raise ConfigError(f"SIEVE_INT4_AMX=1: the {ops.isa} build on this CPU has no AMX-BF16 tiles it may use")
     return ops
 
 
@@ -104,6 +109,8 @@ def cpu_ops():
         dot = os.environ.get("SIEVE_BF16_DOT")
         if dot and dot not in ("fma", "dpbf16"):
             raise ConfigError(f"SIEVE_BF16_DOT={dot}: expected fma or dpbf16")
+        if os.environ.get("SIEVE_INT4_AMX", "0") not in ("0", "1"):
+            raise ConfigError(f"SIEVE_INT4_AMX={os.environ['SIEVE_INT4_AMX']}: expected 0 or 1")
         if name in _LOADED:  # loaded before in this process (a module registers its classes once)
             return _bf16_dot_form(_LOADED[name], dot)
         build = Path(os.environ.get("SIEVE_KERNEL_CACHE") or cache_root() / "kernels") / key

@@ -166,6 +166,9 @@ std::string bf16_dot_kernel();
 int64_t quantized_panel_rows(const std::string& kind);
 bool bf16_dot_fma_exact();
 std::string set_bf16_dot_kernel(const std::string& name);
+// Whether int4 weights multiply on AMX tiles (qmatmul.cpp), and turning that off or on (tests); returns the setting before
+bool use_int4_amx();
+bool set_int4_amx(bool on);
 #endif
 // qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
 // dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32

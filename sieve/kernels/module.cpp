@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_kernel", &sieve::bf16_dot_kernel, "how several rows' bf16 dot products run: fma (the same bits) or dpbf16");
   m.def("bf16_dot_fma_exact", &sieve::bf16_dot_fma_exact, "whether the two-FMA form gives vdpbf16ps's bits on this CPU");
   m.def("quantized_panel_rows", &sieve::quantized_panel_rows, "from how many rows int4 / q8_0 / int8 / fp8 weights run on float32 panels (0: never)");
+  m.def("int4_amx", &sieve::use_int4_amx, "whether int4 weights multiply on AMX tiles (every row count)");
+  m.def("set_int4_amx", &sieve::set_int4_amx, "int4 on AMX tiles or not (tests); returns the setting before");
   m.def("set_bf16_dot_kernel", &sieve::set_bf16_dot_kernel, "pick fma or dpbf16 (tests); returns the one before");
 #endif
   m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: avx512-vnni or avx2");

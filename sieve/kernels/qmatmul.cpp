@@ -44,6 +44,8 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -53,7 +55,9 @@
 #include <cstring>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace sieve {
@@ -539,6 +543,150 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
   }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// int4 on AMX (Sapphire Rapids and later, where the kernel lets this process use the tile registers): a group of 32
+// inputs against 16 output rows is one bf16 tile product. The B tile is the group's 8 units decoded as tile_int4 does
+// (each unit's two pair-vectors, (128 + q) as bf16, are B's rows 2u and 2u + 1: VNNI order), the A tile the group's
+// 32 inputs of up to 16 rows of x, and C = sum (128 + q) x per row and output, which ends the group as in every other
+// form (end_group_int4's two FMAs). The tile product's summation order is the hardware's own (no FMA sequence gives
+// its bits), so on a CPU where it runs it serves every row count, one row included: a row's result is the same alone
+// as among others (each row of C is its row of A against B), and no other form is mixed in. What it buys is rows:
+// one tile product multiplies 16 rows for about the cost of one, where the FMA forms pay per row.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxPrefetch = 1024;  // bytes ahead in each block's stream (4 groups of 32)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+std::atomic<int> int4_amx{-1};  // -1: not decided; 0: off; 1: on
+
+// Tiles: 0 = A (rows of x), 1 .. 3 = B (a group's decoded weights for up to 3 blocks of outputs), 4 .. 6 = C (their
+// products): the blocks' tile products are independent, so one waits on memory while another multiplies
+constexpr int kAmxBlocks = 3;
+
+void load_tiles(int64_t rows) {
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(rows);
+  c.colsb[0] = 64;
+  for (int b = 0; b < kAmxBlocks; ++b) {
+    c.rows[1 + b] = 16;
+    c.colsb[1 + b] = 64;
+    c.rows[4 + b] = static_cast<uint8_t>(rows);
+    c.colsb[4 + b] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Tile numbers are immediates (the intrinsics paste them into the instruction): block b's B tile is 1 + b, its C 4 + b
+template <int b> inline void c_zero() {
+  if constexpr (b == 0) _tile_zero(4);
+  else if constexpr (b == 1) _tile_zero(5);
+  else _tile_zero(6);
+}
+template <int b> inline void b_load_and_multiply(const void* p) {
+  if constexpr (b == 0) { _tile_loadd(1, p, 64); _tile_dpbf16ps(4, 0, 1); }
+  else if constexpr (b == 1) { _tile_loadd(2, p, 64); _tile_dpbf16ps(5, 0, 2); }
+  else { _tile_loadd(3, p, 64); _tile_dpbf16ps(6, 0, 3); }
+}
+template <int b> inline void c_store(void* p) {
+  if constexpr (b == 0) _tile_stored(4, p, 64);
+  else if constexpr (b == 1) _tile_stored(5, p, 64);
+  else _tile_stored(6, p, 64);
+}
+template <int NB, class F>
+inline void for_tiles(const F& f) {
+  [&]<int... b>(std::integer_sequence<int, b...>) { (f.template operator()<b>(), ...); }(std::make_integer_sequence<int, NB>{});
+}
+
+// NB blocks of 16 output rows against all M rows of x (bf16 [Mp, K2], Mp a multiple of 16 when M > 16); acc [M][NB]
+template <int NB>
+void int4_amx_tile(const uint16_t* x, int64_t M, int64_t K2, const uint8_t* w, const int64_t (&blk)[NB], const Out& out,
+                   const Int4Args& a, __m512* acc) {
+  const int64_t chunks = (M + kAmxRows - 1) / kAmxRows, sub = a.group / 32, block_bytes = K2 / 4 * 32;
+  // each block's B tiles of one group (up to 256 inputs a group), two sets: one group's decoding is written while the
+  // tiles of the one before are still being read
+  alignas(64) uint16_t btiles[2][NB][8][16 * 32];
+  alignas(64) float c[NB][kAmxRows * 16];
+  const __m512i base = set_words(0x4300), low4 = set_words(0xF);
+  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 s[NB], off[NB];
+    auto& btile = btiles[g & 1];
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* wb = w + blk[b] * block_bytes;
+      for (int64_t t = 0; t < sub; ++t)
+        for (int64_t i = 0; i < 8; ++i) {
+          const uint8_t* p = wb + ((g * sub + t) * 8 + i) * 32;
+          if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAmxPrefetch), _MM_HINT_T0);
+          const __m512i q = load32(p);
+          _mm512_store_si512(btile[b][t] + (2 * i) * 32, _mm512_ternarylogic_epi32(q, low4, base, 0xEA));
+          _mm512_store_si512(btile[b][t] + (2 * i + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(q, 4), base));
+        }
+      s[b] = load_halves(a.scale + (blk[b] * a.G + g) * 16);
+      off[b] = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s[b], load_halves(a.min + (blk[b] * a.G + g) * 16))
+                     : _mm512_mul_ps(_mm512_set1_ps(-136.f), s[b]);
+    }
+    for (int64_t h = 0; h < chunks; ++h) {
+      for_tiles<NB>([&]<int b>() { c_zero<b>(); });
+      for (int64_t t = 0; t < sub; ++t) {
+        _tile_loadd(0, x + h * kAmxRows * K2 + (g * sub + t) * 32, K2 * 2);
+        for_tiles<NB>([&]<int b>() { b_load_and_multiply<b>(btile[b][t]); });
+      }
+      for_tiles<NB>([&]<int b>() { c_store<b>(c[b]); });
+      const int64_t rows = std::min(kAmxRows, M - h * kAmxRows);
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 xs = _mm512_set1_ps(a.xsum[(h * kAmxRows + m) * a.G + g]);
+        for (int b = 0; b < NB; ++b) {
+          __m512& r = acc[(h * kAmxRows + m) * NB + b];
+          r = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(s[b], _mm512_load_ps(c[b] + m * 16), r));
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 row[1][NB];
+    for (int b = 0; b < NB; ++b) row[0][b] = acc[m * NB + b];
+    out.store<1, NB>(row, m, blk);
+  }
+}
+
+void qmatmul_int4_amx(const uint16_t* xw, int64_t M, int64_t K2, const uint8_t* w, int64_t blocks, const Out& out,
+                      const Int4Args& a) {
+  if (M == 0) return;
+  std::vector<uint16_t> padded;
+  if (M > kAmxRows && M % kAmxRows) {  // whole tiles of rows past the first: the last one padded with zeros
+    padded.assign((M + kAmxRows - 1) / kAmxRows * kAmxRows * K2, 0);
+    std::memcpy(padded.data(), xw, M * K2 * 2);
+    xw = padded.data();
+  }
+  // as sweep (kernels.h): a thread walks kAmxBlocks parts of its share side by side, one read stream each
+  at::parallel_for(0, blocks, kAmxBlocks, [&](int64_t b0, int64_t b1) {
+    load_tiles(std::min(M, kAmxRows));
+    FlushDenormals daz;  // the group ends flush as the other forms' do
+    std::vector<__m512> acc(M * kAmxBlocks);
+    const int64_t part = (b1 - b0) / kAmxBlocks;
+    for (int64_t i = 0; i < part; ++i) {
+      int64_t blk[kAmxBlocks];
+      for (int j = 0; j < kAmxBlocks; ++j) blk[j] = b0 + j * part + i;
+      int4_amx_tile<kAmxBlocks>(xw, M, K2, w, blk, out, a, acc.data());
+    }
+    for (int64_t b = b0 + kAmxBlocks * part; b < b1; ++b) {
+      const int64_t one[1] = {b};
+      int4_amx_tile<1>(xw, M, K2, w, one, out, a, acc.data());
+    }
+    _tile_release();
+  });
+}
+#endif
 }  // namespace
 
 bool use_fma_dots() {
@@ -602,6 +750,9 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   group_sums(xw, M, K2, group, xsum);
   const Out out{y, f32, n, nullptr, bias};
   const Int4Args args{scale, min, xsum.data(), K2 / group, group};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (group % 32 == 0 && group <= 256 && use_int4_amx()) return qmatmul_int4_amx(xw, M, K2, w, blocks, out, args);
+#endif
   // two accumulators per block at every batch size: one order of summation, so a row's result does not
   // depend on how many rows share the call (see the top of this file)
   // 5 to 8 rows (a decode verifying 4 to 7 drafted tokens): one pass of 8-row tiles over one stream per thread,
@@ -640,6 +791,38 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 }
 
 std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
+
+// Whether int4 weights (groups of 32 to 256 inputs) multiply on AMX tiles (above): with SIEVE_INT4_AMX=1, where the CPU
+// has them and Linux grants them. Opt-in: on the Emerald Rapids host with AMX (SmolLM2-135M Q4_1, all 120 int4
+// linears, the two forms interleaved) the tiles take 1 / 2 / 4 / 8 / 16 / 32 rows in 1.16 / 1.06 / 0.89 / 0.69 / 0.50 /
+// 0.37x the FMA form's time, and a row's bits must not depend on the row count, so one form serves every call of a
+// process: batch-1 decode without speculation runs at 0.79x, ngram k = 6 at 1.32x (scripts/amx_ab.py). Decided once,
+// never from a timing, since its bits differ from the other forms'.
+bool use_int4_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  int mode = int4_amx.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* env = std::getenv("SIEVE_INT4_AMX");
+    static const int chosen = env && std::string(env) == "1" && amx_permitted();
+    int expected = -1;
+    int4_amx.compare_exchange_strong(expected, chosen);
+    mode = int4_amx.load();
+  }
+  return mode == 1;
+#else
+  return false;
+#endif
+}
+bool set_int4_amx(bool on) {
+  const bool before = use_int4_amx();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(!on || amx_permitted(), "int4 on AMX: this CPU or kernel does not grant the tile registers");
+  int4_amx.store(on ? 1 : 0);
+#else
+  TORCH_CHECK(!on, "int4 on AMX: this build has no AMX kernel (the CPU has no AMX-BF16)");
+#endif
+  return before;
+}
 int64_t quantized_panel_rows(const std::string& kind) {
   TORCH_CHECK(kind == "int4" || kind == "q8_0" || kind == "int8" || kind == "fp8", "quantized_panel_rows: int4, q8_0, int8 or fp8, not ", kind);
   if (!use_fma_dots() || kind == "fp8" || kind == "int8") return 0;  // fp8 codes take no FMA form; per-channel int8 keeps its tiles

@@ -396,7 +396,7 @@ def _end_epoch(history: list, epoch: int, loss: float, held: dict, what: str) ->
 def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int = 256, features: bool = True) -> list[tuple]:
     """Per answer: (token ids [N], prompt length, the target's features at every position [N, H] (None without
     `features`), and its greedy next token after every position [N]: the label wherever the text is not its own,
-    as in the prompt)."""
+    as in the prompt). On the CPU; `on_device` moves them to where training runs."""
     out = []
     for ids, p in seqs:
         if len(ids) - p < 2:
@@ -407,6 +407,11 @@ def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int
                              for s in range(0, len(h), rows_per_pass)])
         out.append((torch.tensor(ids), p, h.float().cpu().clone() if features else None, nxt.cpu().clone()))
     return out
+
+
+def on_device(seqs: list[tuple], device: torch.device) -> list[tuple]:
+    """`eagle_examples`' tensors on `device` (the target's: training runs where its features were computed)."""
+    return [tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in s) for s in seqs]
 
 
 REG_WEIGHT = 1.0  # EAGLE's feature regression beside the token loss (its features are unnormed: it weighs tokens 0.1)
@@ -427,7 +432,7 @@ def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, dept
             target = torch.softmax(feats[1:].float() @ teacher.t(), dim=-1)
     total, n = 0.0, 0
     for s, g in enumerate(outs):
-        i = torch.arange(s, T)
+        i = torch.arange(s, T, device=feats.device)
         if not len(i):
             break
         pred = g[i]
@@ -446,14 +451,15 @@ def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> 
     """Served greedy acceptance, simulated: for every state of every held-out answer (the target has committed up
     to some answer token), the layer drafts `depth` tokens the way the proposer does (its own features fed back),
     and draft s counts when drafts 1..s all equal the answer's next tokens."""
-    right, chain, states = torch.zeros(depth), torch.zeros(depth), 0
+    dev = table.device
+    right, chain, states = torch.zeros(depth, device=dev), torch.zeros(depth, device=dev), 0
     with torch.inference_mode():
         for ids, p, feats, _ in seqs:
             N = len(ids)
             T = N - 1
             outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
-            ns = torch.arange(p, N - 1)  # committed up to n - 1, token n sampled: draft s + 1 guesses token n + 1 + s
-            alive = torch.ones(len(ns), dtype=torch.bool)
+            ns = torch.arange(p, N - 1, device=dev)  # committed up to n - 1, token n sampled: draft s + 1 guesses token n + 1 + s
+            alive = torch.ones(len(ns), dtype=torch.bool, device=dev)
             for s, g in enumerate(outs):
                 valid = ns + 1 + s <= N - 1
                 guess = layer.draft_vocab[layer.logits(g[(ns - 1 + s).clamp(max=T - 1)]).argmax(dim=-1)]
@@ -462,7 +468,7 @@ def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> 
                 alive &= ok
                 chain[s] += alive.sum()
             states += len(ns)
-    return acceptance_summary(right, chain, states)
+    return acceptance_summary(right.cpu(), chain.cpu(), states)
 
 
 def warmup_decay(opt, steps: int):
@@ -478,21 +484,23 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
     from sieve.spec.eagle import EagleLayer
 
     torch.manual_seed(seed)
-    table = embedding_table(engine)
     counts = Counter(t for _, p, _, nxt in train for t in nxt[p - 1:].tolist())  # what the target writes in its answers
     vocab = [t for t, _ in counts.most_common(draft_vocab_size)]
     for t in engine.eos_token_ids:
         if t not in vocab and t < engine.arch.vocab_size:
             vocab.append(t)
     covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
-    layer = EagleLayer.for_target(engine.arch, vocab)
+    dev = engine.device  # where the target ran: the layer trains there, in float32
+    train, held = on_device(train, dev), on_device(held, dev)
+    table = embedding_table(engine).to(dev)
+    layer = EagleLayer.for_target(engine.arch, vocab).to(dev)
     layer.calibrate(torch.cat([f for _, _, f, _ in train[:64]]), table)
-    rows = lm_head_rows(engine, vocab)
+    rows = lm_head_rows(engine, vocab).to(dev)
     with torch.no_grad():
         layer.head.weight.copy_(rows)
     teacher = rows if token_loss == "soft" else None
-    index = torch.full((engine.arch.vocab_size,), -100, dtype=torch.int64)
-    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    index = torch.full((engine.arch.vocab_size,), -100, dtype=torch.int64, device=dev)
+    index[torch.tensor(vocab, device=dev)] = torch.arange(len(vocab), device=dev)
     opt = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
     positions = sum(len(s[0]) - 1 for s in train)
     steps = max(1, epochs * math.ceil(positions / batch_tokens))
@@ -506,7 +514,7 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
         for k, j in enumerate(order):
             loss, n = eagle_loss(layer, train[j], table, index, depth, teacher, reg_weight)
             (loss * n / batch_tokens).backward()
-            total += loss.item() * n
+            total += loss.detach() * n  # a tensor: no wait for the device each answer
             seen += n
             pending += n
             if pending >= batch_tokens or k == len(order) - 1:
@@ -515,9 +523,10 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 pending = 0
-        _end_epoch(history, epoch, total / max(1, seen), measure_eagle(layer.eval(), held, table, depth), "draft accuracy")
+        _end_epoch(history, epoch, float(total) / max(1, seen), measure_eagle(layer.eval(), held, table, depth),
+                   "draft accuracy")
         layer.train()
-    return layer.eval(), history, covered
+    return layer.cpu().eval(), history, covered
 
 
 def run_distill(args: argparse.Namespace) -> dict:
