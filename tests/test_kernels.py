@@ -537,14 +537,31 @@ def test_speculation_on_amx_int4_gives_the_plain_tokens(checkpoints, tmp_path):
         ops.set_int4_amx(before)
 
 
-def test_sieve_int4_amx_fails_closed_on_a_bad_value():
+def test_sieve_int4_amx_picks_the_form_in_a_fresh_process_or_fails_closed():
+    """SIEVE_INT4_AMX=1 puts int4 on the tiles for the whole process (0 or unset: the FMA form); any other value is a
+    ValueError at load, and so is 1 where the CPU or Linux gives no tiles."""
     import os
     import subprocess
     import sys
 
-    if cpu_ops() is None:
+    ops = cpu_ops()
+    if ops is None:
         pytest.skip("no native kernels here")
-    code = "from sieve.kernels import cpu_ops; cpu_ops()"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "SIEVE_INT4_AMX": "yes"})
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        code = "from sieve.kernels import cpu_ops; print(cpu_ops().int4_amx() if hasattr(cpu_ops(), 'int4_amx') else False)"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "SIEVE_INT4_AMX": value})
+
+    out = run("yes")
     assert out.returncode != 0 and "SIEVE_INT4_AMX=yes: expected 0 or 1" in out.stderr
+    assert run("0").stdout.strip() == "False"
+    try:
+        ops.set_int4_amx(ops.set_int4_amx(True))  # raises where the tiles cannot be had; else put back as it was
+        has_amx = True
+    except (RuntimeError, AttributeError):
+        has_amx = False
+    out = run("1")
+    if has_amx:
+        assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    else:
+        assert out.returncode != 0 and "no AMX-BF16 tiles it may use" in out.stderr

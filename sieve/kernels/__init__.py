@@ -81,7 +81,7 @@ def limit_torch_isa() -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "SSE41")
 
 
-def _bf16_dot_form(ops, dot: str | None):
+def _apply_settings(ops, dot: str | None):
     """Apply SIEVE_BF16_DOT (already checked to be fma or dpbf16) to a loaded module, and check SIEVE_INT4_AMX."""
     if dot:
         if not hasattr(ops, "set_bf16_dot_kernel"):
@@ -112,7 +112,7 @@ def cpu_ops():
         if os.environ.get("SIEVE_INT4_AMX", "0") not in ("0", "1"):
             raise ConfigError(f"SIEVE_INT4_AMX={os.environ['SIEVE_INT4_AMX']}: expected 0 or 1")
         if name in _LOADED:  # loaded before in this process (a module registers its classes once)
-            return _bf16_dot_form(_LOADED[name], dot)
+            return _apply_settings(_LOADED[name], dot)
         build = Path(os.environ.get("SIEVE_KERNEL_CACHE") or cache_root() / "kernels") / key
         build.mkdir(parents=True, exist_ok=True)
         if not (build / f"{name}.so").exists():
@@ -121,7 +121,7 @@ def cpu_ops():
             name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
         )
-        return _bf16_dot_form(_LOADED[name], dot)
+        return _apply_settings(_LOADED[name], dot)
     except ValueError:  # a bad SIEVE_* setting (ConfigError): not something to fall back from silently
         raise
     except Exception as e:  # no compiler, no ninja, unsupported platform

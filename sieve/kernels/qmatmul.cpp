@@ -543,7 +543,6 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
   }
 }
 
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // int4 on AMX (Sapphire Rapids and later, where the kernel lets this process use the tile registers): a group of 32
 // inputs against 16 output rows is one bf16 tile product. The B tile is the group's 8 units decoded as tile_int4 does
