@@ -213,10 +213,7 @@ class BlockManager:
         (its own, being written, are private to it) give way to the branch's."""
         first = start // self.block_size
         table = getattr(seq, self.TABLE)
-        for block in table[first:]:
-            if self.ref_counts[block] != 1:
-                raise RuntimeError(f"a draft branch replaces shared block {block}: only a sequence's own blocks may be")
-            self._forget(block)
+        self._forget_own(table[first:], "a draft branch replaces")
         self._release(table[first:])
         table[first:] = blocks
 
@@ -250,10 +247,7 @@ class BlockManager:
         partial one will be written again), so they leave the cache; none of them may be shared."""
         keep, first_dirty = self.blocks_needed(num_tokens), num_tokens // self.block_size
         table = getattr(seq, self.TABLE)
-        for block in table[first_dirty:]:
-            if self.ref_counts[block] != 1:
-                raise RuntimeError(f"truncate into shared block {block}: rollback may only touch a sequence's own blocks")
-            self._forget(block)
+        self._forget_own(table[first_dirty:], "truncate into")
         self._release(table[keep:])
         del table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
@@ -266,6 +260,14 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             self._forget(block)
             self.free_blocks.append(block)
+
+    def _forget_own(self, blocks: list[int], what: str) -> None:
+        """`blocks` are about to be overwritten or replaced: out of the prefix cache. Each must be private to its
+        sequence (a shared block's content is another's too)."""
+        for block in blocks:
+            if self.ref_counts[block] != 1:
+                raise RuntimeError(f"{what} shared block {block}: only a sequence's own blocks may be rewritten")
+            self._forget(block)
 
     def _new_blocks(self, n: int) -> list[int]:
         """`n` blocks taken from the pool, each referenced once (the caller checked there are enough)."""

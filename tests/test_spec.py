@@ -42,6 +42,11 @@ def ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def choice_refs(prompts, outputs) -> dict[tuple, list[int]]:
+    """The oracles' references: (prompt token ids, choice index) -> that choice's tokens in `outputs`."""
+    return {(tuple(p["prompt_token_ids"]), c.index): c.token_ids for p, r in zip(prompts, outputs) for c in r.outputs}
+
+
 def assert_same_choices(reference, outs):
     """Every choice's tokens and finish reason equal the reference's; logprobs agree, ranks included."""
     for r, o in zip(reference, outs):
@@ -205,7 +210,7 @@ def test_every_sampling_option_and_seed_behaves_as_without_speculation(llama_eng
     choice's tokens are the plain engine's, logprobs agree, and the pool is clean afterwards."""
     prompts, params = option_workload(24)
     reference = plain.generate(prompts, params)
-    refs = {(tuple(p["prompt_token_ids"]), c.index): c.token_ids for p, r in zip(prompts, reference) for c in r.outputs}
+    refs = choice_refs(prompts, reference)
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                                num_gpu_blocks_override=48, block_size=4, max_num_batched_tokens=48)
     engine = llm.llm_engine
@@ -232,7 +237,7 @@ def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
     is the plain engine's too."""
     prompts, params = option_workload(24)
     reference = plain.generate(prompts, params)
-    refs = {(tuple(p["prompt_token_ids"]), c.index): c.token_ids for p, r in zip(prompts, reference) for c in r.outputs}
+    refs = choice_refs(prompts, reference)
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                                num_gpu_blocks_override=96, block_size=4, max_num_batched_tokens=96)
     engine = llm.llm_engine
@@ -253,7 +258,7 @@ def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
     more = [{"prompt_token_ids": prompts[i]["prompt_token_ids"] + reference[i].outputs[0].token_ids} for i in greedy]
     more_params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(more)
     expected = plain.generate(more, more_params)
-    oracle.refs.update({(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(more, expected)})
+    oracle.refs.update(choice_refs(more, expected))
     hits = engine.block_manager.num_hit_tokens
     assert ids(llm.generate(more, more_params)) == ids(expected)
     assert engine.block_manager.num_hit_tokens - hits > 100
@@ -291,7 +296,7 @@ def test_stop_inside_accepted_drafts_drops_the_rest(llama_engine_factory, plain)
     """A stop token or max_tokens reached in the middle of an accepted run ends the sequence there."""
     prompts, params = grounded_workload(6, seed=3)
     reference = plain.generate(prompts, params)
-    refs = {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)}
+    refs = choice_refs(prompts, reference)
     stops = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=len(refs[k]), stop_token_ids=[refs[k][5]])
              for k in refs]
     expected = plain.generate(prompts, stops)
@@ -309,7 +314,7 @@ def test_kv_accounting_through_rejections_aborts_and_failed_steps(llama_engine_f
     taken."""
     prompts, params = grounded_workload(14, seed=7)
     reference = plain.generate(prompts, params)
-    refs = {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)}
+    refs = choice_refs(prompts, reference)
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 5},
                                num_gpu_blocks_override=48, block_size=4, max_num_batched_tokens=40)
     engine = llm.llm_engine
@@ -786,8 +791,7 @@ def test_server_speculates_and_exports_vllm_spec_metrics(llama_dir, plain):
     expected = [o.outputs[0].text for o in reference]
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512,
                                     speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'))
-    engine.speculator.proposer = OracleProposer(
-        {(tuple(p["prompt_token_ids"]), 0): r.outputs[0].token_ids for p, r in zip(prompts, reference)})
+    engine.speculator.proposer = OracleProposer(choice_refs(prompts, reference))
     url, stop = start_server(engine)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
