@@ -3,7 +3,8 @@
 The 1,600 mixed prompts of `sieve distill --prompt-source mixed`, their answers read from --answers, held out by family
 as `sieve distill` does; features extracted once for --train answers and every other held-out answer (kept in
 --features for the next run), then each variant trained from the same seed for --epochs, printing held-out accuracy
-per epoch. A variant is JSON: {"loss": "hard"|"soft", "reg": feature-loss weight, "lr": ..., "bt": batch tokens}.
+per epoch. A variant is JSON: {"loss": "hard"|"soft", "reg": feature-loss weight, "lr": ..., "bt": batch tokens,
+"pack": answers a padded pass holds, in positions (--pack-tokens; 0: one answer a pass)}.
 
     python scripts/eagle_train_ab.py --answers bench-out/smollm2-answers-mixed1600.json --train 400 --epochs 3 \
         --variants '{"loss":"hard"};{"loss":"soft"};{"loss":"soft","reg":0.1}'
@@ -50,6 +51,6 @@ for v in a.variants.split(";"):
     kw = json.loads(v)
     t0 = time.perf_counter()
     layer, hist, _ = D.train_eagle(eng, train, held, 3, 4096, a.epochs, kw.get("lr", 1e-3), kw.get("bt", 256), 0,
-                                   kw.get("loss", "hard"), kw.get("reg", D.REG_WEIGHT))
+                                   kw.get("loss", "hard"), kw.get("reg", D.REG_WEIGHT), kw.get("pack", 0))
     print("VARIANT", v, f"{time.perf_counter() - t0:.0f}s", "token 1 per epoch", [round(h["head_accuracy"][0], 3) for h in hist],
           "final", [round(x, 3) for x in hist[-1]["head_accuracy"]], hist[-1]["simulated_mean_acceptance_length"], flush=True)

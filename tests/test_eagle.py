@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from sieve import SamplingParams
 from sieve.config import ConfigError
-from sieve.spec.distill import add_distill_args, eagle_loss, run_distill
+from sieve.spec.distill import add_distill_args, eagle_batch_loss, eagle_loss, pack_answers, run_distill
 from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
 
 from test_medusa import STORIES, distill_args, stories, workload
@@ -252,6 +253,57 @@ def test_bad_eagle_layers_are_refused(eagle, tmp_path):
     (tmp_path / "eagle.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="does not load"):
         stories(speculative_config={"method": "eagle", "model": str(tmp_path)})
+
+
+def test_answers_trained_in_one_padded_pass_are_each_trained_as_alone(tmp_path):
+    """`--pack-tokens`: answers of several lengths padded into one pass give each answer's own outputs at its valid
+    rows, and a loss (and gradients) equal to the sum of their losses alone, each weighed by its positions, as
+    training adds them up; hard and soft token losses, depths 1-3, answers of 1 to 13 positions. The passes hold every
+    answer once, within the padded size; a negative size, or the option outside EAGLE's training, is refused."""
+    torch.manual_seed(0)
+    H, V = 16, 30
+    layer = EagleLayer(H, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 3))).double()
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    table, teacher = torch.randn(V, H, dtype=torch.float64), torch.randn(len(layer.draft_vocab), H, dtype=torch.float64)
+    index = torch.full((V,), -100, dtype=torch.int64)
+    index[layer.draft_vocab] = torch.arange(len(layer.draft_vocab))
+    seqs = []
+    for n in (2, 9, 14, 5):  # tokens: 1 to 13 positions
+        ids, feats = torch.randint(0, V, (n,)), torch.randn(n, H, dtype=torch.float64)
+        seqs.append((ids, 1, feats, torch.randint(0, V, (n,))))  # next tokens: some outside the draft vocabulary
+    for depth in (1, 2, 3):
+        N = max(len(s[0]) for s in seqs)
+        emb = torch.stack([torch.cat([table[s[0][1:]], table[:1].expand(N - len(s[0]), H)]) for s in seqs])
+        feats = torch.stack([torch.cat([s[2][:-1], torch.zeros(N - len(s[0]), H, dtype=torch.float64)]) for s in seqs])
+        padded = layer.unrolled(emb, feats, depth)
+        for b, (ids, _, f, _) in enumerate(seqs):
+            alone = layer.unrolled(table[ids[1:]], f[:-1], depth)
+            for s, (g, h) in enumerate(zip(padded, alone)):
+                assert torch.allclose(g[b, s: len(ids) - 1], h[s:], rtol=1e-10, atol=1e-12)
+        for soft in (None, teacher):
+            layer.zero_grad()
+            total, n = eagle_batch_loss(layer, seqs, table, index, depth, soft, reg_weight=0.5)
+            total.backward()
+            packed = [p.grad.clone() for p in layer.parameters()]
+            layer.zero_grad()
+            want = sum(eagle_loss(layer, s, table, index, depth, soft, reg_weight=0.5)[0] * (len(s[0]) - 1) for s in seqs)
+            want.backward()
+            assert n == sum(len(s[0]) - 1 for s in seqs)
+            assert torch.allclose(total, want, rtol=1e-10)
+            assert all(torch.allclose(a, p.grad, rtol=1e-8, atol=1e-12) for a, p in zip(packed, layer.parameters()))
+    many = [(torch.zeros(n, dtype=torch.int64), 0, None, None) for n in random.Random(1).choices(range(3, 200), k=60)]
+    for size in (0, 1, 256, 1000):
+        passes = pack_answers(many, size, random.Random(2))
+        assert sorted(j for p in passes for j in p) == list(range(60))
+        assert all(len(p) == 1 or len(p) * max(len(many[j][0]) for j in p) <= size for p in passes)
+        assert (len(passes) == 60) == (size < 200)
+    assert pack_answers(many, 0, random.Random(3)) != pack_answers(many, 0, random.Random(4))  # a random order
+    with pytest.raises(ConfigError, match="--pack-tokens"):
+        run_distill(distill_args(STORIES, tmp_path, method="eagle", pack_tokens=-1))
+    with pytest.raises(ConfigError, match="train an EAGLE layer"):
+        run_distill(distill_args(STORIES, tmp_path, method="medusa", pack_tokens=512))
 
 
 def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(tmp_path):

@@ -74,9 +74,10 @@ def test_kernel_matches_its_pytorch_reference_at_every_batch_size(ops, name, dty
 def test_vnni_and_avx2_inner_kernels_give_the_same_bits(ops, dtype):
     """Where the build has AVX512-VNNI, vpdpbusd sums a unit's 4 products per row in one instruction; the sums are the
     same exact integers and the float steps the same, so its outputs equal the AVX2 kernel's bit for bit."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = cpu_flags()
     has_vnni = ops.isa == "avx512-bf16" and "avx512_vnni" in flags
-    assert ops.q8act_kernel() == ("avx512-vnni" if has_vnni else "avx2")  # the faster one is the default
+    # the fastest the build and CPU allow is the default: the tiles where the CPU has AMX-INT8 (Linux grants them)
+    assert ops.q8act_kernel() == ("amx-int8" if has_vnni and {"amx_tile", "amx_int8"} <= flags else "avx512-vnni" if has_vnni else "avx2")
     if not has_vnni:
         with pytest.raises(RuntimeError, match="not avx512-vnni"):
             ops.set_q8act_kernel("avx512-vnni")
@@ -88,7 +89,7 @@ def test_vnni_and_avx2_inner_kernels_give_the_same_bits(ops, dtype):
         kern.native.q8_activations = True
         x = (torch.randn(11, k) * torch.logspace(-2, 1, k)).to(dtype)  # spread magnitudes: every block its own scale
         outs = {}
-        for name in ("avx2", "avx512-vnni"):
+        for name in ("avx2", "avx512-vnni"):  # (the AMX-INT8 tiles against vpdpbusd: the test below)
             before = ops.set_q8act_kernel(name)
             try:
                 outs[name] = [kern(x[:r]) for r in (1, 4, 8, 11)]
@@ -98,6 +99,50 @@ def test_vnni_and_avx2_inner_kernels_give_the_same_bits(ops, dtype):
             assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="not int2"):
         ops.set_q8act_kernel("int2")
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), ":").split(":", 1)[1].split())
+
+
+@pytest.fixture
+def amx_int8(ops):
+    """The AMX-INT8 tiles for every call (from one row: by default they take calls of q8act_amx_rows() rows and more);
+    skipped on a CPU without them, as the CUDA tests are without a GPU."""
+    if not (ops.isa == "avx512-bf16" and {"amx_tile", "amx_int8"} <= cpu_flags()):
+        with pytest.raises(RuntimeError, match="not amx-int8|grant"):
+            ops.set_q8act_kernel("amx-int8")
+        pytest.skip("this CPU has no AMX-INT8 tiles")
+    assert ops.q8act_amx_rows() == 10  # the default: where the tiles overtake vpdpbusd (docs/benchmarks.md)
+    with pytest.raises(RuntimeError, match="at least 1"):
+        ops.set_q8act_amx_rows(0)
+    before, rows = ops.set_q8act_kernel("amx-int8"), ops.set_q8act_amx_rows(1)
+    yield ops
+    ops.set_q8act_kernel(before), ops.set_q8act_amx_rows(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_tiles_give_the_vnni_kernels_bits_at_every_row_count(amx_int8, dtype):
+    """The tiles' int32 sums are vpdpbusd's exact integers and each block ends with the VNNI kernel's float steps in its
+    order, so every output is that kernel's, bit for bit: with and without mins, groups of 32 and 128, padded outputs and
+    inputs, and 1 to 40 rows (one, two and three tiles of rows, the last padded)."""
+    ops = amx_int8
+    torch.manual_seed(2)
+    for w, k in ((quantize_int4(torch.randn(200, 300) * 0.05, 32), 300), (q4_0(torch.randn(96, 128) * 0.05), 128),
+                 (quantize_int4(torch.randn(64, 256) * 0.05, 128), 256), (quantize_int4(torch.randn(3072, 576) * 0.05, 32), 576)):
+        kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
+        kern.native.q8_activations = True
+        x = (torch.randn(40, k) * torch.logspace(-2, 1, k)).to(dtype)
+        for rows in (1, 2, 7, 9, 10, 16, 17, 33, 40):
+            tiles = kern(x[:rows])
+            ops.set_q8act_kernel("avx512-vnni")
+            try:
+                vnni = kern(x[:rows])
+            finally:
+                ops.set_q8act_kernel("amx-int8")
+            assert torch.equal(tiles, vnni), (k, rows)
+            assert torch.equal(kern(x[rows - 1:rows]), tiles[-1:])  # a row's bits alone as among others
 
 
 def test_kernel_refuses_groups_it_cannot_take(ops):
@@ -156,6 +201,25 @@ def test_speculation_on_int8_activations_is_lossless(q4_1_file):
     stats = spec.llm_engine.speculator.stats
     assert 0 < stats.num_accepted_tokens  # drafts were verified on the int8 path and kept
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # (and some rejected)
+
+
+def test_an_engine_on_the_amx_int8_tiles_gives_the_vnni_kernels_tokens_and_logprobs(amx_int8, q4_1_file):
+    """A whole engine on int8 activations, switched between the tiles (every call) and vpdpbusd: prefill, 12 decoding
+    requests and their ngram drafts give the same tokens and logprobs, bit for bit."""
+    ops = amx_int8
+    prompts = repeating_prompts(12, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    llm = LLM(str(q4_1_file), dtype="float32", num_gpu_blocks_override=256, activation_quantization="int8",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.token_ids, [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]) for o in outs]
+
+    tiles = run()
+    ops.set_q8act_kernel("avx512-vnni")
+    assert run() == tiles
+    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0  # drafted rows went through both
 
 
 def test_models_without_int4_weights_and_bad_values_are_refused(llama_dir):

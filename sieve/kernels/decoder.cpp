@@ -6,7 +6,8 @@
 //
 // Per layer: h = norm(x [+ residual]); qkv = h W_qkv; q/k rotated in place (q/k-normed first for
 // Qwen3); k, v written to their cache slots; decodes attend through their block tables (paged
-// kernel), each prefill chunk through SDPA over its earlier context plus itself; o = attn W_o;
+// kernel), each prefill chunk's rows through that kernel too (float32 activations, and bf16 where it is faster; else
+// SDPA over the chunk's earlier context plus itself); o = attn W_o;
 // h = norm(o + residual); x = silu(h W_gate) * (h W_up) W_down. Then the final norm.
 #include "kernels.h"
 
@@ -157,10 +158,14 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                 "int8 K/V scales must be contiguous float16 [blocks, block_size, kv_heads]");
   }
   const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
-  // Prefill chunks: SDPA over the context read back from the pool, or, where the decode kernel is the faster one
-  // (decode_attention_takes_prefill), that kernel on the chunk's rows: row i sees ctx - n + 1 + i keys through
-  // the chunk's table (tables and lengths built once, for every layer).
-  const bool chunk_kernel = same_kv && decode_attention_takes_prefill(dtype, kv, D);
+  // Prefill chunks: the decode kernel on the chunk's rows, row i over its ctx - n + 1 + i keys through the chunk's table
+  // (tables and lengths built once, for every layer), under float32 activations (any pool) and where it is the faster
+  // kernel in bf16 (decode_attention_takes_prefill); else SDPA over the context read back from the pool. Through the
+  // decode kernel a row's attention is computed alone, in one order, whatever chunk or step it is in. SDPA sums a row's
+  // keys in blocks that follow where the chunk starts, and under float32 activations the last-bit differences grew,
+  // through the int4 kernels' bf16-rounded inputs, to logprobs 0.02 apart (SmolLM2, a 242-token prompt in one chunk or
+  // in chunks of 100; with int8 activations, other tokens).
+  const bool chunk_kernel = dtype == at::kFloat || (same_kv && decode_attention_takes_prefill(dtype, kv, D));
   std::vector<torch::Tensor> masks(chunks), row_tables(chunks), row_lens(chunks);  // the same for every layer
   for (size_t c = 0; c < chunks; ++c) {
     if (chunk_kernel) {
@@ -232,7 +237,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       if (chunk_kernel) {
         paged_decode_attention_into<E>(q + s * q_stride, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D,
                                        row_tables[c].data_ptr<int64_t>(), row_tables[c].size(1), row_lens[c].data_ptr<int64_t>(), n, H,
-                                       static_cast<float>(scale), A + s * qs);
+                                       static_cast<float>(scale), A + s * qs, int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr,
+                                       int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr);
         continue;
       }
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]

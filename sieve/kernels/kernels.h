@@ -170,6 +170,16 @@ std::string set_bf16_dot_kernel(const std::string& name);
 bool use_int4_amx();
 bool set_int4_amx(bool on);
 #endif
+#if defined(__AMX_TILE__)
+// AMX tiles (qmatmul.cpp, qmatmul_q8act.cpp): a thread's tile shapes (palette 1), and whether Linux grants this process
+// the tile registers (asked once)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+bool amx_permitted();
+#endif
 // qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
 // dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
@@ -184,10 +194,15 @@ struct Q8Rows {
   std::vector<float> d, xs;    // [M, nb]
 };
 Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, bool pairs);  // x bf16 or float32 [M, K]
-// which of its two inner kernels runs: "avx512-vnni" (where the build has it, the default there) or "avx2"; the
-// setter returns the one before (for tests that check the two give the same bits)
+// which of its inner kernels runs: "amx-int8" (tiles from q8act_amx_rows() rows, vpdpbusd below), "avx512-vnni" or "avx2"
+// (the best the build and CPU allow is the default); the setter returns the one before (for tests that check they give the
+// same bits)
 std::string q8act_kernel();
 std::string set_q8act_kernel(const std::string& name);
+// Under "amx-int8" (AMX-INT8 tiles, where the CPU has them and Linux grants them: the default there), calls of at least
+// this many rows go to the tiles and fewer to vpdpbusd; the same bits either way. The setter returns the value before.
+int64_t q8act_amx_rows();
+int64_t set_q8act_amx_rows(int64_t rows);
 // greedy_head.cpp: the first index of each bf16 row's max over x . w^T, as the GEMV computes them, from an int8
 // sketch of w (codes [N, Kp] of at most greedy_head_code_max() in magnitude, zero padded to a multiple of 32; float32
 // scales and radii [N]); returns (ids [M], candidates [M]), id -1 for a row that is not finite

@@ -38,8 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int4_amx", &sieve::set_int4_amx, "int4 on AMX tiles or not (tests); returns the setting before");
   m.def("set_bf16_dot_kernel", &sieve::set_bf16_dot_kernel, "pick fma or dpbf16 (tests); returns the one before");
 #endif
-  m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: avx512-vnni or avx2");
+  m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: amx-int8, avx512-vnni or avx2");
   m.def("set_q8act_kernel", &sieve::set_q8act_kernel, "pick the int8-activation inner kernel (tests); returns the one before");
+  m.def("q8act_amx_rows", &sieve::q8act_amx_rows, "under amx-int8, from how many rows a call takes the tiles (vpdpbusd below)");
+  m.def("set_q8act_amx_rows", &sieve::set_q8act_amx_rows, "set that row count (tests, benchmarks); returns the one before");
 #endif
   py::class_<sieve::NativeLinear, std::shared_ptr<sieve::NativeLinear>>(m, "NativeLinear")
       .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

@@ -555,17 +555,6 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxPrefetch = 1024;  // bytes ahead in each block's stream (4 groups of 32)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
 std::atomic<int> int4_amx{-1};  // -1: not decided; 0: off; 1: on
 
 // Tiles: 0 = A (rows of x), 1 .. 3 = B (a group's decoded weights for up to 3 blocks of outputs), 4 .. 6 = C (their
@@ -797,6 +786,12 @@ std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
 // 0.37x the FMA form's time, and a row's bits must not depend on the row count, so one form serves every call of a
 // process: batch-1 decode without speculation runs at 0.79x, ngram k = 6 at 1.32x (scripts/amx_ab.py). Decided once,
 // never from a timing, since its bits differ from the other forms'.
+#if defined(__AMX_TILE__)
+bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+#endif
 bool use_int4_amx() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   int mode = int4_amx.load(std::memory_order_relaxed);

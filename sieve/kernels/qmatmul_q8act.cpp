@@ -1,6 +1,7 @@
-// int4 weights against int8 activations (CPU: AVX2, and AVX512-VNNI where the build has it): llama.cpp's Q4 x Q8
-// dot products, for `activation_quantization="int8"`. The weights stay in the blocked int4 layout of qmatmul.cpp
-// (block_int4 in sieve/quant/kernels.py); each call quantizes its input rows, per row and per 32 inputs b, to int8:
+// int4 weights against int8 activations (CPU: AVX2, AVX512-VNNI where the build has it, and AMX-INT8 tiles for calls of
+// many rows where the CPU has them): llama.cpp's Q4 x Q8 dot products, for `activation_quantization="int8"`. The
+// weights stay in the blocked int4 layout of qmatmul.cpp (block_int4 in sieve/quant/kernels.py); each call quantizes
+// its input rows, per row and per 32 inputs b, to int8:
 //   d_b = max|x| * (1/127),  q = round-half-even(x * (1 / d_b)) in [-127, 127],  xs_b = sum of x (float32)
 // and an output is, over b in order,
 //   acc = fma(float(sum_k w_k q_k), s * d_b, acc),  acc = fma(m, xs_b, acc)
@@ -26,6 +27,7 @@
 #include "kernels.h"
 
 #include <atomic>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -211,7 +213,175 @@ constexpr bool kHaveVnni = false;
 void qmatmul_vnni(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Half*, const c10::Half*, int64_t, int64_t, const OutQ&) {}
 #endif
 
-std::atomic<bool> use_vnni{kHaveVnni};
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The same products on AMX tiles (AMX-INT8's tdpbsud: signed bytes of A against unsigned bytes of B, summed exactly in
+// 32 bits). One block b of 32 inputs against 16 outputs is one tile product: B is the block's 8 units decoded exactly
+// as the VNNI kernel decodes them (a 2-unit load's wa and wb are B's rows 2p and 2p + 1; a 32-bit lane holds one
+// output's codes for 4 consecutive inputs, VNNI order, the lanes in the VNNI kernel's row order), A is up to 16 rows'
+// 32 int8 codes of b, read where quantize_rows put them. C's integers are vpdpbusd's sums, exactly, and block b ends
+// with the VNNI kernel's two FMAs in its order, so every output is that kernel's bits: which of the two multiplies a
+// call is a matter of speed alone (`amx_from_rows`), and a row's result never depends on the others.
+// What the tiles save is the per-row dot products (8 vpdpbusd per row, block and 16 outputs, against one tile product
+// for 16 rows); the decoding and each row's float steps per block remain, and a tile product costs about as much at one
+// row as at 16. Measured on the Emerald Rapids host (SmolLM2's int4 linears, 30 layers, time against vpdpbusd): 1 row
+// 2.2x, 7 rows 1.1-1.25x, 8 rows 1.0x, 10 rows 0.84x, 12-64 rows 0.73-0.76x, 128 rows 0.85x. So the tiles take calls
+// from 10 rows (kAmxFromRows): 8 users' drafts, 32 users, prefill chunks. Tried and not kept: two blocks per tile
+// product below 9 rows (A's row 2m + i holding row m's block 2t + i in half i of 64 bytes: a full tile width, half the
+// tile operations), 1.75x at 1 row and 1.27x at 7.
+constexpr int64_t kAmxRows = 16;
+constexpr int kAmxBlocks = 3;  // tiles: 0 = A, 1 .. 3 = B of 3 output blocks, 4 .. 6 = their C
+constexpr bool kHaveAmx = true;
+
+void load_q8_tiles(int64_t rows) {
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(rows), c.colsb[0] = kQ8Block;
+  for (int b = 0; b < kAmxBlocks; ++b) {
+    c.rows[1 + b] = kQ8Block / 4, c.colsb[1 + b] = 64;
+    c.rows[4 + b] = static_cast<uint8_t>(rows), c.colsb[4 + b] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Tile numbers are immediates: output block j's B tile is 1 + j, its C 4 + j
+template <int j> inline void multiply_into_c(const void* btile) {
+  if constexpr (j == 0) { _tile_zero(4); _tile_loadd(1, btile, 64); _tile_dpbsud(4, 0, 1); }
+  else if constexpr (j == 1) { _tile_zero(5); _tile_loadd(2, btile, 64); _tile_dpbsud(5, 0, 2); }
+  else { _tile_zero(6); _tile_loadd(3, btile, 64); _tile_dpbsud(6, 0, 3); }
+}
+template <int j> inline void store_c(void* p) {
+  if constexpr (j == 0) _tile_stored(4, p, 64);
+  else if constexpr (j == 1) _tile_stored(5, p, 64);
+  else _tile_stored(6, p, 64);
+}
+template <int NB, class F>
+inline void each_block(const F& f) {
+  [&]<int... j>(std::integer_sequence<int, j...>) { (f.template operator()<j>(), ...); }(std::make_integer_sequence<int, NB>{});
+}
+
+// NB blocks of 16 outputs against all M rows (codes xq [Mp, K2], Mp a multiple of 16 where M > 16); acc [M][NB],
+// cbuf [2][NB][Mp][16]. Software-pipelined over the 32-input blocks b: the weights of b + kAhead are decoded into a ring of
+// B tiles while b is multiplied, and b - 1's products are ended (its C having gone to memory one block before), so that
+// no tile load waits on stores just made and no float step waits on a tile store just made.
+constexpr int kAhead = 2, kRing = kAhead + 1;
+template <int NB>
+void int4_q8_amx_tile(const int8_t* xq, const Q8Rows& X, int64_t M, const uint8_t* w, int64_t K2, const c10::Half* scale,
+                      const c10::Half* min, int64_t group, const int64_t (&blk)[NB], const OutQ& out, __m512* acc, int32_t* cbuf) {
+  const int64_t G = K2 / group, per_group = group / kQ8Block, nbk = K2 / kQ8Block, chunks = (M + kAmxRows - 1) / kAmxRows;
+  const int64_t Mp = chunks * kAmxRows;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i take_a = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), take_b = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  alignas(64) uint8_t ring[kRing][NB][8 * 64];
+  const uint8_t* base[NB];
+  for (int j = 0; j < NB; ++j) base[j] = w + blk[j] * (K2 / 4) * 32;
+  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+  auto decode = [&](int64_t b) {
+    auto& bt = ring[b % kRing];
+    for (int j = 0; j < NB; ++j)
+      for (int pair = 0; pair < 4; ++pair) {
+        const int64_t u0 = b * 8 + pair * 2;
+        _mm_prefetch(reinterpret_cast<const char*>(base[j] + u0 * 32 + kPrefetchQ), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(base[j] + u0 * 32);
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        const __m512i il = _mm512_unpacklo_epi16(lo, hi), ih = _mm512_unpackhi_epi16(lo, hi);
+        _mm512_store_si512(bt[j] + (2 * pair) * 64, _mm512_permutex2var_epi64(il, take_a, ih));
+        _mm512_store_si512(bt[j] + (2 * pair + 1) * 64, _mm512_permutex2var_epi64(il, take_b, ih));
+      }
+  };
+  auto group_vec = [&](const c10::Half* p, int64_t j, int64_t g) {
+    return _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (blk[j] * G + g) * 16))));
+  };
+  auto end_block = [&](int64_t b) {  // the VNNI kernel's float steps for block b, in its order
+    const int64_t g = b / per_group;
+    const int32_t* c = cbuf + (b & 1) * NB * Mp * 16;
+    __m512 s[NB], mn[NB];
+    for (int j = 0; j < NB; ++j) {
+      s[j] = group_vec(scale, j, g);
+      mn[j] = min ? group_vec(min, j, g) : _mm512_mul_ps(s[j], _mm512_set1_ps(-8.f));
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 d = _mm512_set1_ps(X.d[m * X.nb + b]), xs = _mm512_set1_ps(X.xs[m * X.nb + b]);
+      for (int j = 0; j < NB; ++j) {
+        const __m512i total = _mm512_load_si512(c + (j * Mp + m) * 16);
+        __m512& a = acc[m * NB + j];
+        a = _mm512_fmadd_ps(mn[j], xs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s[j], d), a));
+      }
+    }
+  };
+  for (int64_t b = 0; b < std::min<int64_t>(kAhead, nbk); ++b) decode(b);
+  for (int64_t b = 0; b < nbk; ++b) {
+    if (b + kAhead < nbk) decode(b + kAhead);
+    const auto& bt = ring[b % kRing];
+    int32_t* c = cbuf + (b & 1) * NB * Mp * 16;
+    for (int64_t h = 0; h < chunks; ++h) {
+      _tile_loadd(0, xq + h * kAmxRows * K2 + b * kQ8Block, K2);
+      each_block<NB>([&]<int j>() { multiply_into_c<j>(bt[j]); });
+      each_block<NB>([&]<int j>() { store_c<j>(c + (j * Mp + h * kAmxRows) * 16); });
+    }
+    if (b > 0) end_block(b - 1);
+  }
+  end_block(nbk - 1);
+  for (int j = 0; j < NB; ++j)
+    for (int64_t m = 0; m < M; ++m) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_permutexvar_ps(order, acc[m * NB + j]));
+      out.write(v, m, blk[j]);
+    }
+}
+
+void qmatmul_amx(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, const c10::Half* scale, const c10::Half* min,
+                 int64_t group, int64_t M, const OutQ& out) {
+  const int8_t* xq = X.q.data();
+  std::vector<int8_t> padded;
+  if (M > kAmxRows && M % kAmxRows) {  // whole tiles of rows past the first: the last one padded with zeros
+    padded.assign((M + kAmxRows - 1) / kAmxRows * kAmxRows * K2, 0);
+    std::memcpy(padded.data(), xq, M * K2);
+    xq = padded.data();
+  }
+  // as sweep (kernels.h): a thread walks kAmxBlocks parts of its share side by side, one read stream each
+  at::parallel_for(0, blocks, kAmxBlocks, [&](int64_t b0, int64_t b1) {
+    load_q8_tiles(std::min(M, kAmxRows));
+    std::vector<__m512> acc(M * kAmxBlocks);
+    const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+    std::vector<__m512i> cbuf(2 * kAmxBlocks * Mp);  // 16 sums a row (aligned as __m512i)
+    const int64_t part = (b1 - b0) / kAmxBlocks;
+    for (int64_t i = 0; i < part; ++i) {
+      int64_t blk[kAmxBlocks];
+      for (int j = 0; j < kAmxBlocks; ++j) blk[j] = b0 + j * part + i;
+      int4_q8_amx_tile<kAmxBlocks>(xq, X, M, w, K2, scale, min, group, blk, out, acc.data(), reinterpret_cast<int32_t*>(cbuf.data()));
+    }
+    for (int64_t b = b0 + kAmxBlocks * part; b < b1; ++b) {
+      const int64_t one[1] = {b};
+      int4_q8_amx_tile<1>(xq, X, M, w, K2, scale, min, group, one, out, acc.data(), reinterpret_cast<int32_t*>(cbuf.data()));
+    }
+    _tile_release();
+  });
+}
+bool amx_granted() { return amx_permitted(); }
+#else
+constexpr bool kHaveAmx = false;
+void qmatmul_amx(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Half*, const c10::Half*, int64_t, int64_t, const OutQ&) {}
+bool amx_granted() { return false; }
+#endif
+
+// The inner kernel: AVX2's vpmaddubsw, AVX512-VNNI's vpdpbusd, or AMX-INT8's tiles from amx_from_rows rows (VNNI below):
+// the same bits, so the default is simply the fastest this CPU and kernel allow
+enum InnerKernel : int { kAvx2 = 0, kVnni = 1, kAmx = 2 };
+constexpr const char* kKernelNames[] = {"avx2", "avx512-vnni", "amx-int8"};
+std::atomic<int> inner_kernel{-1};  // -1: not decided yet (asking Linux for the tiles is done once, on first use)
+// From this many rows the tiles are faster than vpdpbusd (see above; docs/benchmarks.md, issue 15, twentieth part)
+constexpr int64_t kAmxFromRows = 10;
+std::atomic<int64_t> amx_from_rows{kAmxFromRows};
+
+int current_kernel() {
+  int k = inner_kernel.load(std::memory_order_relaxed);
+  if (k < 0) {
+    int expected = -1;
+    inner_kernel.compare_exchange_strong(expected, kHaveAmx && amx_granted() ? kAmx : kHaveVnni ? kVnni : kAvx2);
+    k = inner_kernel.load();
+  }
+  return k;
+}
 
 }  // namespace
 
@@ -263,21 +433,29 @@ Q8Rows quantize_rows(const void* x, bool f32, int64_t M, int64_t K, int64_t K2, 
   return r;
 }
 
-std::string q8act_kernel() { return use_vnni.load() ? "avx512-vnni" : "avx2"; }
+std::string q8act_kernel() { return kKernelNames[current_kernel()]; }
 std::string set_q8act_kernel(const std::string& name) {
-  TORCH_CHECK(name == "avx2" || (name == "avx512-vnni" && kHaveVnni), "q8act kernel: avx2", kHaveVnni ? " or avx512-vnni" : "",
+  const bool vnni = name == "avx512-vnni" && kHaveVnni, amx = name == "amx-int8" && kHaveAmx;
+  TORCH_CHECK(name == "avx2" || vnni || amx, "q8act kernel: avx2", kHaveVnni ? ", avx512-vnni" : "", kHaveAmx ? ", amx-int8" : "",
               " in this build, not ", name);
+  TORCH_CHECK(!amx || amx_granted(), "q8act kernel amx-int8: this kernel does not grant the tile registers");
   const std::string before = q8act_kernel();
-  use_vnni.store(name == "avx512-vnni");
+  inner_kernel.store(amx ? kAmx : vnni ? kVnni : kAvx2);
   return before;
+}
+int64_t q8act_amx_rows() { return amx_from_rows.load(); }
+int64_t set_q8act_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "q8act amx rows: at least 1, not ", rows);
+  return amx_from_rows.exchange(rows);
 }
 
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
                              const c10::Half* scale, const c10::Half* min, int64_t group, const float* bias, int64_t n, void* y) {
-  const bool vnni = use_vnni.load();
-  const Q8Rows X = quantize_rows(x, f32, M, K, K2, !vnni);
+  const int kernel = current_kernel();
+  const Q8Rows X = quantize_rows(x, f32, M, K, K2, kernel == kAvx2);
   const OutQ out{y, f32, n, bias};
-  if (vnni) return qmatmul_vnni(X, w, blocks, K2, scale, min, group, M, out);
+  if (kernel == kAmx && M >= amx_from_rows.load(std::memory_order_relaxed)) return qmatmul_amx(X, w, blocks, K2, scale, min, group, M, out);
+  if (kernel != kAvx2) return qmatmul_vnni(X, w, blocks, K2, scale, min, group, M, out);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {

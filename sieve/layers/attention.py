@@ -6,7 +6,11 @@ Every new K/V is written to its cache slot; then
     kernel reads them in place from the pool; on CUDA a Triton kernel does, each row's result independent
     of the rest of the batch (attention_triton.py); a quantized cache on CUDA: a padded gather + SDPA);
   - each prefill chunk attends to its earlier context (read through its block table) plus itself,
-    with a causal mask aligned to the chunk's end.
+    with a causal mask aligned to the chunk's end; on CPU with the native kernels under float32 activations (no
+    sliding window), each of its rows goes through the decode kernel instead, over its own context (as
+    sieve/kernels/decoder.cpp does): a row's result is then the same
+    whatever chunk it is in (SDPA sums a row's keys in blocks that follow where the chunk starts) and the same
+    as when that position is a decode row.
 A sliding-window layer (window W: a query at position p sees keys p - W < k <= p) gets its window's own
 metadata (`meta.windows[W]`, built once per step by the model runner): tables that start at the first
 block inside the window (`key_start`: the position of their first slot), so it never reads a block that
@@ -181,8 +185,15 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta)
+        ops = cpu_ops() if q.device.type == "cpu" and q.dtype == torch.float32 and self.window is None else None
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            if ops is not None:  # native: each row alone over its context, as a decode row (and as decoder.cpp does)
+                n, ctx = chunk.num_tokens, chunk.context_len
+                out[rows] = ops.paged_decode_attention(
+                    q[rows].contiguous(), cache.k, cache.v, chunk.block_table.to(torch.int64).expand(n, -1).contiguous(),
+                    torch.arange(ctx - n + 1, ctx + 1), self.scale, cache.k_scale, cache.v_scale, None)
+                continue
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             own = chunk.context_len == chunk.num_tokens or chunk.key_start >= chunk.context_len - chunk.num_tokens
             if own and cache.stores_exactly(q.dtype):

@@ -22,8 +22,8 @@ two conversions, so fp8 is the cheaper of the two one-byte formats on this CPU, 
 arithmetic.
 
 With `activation_quantization="int8"` (CPU, opt-in, lossy), the int4 `NativeLinear`s switch to int8 activations
-per 32 inputs and integer dot products (AVX2, or AVX512-VNNI where the CPU has it: sieve/kernels/qmatmul_q8act.cpp;
-ModelRunner sets the flag).
+per 32 inputs and integer dot products (AVX2, or AVX512-VNNI where the CPU has it, and AMX-INT8 tiles for calls of
+10 rows and more where it has those: the same bits; sieve/kernels/qmatmul_q8act.cpp; ModelRunner sets the flag).
 
 On CUDA (fp16 / bf16 activations): int8 and int4 in every layout run one Triton GEMM that dequantizes
 tiles inside the product (sieve/quant/triton_kernels.py), fp8 the FP8 matmul (`_scaled_mm`) on GPUs

@@ -424,27 +424,67 @@ def eagle_loss(layer, seq: tuple, table: torch.Tensor, index: torch.Tensor, dept
     the target's greedy next token (in the draft vocabulary), or with `teacher` (the target's LM-head rows of the
     draft vocabulary [V', H]) against the target's whole distribution there, softmax(teacher @ f): EAGLE's own
     classification loss, which tells the layer how far the runners-up are as well as which token won."""
-    ids, _, feats, nxt = seq
-    T = len(ids) - 1
-    outs = layer.unrolled(table[ids[1:]], feats[:T], depth)
+    total, positions = eagle_batch_loss(layer, [seq], table, index, depth, teacher, reg_weight)
+    return total / positions, positions
+
+
+def eagle_batch_loss(layer, seqs: list[tuple], table: torch.Tensor, index: torch.Tensor, depth: int,
+                     teacher: torch.Tensor | None = None, reg_weight: float = REG_WEIGHT) -> tuple[torch.Tensor, int]:
+    """`eagle_loss` of several answers in one pass, each padded at its end to the longest: the sum over answers of
+    each one's mean loss times its positions (what training adds up per optimiser step), and their positions. A valid
+    row reads only valid rows of its own answer (`EagleLayer.unrolled`), so each answer's loss is what it is alone."""
+    dev = seqs[0][2].device
+    lengths = [len(s[0]) for s in seqs]
+    B, N = len(seqs), max(lengths)
+    T = N - 1
+    ids = torch.zeros(B, N, dtype=torch.int64, device=dev)
+    feats = seqs[0][2].new_zeros(B, N, seqs[0][2].shape[-1])
+    nxt = torch.zeros(B, N, dtype=torch.int64, device=dev)
+    for b, (i, _, f, n) in enumerate(seqs):
+        ids[b, : len(i)], feats[b, : len(i)], nxt[b, : len(i)] = i, f, n
+    ends = torch.tensor(lengths, device=dev) - 1  # each answer's positions
+    outs = layer.unrolled(table[ids[:, 1:]], feats[:, :T], depth)
     if teacher is not None:  # the target's distribution after each position, once for every level
         with torch.no_grad():
-            target = torch.softmax(feats[1:].float() @ teacher.t(), dim=-1)
-    total, n = 0.0, 0
+            target = torch.softmax(feats[:, 1:].to(teacher.dtype) @ teacher.t(), dim=-1)
+    acc = torch.promote_types(outs[0].dtype, torch.float32)  # the losses' dtype: float32, or float64 (tests)
+    pos = torch.arange(T, device=dev)
+    total = torch.zeros(B, dtype=acc, device=dev)
+    count = torch.zeros(B, dtype=acc, device=dev)
     for s, g in enumerate(outs):
-        i = torch.arange(s, T, device=feats.device)
-        if not len(i):
+        bi, ii = ((pos[None, :] >= s) & (pos[None, :] < ends[:, None])).nonzero(as_tuple=True)
+        if not len(ii):
             break
-        pred = g[i]
-        logits = layer.logits(pred).float()
+        pred = g[bi, ii]
+        logits = layer.logits(pred).to(acc)
         if teacher is None:
-            ce = F.cross_entropy(logits, index[nxt[i + 1]], ignore_index=-100, reduction="sum")
+            ce = F.cross_entropy(logits, index[nxt[bi, ii + 1]], ignore_index=-100, reduction="none")
         else:
-            ce = -(target[i] * torch.log_softmax(logits, dim=-1)).sum()
-        reg = F.smooth_l1_loss(pred, layer.scale_features(feats[i + 1]), reduction="none").mean(-1).sum()
-        total = total + ce + reg_weight * reg
-        n += len(i)
-    return total / max(1, n), T
+            ce = -(target[bi, ii] * torch.log_softmax(logits, dim=-1)).sum(-1)
+        reg = F.smooth_l1_loss(pred, layer.scale_features(feats[bi, ii + 1]), reduction="none").mean(-1)
+        total = total.index_add(0, bi, (ce + reg_weight * reg).to(acc))
+        count = count.index_add(0, bi, torch.ones_like(count[bi]))
+    return (total / count.clamp_min(1) * ends).sum(), int(sum(lengths) - B)
+
+
+def pack_answers(seqs: list[tuple], pack_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Indices of `seqs` in training passes: one answer a pass in a random order (pack_tokens 0), or answers of
+    similar length together, each pass at most `pack_tokens` padded positions (at least one answer), the passes in a
+    random order. A GPU waits on launches with one answer a pass (a ~200-token answer is a few hundred small kernels)."""
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    if pack_tokens <= 0:
+        return [[j] for j in order]
+    order.sort(key=lambda j: len(seqs[j][0]))  # stable: equal lengths stay in their random order
+    passes, cur = [], []
+    for j in order:
+        if cur and (len(cur) + 1) * len(seqs[j][0]) > pack_tokens:
+            passes.append(cur)
+            cur = []
+        cur.append(j)
+    passes.append(cur)
+    rng.shuffle(passes)
+    return passes
 
 
 def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> dict:
@@ -480,7 +520,8 @@ def warmup_decay(opt, steps: int):
 
 
 def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft_vocab_size: int, epochs: int, lr: float,
-                batch_tokens: int, seed: int, token_loss: str = "hard", reg_weight: float = REG_WEIGHT) -> tuple:
+                batch_tokens: int, seed: int, token_loss: str = "hard", reg_weight: float = REG_WEIGHT,
+                pack_tokens: int = 0) -> tuple:
     from sieve.spec.eagle import EagleLayer
 
     torch.manual_seed(seed)
@@ -503,21 +544,21 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
     index[torch.tensor(vocab, device=dev)] = torch.arange(len(vocab), device=dev)
     opt = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
     positions = sum(len(s[0]) - 1 for s in train)
-    steps = max(1, epochs * math.ceil(positions / batch_tokens))
+    # an optimiser step ends once it holds batch_tokens positions, and a pass larger than that is a step of its own
+    steps = max(1, epochs * math.ceil(positions / max(batch_tokens, pack_tokens)))
     sched = warmup_decay(opt, steps)
     history, rng = [], random.Random(seed)
     for epoch in range(epochs):
-        order = list(range(len(train)))
-        rng.shuffle(order)
+        passes = pack_answers(train, pack_tokens, rng)
         total, seen, pending = 0.0, 0, 0
         opt.zero_grad(set_to_none=True)
-        for k, j in enumerate(order):
-            loss, n = eagle_loss(layer, train[j], table, index, depth, teacher, reg_weight)
-            (loss * n / batch_tokens).backward()
-            total += loss.detach() * n  # a tensor: no wait for the device each answer
+        for k, batch in enumerate(passes):
+            loss, n = eagle_batch_loss(layer, [train[j] for j in batch], table, index, depth, teacher, reg_weight)
+            (loss / batch_tokens).backward()
+            total += loss.detach()  # a tensor: no wait for the device each pass
             seen += n
             pending += n
-            if pending >= batch_tokens or k == len(order) - 1:
+            if pending >= batch_tokens or k == len(passes) - 1:
                 torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
                 opt.step()
                 sched.step()
@@ -540,8 +581,10 @@ def run_distill(args: argparse.Namespace) -> dict:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if not args.feature_loss_weight >= 0:  # NaN included
         raise ConfigError(f"--feature-loss-weight must be >= 0, got {args.feature_loss_weight}")
-    if args.method != "eagle" and (args.token_loss != "hard" or args.feature_loss_weight != REG_WEIGHT):
-        raise ConfigError(f"--token-loss and --feature-loss-weight train an EAGLE layer, not --method {args.method}")
+    if args.pack_tokens < 0:
+        raise ConfigError(f"--pack-tokens must be >= 0, got {args.pack_tokens}")
+    if args.method != "eagle" and (args.token_loss != "hard" or args.feature_loss_weight != REG_WEIGHT or args.pack_tokens):
+        raise ConfigError(f"--token-loss, --feature-loss-weight and --pack-tokens train an EAGLE layer, not --method {args.method}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
@@ -599,7 +642,8 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
           f"{generated - started:.0f} s); training an EAGLE layer on {n_train} positions ({args.depth} drafting steps "
           f"unrolled), {n_held_pos} answer positions held out", flush=True)
     layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
-                                          args.batch_tokens, args.seed, args.token_loss, args.feature_loss_weight)
+                                          args.batch_tokens, args.seed, args.token_loss, args.feature_loss_weight,
+                                          args.pack_tokens)
     final = history[-1]
     meta = {"target": str(engine.config.model), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
             "draft_vocab_coverage": covered, "train_positions": n_train, "held_out_positions": n_held_pos,
@@ -656,6 +700,9 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-loss-weight", type=float, default=REG_WEIGHT,
                    help="eagle: weight of the regression onto the target's next feature beside the token loss")
     p.add_argument("--batch-tokens", type=int, default=256, help="eagle and draft: positions per optimiser step (at least one sequence)")
+    p.add_argument("--pack-tokens", type=int, default=0,
+                   help="eagle: answers of similar length trained in one pass, padded, up to this many positions (0: one "
+                        "answer a pass; a GPU wants thousands, with --batch-tokens at least as many)")
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-1's independent heads (default: Hydra's sequential heads, each also reading the token before "
                         "the one it guesses)")

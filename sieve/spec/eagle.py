@@ -105,22 +105,24 @@ class EagleLayer(nn.Module):
         return feats / self.feature_scale.to(feats.dtype)
 
     def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
-        """Rows [T, H] of token embeddings and standardised features -> the residual stream and rotated q, k, v."""
-        T = emb.shape[0]
+        """Rows [..., T, H] of token embeddings and standardised features (positions [T]) -> the residual stream and
+        rotated q, k, v [..., T, heads, D]."""
+        lead = emb.shape[:-1]
         x = self.fc(torch.cat([emb * self.embed_scale.to(emb.dtype), feat], dim=-1))
         q, k, v = self.qkv(_rms(x, self.attn_norm, self.eps)).split(
             [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = self._rope(q.view(T, self.nh, self.hd), positions)
-        k = self._rope(k.view(T, self.nkv, self.hd), positions)
-        return x, q, k, v.view(T, self.nkv, self.hd)
+        q = self._rope(q.view(*lead, self.nh, self.hd), positions)
+        k = self._rope(k.view(*lead, self.nkv, self.hd), positions)
+        return x, q, k, v.view(*lead, self.nkv, self.hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [T, heads, D] over k, v [S, kv_heads, D] (mask [T, S], True: attend; None: all) -> [T, heads * D]."""
+        """q [..., T, heads, D] over k, v [..., S, kv_heads, D] (mask [T, S], True: attend; None: all) ->
+        [..., T, heads * D]."""
         rep = self.nh // self.nkv
         if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
+            k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
+        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask)
+        return out.transpose(-3, -2).reshape(*q.shape[:-2], -1)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention -> the predicted next feature (standardised)."""
@@ -136,17 +138,20 @@ class EagleLayer(nn.Module):
         """Training and measuring: one sequence's positions 0..T-1, `emb` [T, H] the embeddings of the tokens that
         follow them and `feats` [T, H] the target's features there, run for `depth` drafting steps at once. Level s's
         row i is draft token s + 1 of the state whose last committed position is i - s (valid for i >= s): it
-        predicts the (standardised) feature at i + 1 and the token at i + 2."""
-        T = emb.shape[0]
+        predicts the (standardised) feature at i + 1 and the token at i + 2.
+        A batch of sequences [B, T, H], each padded at its end: a valid row of a sequence (i >= s, i below its length)
+        reads only valid rows of its own, so the padding changes nothing but the padded rows."""
+        T = emb.shape[-2]
         positions = torch.arange(T, device=emb.device)
         feats = self.scale_features(feats)
         keys, values, outs = [], [], []
         for level in range(depth):
-            f_in = feats if level == 0 else torch.cat([feats[:1], outs[-1][:-1]])  # level s at i reads level s-1 at i-1
+            # level s at i reads level s-1 at i-1
+            f_in = feats if level == 0 else torch.cat([feats[..., :1, :], outs[-1][..., :-1, :]], dim=-2)
             x, q, k, v = self.project(emb, f_in, positions)
             keys.append(k)
             values.append(v)
-            attn = self.attend(q, torch.cat(keys), torch.cat(values), unroll_mask(T, level, emb.device))
+            attn = self.attend(q, torch.cat(keys, dim=-3), torch.cat(values, dim=-3), unroll_mask(T, level, emb.device))
             outs.append(self.finish(x, attn))
         return outs
 
