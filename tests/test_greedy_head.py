@@ -140,6 +140,13 @@ needs_q8 = pytest.mark.skipif(ops is None or not hasattr(ops, "greedy_head_q8"),
                               reason="the Q8_0 greedy head multiplies int8 activations with AVX512-VNNI (vpdpbusd)")
 
 
+def cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), ":").split(":", 1)[1].split())
+
+
 def q8_0_head(w: torch.Tensor):
     """A Q8_0 weight (int8 codes, float16 scale per 32 inputs) in the native kernel the plain path runs."""
     from sieve.quant.formats import ChannelScaledWeight
@@ -179,6 +186,69 @@ def test_q8_head_argmax_is_the_plain_kernels_for_random_tied_and_outlier_states(
     assert sorted(candidates)[len(candidates) // 2] < 40  # the bound leaves few rows to multiply exactly
 
 
+def many_row_states(g, w, M, K):
+    x = torch.randn(M, K, generator=g) * [0.3, 4.0][M % 2]
+    x[:, M % K] *= 50  # an outlier activation
+    x[M // 2] = w[M] * 300  # a row aimed at head row M
+    return x
+
+
+ROW_COUNTS = list(range(1, 18)) + [31, 32, 33, 48, 64]
+
+
+@needs_q8
+def test_q8_head_answers_steps_of_many_rows():
+    """Steps of many greedy rows (users verifying drafts, draft trees) take the sketch too, 64 rows a call, where the
+    plain path would compute every logit."""
+    from sieve.layers.greedy_head import GreedyHeadQ8
+
+    g = torch.Generator().manual_seed(5)
+    N, K = 1000, 96  # a partial last block of 16 rows
+    w = torch.randn(N, K, generator=g) * 0.05
+    kern = q8_0_head(w)
+    head = GreedyHeadQ8(kern.native)
+    assert head.max_rows == ops.greedy_head_q8_max_rows() == 64
+    for M in ROW_COUNTS:
+        x = many_row_states(g, w, M, K)
+        got = head(x)
+        assert got is not None and torch.equal(got, kern(x).max(dim=-1).indices), M
+        assert got[M // 2] == M
+    x = many_row_states(g, w, 150, K)  # more rows than a call takes: 64 at a time
+    assert torch.equal(head(x), kern(x).max(dim=-1).indices) and head.last_candidates.shape == (150,)
+
+
+@needs_q8
+def test_q8_head_sketch_on_amx_int8_tiles_is_vpdpbusds():
+    """On a CPU with AMX-INT8 tiles the sketch of 9 rows and more is tdpbssd's integer sums, the same as vpdpbusd's:
+    the same candidates (their counts show it) and the same answers at every row count, whichever multiplies.
+    Skipped on a CPU without the tiles, as the CUDA tests are without a GPU."""
+    from sieve.layers.greedy_head import GreedyHeadQ8
+
+    assert ops.greedy_head_q8_amx_rows() == 9  # above vpdpbusd's 8-row tiles (docs/benchmarks.md)
+    with pytest.raises(RuntimeError, match="1 to 65"):
+        ops.set_greedy_head_q8_amx_rows(0)
+    if not ({"amx_tile", "amx_int8"} <= cpu_flags() and ops.isa == "avx512-bf16"):
+        pytest.skip("this CPU has no AMX-INT8 tiles")
+    g = torch.Generator().manual_seed(6)
+    N, K = 1000, 96
+    w = torch.randn(N, K, generator=g) * 0.05
+    kern = q8_0_head(w)
+    head = GreedyHeadQ8(kern.native)
+    before = ops.greedy_head_q8_amx_rows()
+    try:
+        for M in ROW_COUNTS:
+            x = many_row_states(g, w, M, K)
+            want, candidates = kern(x).max(dim=-1).indices, []
+            for rows in (65, 1):  # vpdpbusd at every row count, then the tiles at every row count
+                ops.set_greedy_head_q8_amx_rows(rows)
+                got = head(x)
+                assert got is not None and torch.equal(got, want), (M, rows)
+                candidates.append(head.last_candidates.clone())
+            assert torch.equal(candidates[0], candidates[1]), M  # the same sketch: the same candidates
+    finally:
+        ops.set_greedy_head_q8_amx_rows(before)
+
+
 @needs_q8
 def test_q8_head_resolves_rows_one_code_apart():
     """Rows that differ from row 40 in one code: their logits are within the bound of each other, so they are all
@@ -215,7 +285,6 @@ def test_q8_head_declines_what_it_cannot_bound():
     x = torch.randn(2, 64)
     x[1, 3] = float("nan")
     assert head(x) is None  # a row that is not finite: the caller computes the logits
-    assert head(torch.randn(9, 64)) is None  # more rows than it takes
     assert head(x.bfloat16()) is None  # bf16 hidden states: the plain logits are rounded to bf16
     assert head(x[:1]) is not None
     assert head.nbytes == 4 * 300 and head.step_bytes_change == 4 * 300  # what it adds to a step's bytes: a norm per row

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -312,12 +313,130 @@ void q8_sketch_tile(const int8_t* xq, const float* d, const int32_t* qsum, int64
   }
 }
 
+// From how many rows the sketch runs on AMX-INT8 tiles (below) where the CPU has them and Linux grants them: the same A
+// either way, so this is speed alone. On the Emerald Rapids host (SmolLM2's 49,152-row Q8_0 head, ms against vpdpbusd):
+// 7 rows 1.30 / 1.17, 9 rows 1.37 / 1.44, 16 rows 1.97 / 2.27, 32 rows 3.45 / 4.34 (docs/benchmarks.md, issue 15,
+// twenty-first part): a tile product costs about as much at one row as at 16.
+constexpr int64_t kHeadAmxFromRows = 9;
+constexpr int64_t kHeadMaxRows = 64;  // A [M, N] float32: 12.6 MB for SmolLM2 at 64 rows
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// The same sketch on AMX-INT8 tiles: for one group of 32 inputs and 16 head rows, tdpbssd multiplies the signed codes
+// of up to 16 x rows (A: 32 bytes a row, where quantize_rows put them) by the file's signed codes (B: 8 rows of 64
+// bytes, a 32-bit lane holding one head row's 4 consecutive inputs: the 64-byte loads above, permuted as above, with
+// no +128), and sums exactly in 32 bits. So C is q8_sketch_tile's sum(q + 128) x - 128 qsum to the bit, and each group
+// ends with that kernel's FMA: the same A, whichever of the two ran. What the tiles save is vpdpbusd's per-row work
+// (one instruction per x row and 4 inputs of 16 head rows, against one tile product for 16 rows and 32 inputs).
+// Software-pipelined as qmatmul_q8act.cpp's tiles (int8_tile_pipeline, kernels.h).
+constexpr int64_t kHeadAmxRows = 16;
+constexpr int kHeadAmxBlocks = 3;  // tiles: 0 = A, 1 .. 3 = B of 3 blocks of head rows, 4 .. 6 = their C
+
+// All M rows of xq ([Mp, K2], Mp a multiple of 16 where M > 16) against NB blocks of 16 head rows: A [M, N] float32;
+// cbuf [2][NB][Mp][16]
+template <int NB>
+void q8_sketch_amx(const int8_t* xq, const float* d, int64_t M, int64_t K2, const uint8_t* w, const c10::Half* gscale, int64_t group,
+                   const int64_t (&blk)[NB], int64_t N, float* A, int32_t* cbuf) {
+  const int64_t G = K2 / group, loads = group / 4, nb = K2 / 32, chunks = (M + kHeadAmxRows - 1) / kHeadAmxRows;
+  const int64_t Mp = chunks * kHeadAmxRows;
+  alignas(64) int16_t idx[32];
+  for (int r = 0; r < 16; ++r) idx[2 * r] = static_cast<int16_t>(r), idx[2 * r + 1] = static_cast<int16_t>(16 + r);
+  const __m512i perm = _mm512_load_si512(idx);
+  const uint8_t* base[NB];
+  for (int j = 0; j < NB; ++j) base[j] = w + blk[j] * (K2 / 2) * 32;
+  __m512 acc[kHeadMaxRows][NB];  // up to 64 rows (checked by the caller)
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  auto decode = [&](int64_t g, uint8_t (&bt)[NB][8 * 64]) {
+    for (int j = 0; j < NB; ++j)
+      for (int64_t l = 0; l < loads; ++l) {
+        const uint8_t* p = base[j] + (g * loads + l) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+        _mm512_store_si512(bt[j] + l * 64, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(p)));
+      }
+  };
+  auto end_group = [&](int64_t g, const int32_t* c) {  // q8_sketch_tile's float step for group g (one activation block)
+    __m512 sc[NB];
+    for (int j = 0; j < NB; ++j)
+      sc[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gscale + (blk[j] * G + g) * 16)));
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < NB; ++j) {
+        const __m512i isum = _mm512_load_si512(c + (j * Mp + m) * 16);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc[j], _mm512_set1_ps(d[m * nb + g])), acc[m][j]);
+      }
+  };
+  int8_tile_pipeline<NB, true>(xq, K2, M, G, cbuf, decode, end_group);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = blk[j] * 16, cnt = std::min<int64_t>(16, N - n0);
+    for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(A + m * N + n0, static_cast<__mmask16>((1u << cnt) - 1), acc[m][j]);
+  }
+}
+
+void q8_sketch_on_tiles(const Q8Rows& X, int64_t M, int64_t K2, const uint8_t* w, int64_t blocks, const c10::Half* gscale,
+                        int64_t group, int64_t N, float* A) {
+  const int8_t* xq = X.q.data();
+  std::vector<int8_t> padded;
+  xq = whole_tiles(xq, M, K2, padded);  // whole tiles of rows past the first
+  const int64_t Mp = (M + kHeadAmxRows - 1) / kHeadAmxRows * kHeadAmxRows;
+  // as sweep (kernels.h): a thread walks kHeadAmxBlocks parts of its share side by side, one read stream each
+  at::parallel_for(0, blocks, kHeadAmxBlocks, [&](int64_t b0, int64_t b1) {
+    load_int8_tiles(std::min(M, kHeadAmxRows));
+    std::vector<__m512i> cbuf(2 * kHeadAmxBlocks * Mp);  // 16 sums a row (aligned as __m512i)
+    int32_t* c = reinterpret_cast<int32_t*>(cbuf.data());
+    const int64_t part = (b1 - b0) / kHeadAmxBlocks;
+    for (int64_t i = 0; i < part; ++i) {
+      int64_t blk[kHeadAmxBlocks];
+      for (int j = 0; j < kHeadAmxBlocks; ++j) blk[j] = b0 + j * part + i;
+      q8_sketch_amx<kHeadAmxBlocks>(xq, X.d.data(), M, K2, w, gscale, group, blk, N, A, c);
+    }
+    for (int64_t b = b0 + kHeadAmxBlocks * part; b < b1; ++b) {
+      const int64_t one[1] = {b};
+      q8_sketch_amx<1>(xq, X.d.data(), M, K2, w, gscale, group, one, N, A, c);
+    }
+    _tile_release();
+  });
+}
+constexpr bool kHeadHasAmx = true;
+#else
+void q8_sketch_on_tiles(const Q8Rows&, int64_t, int64_t, const uint8_t*, int64_t, const c10::Half*, int64_t, int64_t, float*) {}
+constexpr bool kHeadHasAmx = false;
+#endif
+
+std::atomic<int64_t> head_amx_rows{kHeadAmxFromRows};
+bool head_on_tiles(int64_t M) { return kHeadHasAmx && M >= head_amx_rows.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// A row's bounds against every head row n, 8 at a time in double: the best lower bound a_n - (|W_n| R + 1e-30), then
+// the rows whose upper bound a_n + |W_n| R + 1e-30 reaches it, in order (every row the argmax can be, ties included)
+inline double best_lower_bound(const float* a, const float* wn, int64_t N, double R) {
+  const __m512d r = _mm512_set1_pd(R), eps = _mm512_set1_pd(1e-30);
+  __m512d best = _mm512_set1_pd(-1e300);
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    const __m512d av = _mm512_cvtps_pd(_mm256_loadu_ps(a + n)), w = _mm512_cvtps_pd(_mm256_loadu_ps(wn + n));
+    best = _mm512_max_pd(best, _mm512_sub_pd(av, _mm512_add_pd(_mm512_mul_pd(w, r), eps)));
+  }
+  double b = _mm512_reduce_max_pd(best);
+  for (; n < N; ++n) b = std::max(b, static_cast<double>(a[n]) - (wn[n] * R + 1e-30));
+  return b;
+}
+inline void rows_reaching(const float* a, const float* wn, int64_t N, double R, double best, std::vector<int64_t>& rows) {
+  const __m512d r = _mm512_set1_pd(R), eps = _mm512_set1_pd(1e-30), b = _mm512_set1_pd(best);
+  rows.clear();
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    const __m512d av = _mm512_cvtps_pd(_mm256_loadu_ps(a + n)), w = _mm512_cvtps_pd(_mm256_loadu_ps(wn + n));
+    for (unsigned mask = _mm512_cmp_pd_mask(_mm512_add_pd(av, _mm512_add_pd(_mm512_mul_pd(w, r), eps)), b, _CMP_GE_OQ); mask;
+         mask &= mask - 1)
+      rows.push_back(n + __builtin_ctz(mask));
+  }
+  for (; n < N; ++n)
+    if (static_cast<double>(a[n]) + (wn[n] * R + 1e-30) >= best) rows.push_back(n);
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::Tensor w, torch::Tensor gscale, int64_t group,
                                                         int64_t N, torch::Tensor wnorm) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= 8,
-              "greedy_head_q8 takes float32 [M, K] hidden states, 1 <= M <= 8");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= greedy_head_q8_max_rows(),
+              "greedy_head_q8 takes float32 [M, K] hidden states, 1 <= M <= ", greedy_head_q8_max_rows());
   TORCH_CHECK(group == 32, "greedy_head_q8: Q8_0 groups of 32 inputs, got ", group);
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == 32 && w.is_contiguous() && N <= w.size(0) * 16,
               "greedy_head_q8: blocked int8 codes [N/16, K/2, 32]");
@@ -371,40 +490,40 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::
   auto tile = [&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
     q8_sketch_tile<MR, B>(X.q.data(), X.d.data(), qsum.data(), K2, wp, sp, group, m0, blk, N, A.data());
   };
-  if (M <= 4) sweep<4, 2>(M, blocks, tile);
+  if (head_on_tiles(M)) q8_sketch_on_tiles(X, M, K2, wp, blocks, sp, group, N, A.data());
+  else if (M <= 4) sweep<4, 2>(M, blocks, tile);
   else sweep<8, 1>(M, blocks, tile);
   const float* wn = wnorm.data_ptr<float>();
-  std::vector<int64_t> cand_blocks;
-  float y[16];
-  for (int64_t m = 0; m < M; ++m) {
-    if (!finite[m]) continue;
-    const float* a = A.data() + m * N;
-    const double R = radius[m];
-    double best = -1e300;
-    for (int64_t n = 0; n < N; ++n) best = std::max(best, static_cast<double>(a[n]) - (wn[n] * R + 1e-30));
-    cand_blocks.clear();
-    int64_t C = 0;
-    for (int64_t n = 0; n < N; ++n)
-      if (static_cast<double>(a[n]) + (wn[n] * R + 1e-30) >= best) {
-        ++C;
-        if (cand_blocks.empty() || cand_blocks.back() != n / 16) cand_blocks.push_back(n / 16);
+  at::parallel_for(0, M, 1, [&](int64_t m_begin, int64_t m_end) {  // each row's candidates on its own
+    std::vector<int64_t> cand;
+    float y[16];
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      if (!finite[m]) continue;
+      const float* a = A.data() + m * N;
+      const double R = radius[m];
+      const double best = best_lower_bound(a, wn, N, R);
+      rows_reaching(a, wn, N, R, best, cand);
+      TORCH_CHECK(!cand.empty(), "greedy_head_q8: no candidate row");
+      cp[m] = static_cast<int64_t>(cand.size());
+      int64_t arg = -1;
+      float top = 0.f;
+      for (size_t c = 0; c < cand.size();) {  // the plain path's arithmetic on the candidates' blocks (x row m alone)
+        const int64_t blk = cand[c] / 16, n0 = blk * 16, cnt = std::min<int64_t>(16, N - n0);
+        qmatmul_q8_into(xp + m * K, true, 1, K, wp + blk * (K2 / 2) * 32, 1, K2, false, nullptr, sp + blk * G * 16, group, nullptr, cnt, y);
+        for (; c < cand.size() && cand[c] / 16 == blk; ++c)  // the first index of the max (candidates in order)
+          if (arg < 0 || y[cand[c] - n0] > top) arg = cand[c], top = y[cand[c] - n0];
       }
-    TORCH_CHECK(C > 0, "greedy_head_q8: no candidate row");
-    cp[m] = C;
-    int64_t arg = -1;
-    float top = 0.f;
-    for (const int64_t blk : cand_blocks) {  // the plain path's arithmetic on the candidates' blocks (x row m alone)
-      const int64_t n0 = blk * 16, cnt = std::min<int64_t>(16, N - n0);
-      qmatmul_q8_into(xp + m * K, true, 1, K, wp + blk * (K2 / 2) * 32, 1, K2, false, nullptr, sp + blk * G * 16, group, nullptr, cnt, y);
-      for (int64_t i = 0; i < cnt; ++i) {
-        const int64_t n = n0 + i;
-        if (static_cast<double>(a[n]) + (wn[n] * R + 1e-30) < best) continue;  // not a candidate
-        if (arg < 0 || y[i] > top) arg = n, top = y[i];  // the first index of the max (blocks and rows in order)
-      }
+      idp[m] = arg;
     }
-    idp[m] = arg;
-  }
+  });
   return {ids, counts};
+}
+
+int64_t greedy_head_q8_max_rows() { return kHeadMaxRows; }
+int64_t greedy_head_q8_amx_rows() { return head_amx_rows.load(); }
+int64_t set_greedy_head_q8_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= kHeadMaxRows + 1, "greedy head amx rows: 1 to ", kHeadMaxRows + 1, ", not ", rows);
+  return head_amx_rows.exchange(rows);
 }
 #endif
 

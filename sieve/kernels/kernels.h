@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <cstring>
 #include <vector>
 
 namespace sieve {
@@ -178,8 +179,73 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-bool amx_permitted();
 #endif
+bool amx_permitted();  // false in a build without AMX
+// The rows of x [M, K2] for tile kernels of 16 rows: as they are up to 16 rows or in whole tiles, else a copy padded
+// with zero rows to whole tiles
+template <class T>
+const T* whole_tiles(const T* x, int64_t M, int64_t K2, std::vector<T>& padded) {
+  if (M <= 16 || M % 16 == 0) return x;
+  padded.assign((M + 15) / 16 * 16 * K2, T(0));
+  std::memcpy(padded.data(), x, M * K2 * sizeof(T));
+  return padded.data();
+}
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// The int8 tile kernels' shapes (qmatmul_q8act.cpp, greedy_head.cpp): tile 0 = A (up to 16 rows of one block's 32 int8
+// codes), 1 .. 3 = B of 3 blocks of 16 outputs (8 rows of 64 bytes: a 32-bit lane holds one output's 4 consecutive
+// inputs), 4 .. 6 = their C (16 int32 sums a row)
+inline void load_int8_tiles(int64_t rows) {
+  TileConfig c;
+  c.rows[0] = static_cast<uint8_t>(rows), c.colsb[0] = 32;
+  for (int j = 0; j < 3; ++j) {
+    c.rows[1 + j] = 8, c.colsb[1 + j] = 64;
+    c.rows[4 + j] = static_cast<uint8_t>(rows), c.colsb[4 + j] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+// C_j = A B_j from zero: signed A against unsigned (tdpbsud) or signed (tdpbssd) B. Tile numbers are immediates.
+template <int j, bool kSignedB>
+inline void int8_tile_product(const void* btile) {
+  if constexpr (j == 0) { _tile_zero(4); _tile_loadd(1, btile, 64); if constexpr (kSignedB) _tile_dpbssd(4, 0, 1); else _tile_dpbsud(4, 0, 1); }
+  else if constexpr (j == 1) { _tile_zero(5); _tile_loadd(2, btile, 64); if constexpr (kSignedB) _tile_dpbssd(5, 0, 2); else _tile_dpbsud(5, 0, 2); }
+  else { _tile_zero(6); _tile_loadd(3, btile, 64); if constexpr (kSignedB) _tile_dpbssd(6, 0, 3); else _tile_dpbsud(6, 0, 3); }
+}
+template <int j>
+inline void int8_tile_store(void* p) {  // C_j's rows, 64 bytes apart
+  if constexpr (j == 0) _tile_stored(4, p, 64);
+  else if constexpr (j == 1) _tile_stored(5, p, 64);
+  else _tile_stored(6, p, 64);
+}
+// Their pipeline over `steps` blocks of 32 inputs, all M rows of A (xq [Mp, K2], Mp a multiple of 16 where M > 16):
+// decode(s, bt) writes step s's NB B tiles (uint8_t bt[NB][512]) two steps ahead into a ring; each step multiplies every
+// 16-row chunk of A by them into cbuf half s & 1 ([NB][Mp][16] int32), and end(s - 1, c) ends the step before from
+// its sums. So no tile load waits on stores just made, and no float step on a tile store just made.
+template <int NB, bool kSignedB, class Decode, class End>
+inline void int8_tile_pipeline(const int8_t* xq, int64_t K2, int64_t M, int64_t steps, int32_t* cbuf, const Decode& decode,
+                               const End& end) {
+  constexpr int kAhead = 2, kRing = kAhead + 1;
+  alignas(64) uint8_t ring[kRing][NB][8 * 64];
+  const int64_t chunks = (M + 15) / 16, half = NB * chunks * 16 * 16;
+  for (int64_t s = 0; s < std::min<int64_t>(kAhead, steps); ++s) decode(s, ring[s % kRing]);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s + kAhead < steps) decode(s + kAhead, ring[(s + kAhead) % kRing]);
+    const auto& bt = ring[s % kRing];
+    int32_t* c = cbuf + (s & 1) * half;
+    for (int64_t h = 0; h < chunks; ++h) {
+      _tile_loadd(0, xq + h * 16 * K2 + s * 32, K2);
+      for_tiles<NB>([&]<int j>() { int8_tile_product<j, kSignedB>(bt[j]); });
+      for_tiles<NB>([&]<int j>() { int8_tile_store<j>(c + (j * chunks + h) * 16 * 16); });
+    }
+    if (s > 0) end(s - 1, cbuf + ((s - 1) & 1) * half);
+  }
+  end(steps - 1, cbuf + ((steps - 1) & 1) * half);
+}
+#endif
+// f.template operator()<b>() for b = 0 .. NB - 1: a tile kernel's per-block steps, whose tile numbers are immediates
+template <int NB, class F>
+inline void for_tiles(const F& f) {
+  [&]<int... b>(std::integer_sequence<int, b...>) { (f.template operator()<b>(), ...); }(std::make_integer_sequence<int, NB>{});
+}
 // qmatmul_q8act.cpp: the same int4 weights against int8 activations quantized per row and 32 inputs (AVX2 integer
 // dot products in both builds, or AVX512-VNNI's vpdpbusd where the build has it: the same bits); group a multiple of 32
 void qmatmul_int4_q8act_into(const void* x, bool f32, int64_t M, int64_t K, const uint8_t* w, int64_t blocks, int64_t K2,
@@ -214,6 +280,12 @@ int64_t greedy_head_code_max();
 // states, from the file's own codes against int8-quantized activations (vpdpbusd) and per-row norms `wnorm` [N]
 std::tuple<torch::Tensor, torch::Tensor> greedy_head_q8(torch::Tensor x, torch::Tensor w, torch::Tensor gscale, int64_t group,
                                                         int64_t N, torch::Tensor wnorm);
+// The most rows a call takes (64). Where the CPU has AMX-INT8 tiles and Linux grants them, calls of
+// greedy_head_q8_amx_rows() rows and more (9 unless set; 1 to 65, for tests that compare the two) multiply the sketch on
+// them (tdpbssd: the same integer sums as vpdpbusd, so the same answers); the setter returns the value before.
+int64_t greedy_head_q8_max_rows();
+int64_t greedy_head_q8_amx_rows();
+int64_t set_greedy_head_q8_amx_rows(int64_t rows);
 #endif
 #endif
 

@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   m.def("greedy_head_q8", &sieve::greedy_head_q8, "argmax of a Q8_0 head's float32 logits from int8 activations, exact", nogil,
         py::arg("x"), py::arg("w"), py::arg("gscale"), py::arg("group"), py::arg("n"), py::arg("wnorm"));
+  m.def("greedy_head_q8_max_rows", &sieve::greedy_head_q8_max_rows, "the most rows greedy_head_q8 takes (64 on AMX-INT8 tiles, else 8)");
+  m.def("greedy_head_q8_amx_rows", &sieve::greedy_head_q8_amx_rows, "from how many rows its sketch runs on AMX-INT8 tiles");
+  m.def("set_greedy_head_q8_amx_rows", &sieve::set_greedy_head_q8_amx_rows, "set that row count (tests); returns the one before");
 #endif
   m.def("qmatmul_q8", &sieve::qmatmul_q8, "int8 / fp8-e4m3 weights with per-row or per-group scales, blocked layout", nogil);
   m.def("qmatmul_int4", &sieve::qmatmul_int4, "int4 weights in groups with a scale and min, blocked layout (optionally against int8 activations)",

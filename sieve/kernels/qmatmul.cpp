@@ -590,10 +590,6 @@ template <int b> inline void c_store(void* p) {
   else if constexpr (b == 1) _tile_stored(5, p, 64);
   else _tile_stored(6, p, 64);
 }
-template <int NB, class F>
-inline void for_tiles(const F& f) {
-  [&]<int... b>(std::integer_sequence<int, b...>) { (f.template operator()<b>(), ...); }(std::make_integer_sequence<int, NB>{});
-}
 
 // NB blocks of 16 output rows against all M rows of x (bf16 [Mp, K2], Mp a multiple of 16 when M > 16); acc [M][NB]
 template <int NB>
@@ -651,11 +647,7 @@ void qmatmul_int4_amx(const uint16_t* xw, int64_t M, int64_t K2, const uint8_t* 
                       const Int4Args& a) {
   if (M == 0) return;
   std::vector<uint16_t> padded;
-  if (M > kAmxRows && M % kAmxRows) {  // whole tiles of rows past the first: the last one padded with zeros
-    padded.assign((M + kAmxRows - 1) / kAmxRows * kAmxRows * K2, 0);
-    std::memcpy(padded.data(), xw, M * K2 * 2);
-    xw = padded.data();
-  }
+  xw = whole_tiles(xw, M, K2, padded);  // whole tiles of rows past the first
   // as sweep (kernels.h): a thread walks kAmxBlocks parts of its share side by side, one read stream each
   at::parallel_for(0, blocks, kAmxBlocks, [&](int64_t b0, int64_t b1) {
     load_tiles(std::min(M, kAmxRows));
@@ -791,6 +783,8 @@ bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
   return ok;
 }
+#else
+bool amx_permitted() { return false; }
 #endif
 bool use_int4_amx() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

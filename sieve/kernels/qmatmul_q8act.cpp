@@ -232,37 +232,8 @@ constexpr int64_t kAmxRows = 16;
 constexpr int kAmxBlocks = 3;  // tiles: 0 = A, 1 .. 3 = B of 3 output blocks, 4 .. 6 = their C
 constexpr bool kHaveAmx = true;
 
-void load_q8_tiles(int64_t rows) {
-  TileConfig c;
-  c.rows[0] = static_cast<uint8_t>(rows), c.colsb[0] = kQ8Block;
-  for (int b = 0; b < kAmxBlocks; ++b) {
-    c.rows[1 + b] = kQ8Block / 4, c.colsb[1 + b] = 64;
-    c.rows[4 + b] = static_cast<uint8_t>(rows), c.colsb[4 + b] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
-// Tile numbers are immediates: output block j's B tile is 1 + j, its C 4 + j
-template <int j> inline void multiply_into_c(const void* btile) {
-  if constexpr (j == 0) { _tile_zero(4); _tile_loadd(1, btile, 64); _tile_dpbsud(4, 0, 1); }
-  else if constexpr (j == 1) { _tile_zero(5); _tile_loadd(2, btile, 64); _tile_dpbsud(5, 0, 2); }
-  else { _tile_zero(6); _tile_loadd(3, btile, 64); _tile_dpbsud(6, 0, 3); }
-}
-template <int j> inline void store_c(void* p) {
-  if constexpr (j == 0) _tile_stored(4, p, 64);
-  else if constexpr (j == 1) _tile_stored(5, p, 64);
-  else _tile_stored(6, p, 64);
-}
-template <int NB, class F>
-inline void each_block(const F& f) {
-  [&]<int... j>(std::integer_sequence<int, j...>) { (f.template operator()<j>(), ...); }(std::make_integer_sequence<int, NB>{});
-}
-
 // NB blocks of 16 outputs against all M rows (codes xq [Mp, K2], Mp a multiple of 16 where M > 16); acc [M][NB],
-// cbuf [2][NB][Mp][16]. Software-pipelined over the 32-input blocks b: the weights of b + kAhead are decoded into a ring of
-// B tiles while b is multiplied, and b - 1's products are ended (its C having gone to memory one block before), so that
-// no tile load waits on stores just made and no float step waits on a tile store just made.
-constexpr int kAhead = 2, kRing = kAhead + 1;
+// cbuf [2][NB][Mp][16]. Software-pipelined over the 32-input blocks b (int8_tile_pipeline, kernels.h).
 template <int NB>
 void int4_q8_amx_tile(const int8_t* xq, const Q8Rows& X, int64_t M, const uint8_t* w, int64_t K2, const c10::Half* scale,
                       const c10::Half* min, int64_t group, const int64_t (&blk)[NB], const OutQ& out, __m512* acc, int32_t* cbuf) {
@@ -271,12 +242,10 @@ void int4_q8_amx_tile(const int8_t* xq, const Q8Rows& X, int64_t M, const uint8_
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512i take_a = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), take_b = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
   const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-  alignas(64) uint8_t ring[kRing][NB][8 * 64];
   const uint8_t* base[NB];
   for (int j = 0; j < NB; ++j) base[j] = w + blk[j] * (K2 / 4) * 32;
   for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-  auto decode = [&](int64_t b) {
-    auto& bt = ring[b % kRing];
+  auto decode = [&](int64_t b, uint8_t (&bt)[NB][8 * 64]) {
     for (int j = 0; j < NB; ++j)
       for (int pair = 0; pair < 4; ++pair) {
         const int64_t u0 = b * 8 + pair * 2;
@@ -291,9 +260,8 @@ void int4_q8_amx_tile(const int8_t* xq, const Q8Rows& X, int64_t M, const uint8_
   auto group_vec = [&](const c10::Half* p, int64_t j, int64_t g) {
     return _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (blk[j] * G + g) * 16))));
   };
-  auto end_block = [&](int64_t b) {  // the VNNI kernel's float steps for block b, in its order
+  auto end_block = [&](int64_t b, const int32_t* c) {  // the VNNI kernel's float steps for block b, in its order
     const int64_t g = b / per_group;
-    const int32_t* c = cbuf + (b & 1) * NB * Mp * 16;
     __m512 s[NB], mn[NB];
     for (int j = 0; j < NB; ++j) {
       s[j] = group_vec(scale, j, g);
@@ -308,19 +276,7 @@ void int4_q8_amx_tile(const int8_t* xq, const Q8Rows& X, int64_t M, const uint8_
       }
     }
   };
-  for (int64_t b = 0; b < std::min<int64_t>(kAhead, nbk); ++b) decode(b);
-  for (int64_t b = 0; b < nbk; ++b) {
-    if (b + kAhead < nbk) decode(b + kAhead);
-    const auto& bt = ring[b % kRing];
-    int32_t* c = cbuf + (b & 1) * NB * Mp * 16;
-    for (int64_t h = 0; h < chunks; ++h) {
-      _tile_loadd(0, xq + h * kAmxRows * K2 + b * kQ8Block, K2);
-      each_block<NB>([&]<int j>() { multiply_into_c<j>(bt[j]); });
-      each_block<NB>([&]<int j>() { store_c<j>(c + (j * Mp + h * kAmxRows) * 16); });
-    }
-    if (b > 0) end_block(b - 1);
-  }
-  end_block(nbk - 1);
+  int8_tile_pipeline<NB, false>(xq, K2, M, nbk, cbuf, decode, end_block);
   for (int j = 0; j < NB; ++j)
     for (int64_t m = 0; m < M; ++m) {
       alignas(64) float v[16];
@@ -333,14 +289,10 @@ void qmatmul_amx(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, 
                  int64_t group, int64_t M, const OutQ& out) {
   const int8_t* xq = X.q.data();
   std::vector<int8_t> padded;
-  if (M > kAmxRows && M % kAmxRows) {  // whole tiles of rows past the first: the last one padded with zeros
-    padded.assign((M + kAmxRows - 1) / kAmxRows * kAmxRows * K2, 0);
-    std::memcpy(padded.data(), xq, M * K2);
-    xq = padded.data();
-  }
+  xq = whole_tiles(xq, M, K2, padded);  // whole tiles of rows past the first
   // as sweep (kernels.h): a thread walks kAmxBlocks parts of its share side by side, one read stream each
   at::parallel_for(0, blocks, kAmxBlocks, [&](int64_t b0, int64_t b1) {
-    load_q8_tiles(std::min(M, kAmxRows));
+    load_int8_tiles(std::min(M, kAmxRows));
     std::vector<__m512> acc(M * kAmxBlocks);
     const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
     std::vector<__m512i> cbuf(2 * kAmxBlocks * Mp);  // 16 sums a row (aligned as __m512i)
@@ -357,11 +309,9 @@ void qmatmul_amx(const Q8Rows& X, const uint8_t* w, int64_t blocks, int64_t K2, 
     _tile_release();
   });
 }
-bool amx_granted() { return amx_permitted(); }
 #else
 constexpr bool kHaveAmx = false;
 void qmatmul_amx(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Half*, const c10::Half*, int64_t, int64_t, const OutQ&) {}
-bool amx_granted() { return false; }
 #endif
 
 // The inner kernel: AVX2's vpmaddubsw, AVX512-VNNI's vpdpbusd, or AMX-INT8's tiles from amx_from_rows rows (VNNI below):
@@ -377,7 +327,7 @@ int current_kernel() {
   int k = inner_kernel.load(std::memory_order_relaxed);
   if (k < 0) {
     int expected = -1;
-    inner_kernel.compare_exchange_strong(expected, kHaveAmx && amx_granted() ? kAmx : kHaveVnni ? kVnni : kAvx2);
+    inner_kernel.compare_exchange_strong(expected, kHaveAmx && amx_permitted() ? kAmx : kHaveVnni ? kVnni : kAvx2);
     k = inner_kernel.load();
   }
   return k;
@@ -438,7 +388,7 @@ std::string set_q8act_kernel(const std::string& name) {
   const bool vnni = name == "avx512-vnni" && kHaveVnni, amx = name == "amx-int8" && kHaveAmx;
   TORCH_CHECK(name == "avx2" || vnni || amx, "q8act kernel: avx2", kHaveVnni ? ", avx512-vnni" : "", kHaveAmx ? ", amx-int8" : "",
               " in this build, not ", name);
-  TORCH_CHECK(!amx || amx_granted(), "q8act kernel amx-int8: this kernel does not grant the tile registers");
+  TORCH_CHECK(!amx || amx_permitted(), "q8act kernel amx-int8: this kernel does not grant the tile registers");
   const std::string before = q8act_kernel();
   inner_kernel.store(amx ? kAmx : vnni ? kVnni : kAvx2);
   return before;

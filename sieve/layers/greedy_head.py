@@ -89,12 +89,14 @@ class GreedyHeadQ8:
     the plain path's. The sketch is the weight itself; what it adds is each row's norm |W_n| (4 bytes a row), which
     bounds every logit's distance from the sketch: |W_n| (|r| + slack), r the activations' rounding residual. At 1
     row it reads the bytes the plain kernel reads; at 2 to 8 rows (a step verifying drafted tokens) it multiplies
-    4 products per instruction where the plain kernel's bf16 dot products take 2, after widening every code."""
-
-    max_rows = 8
+    4 products per instruction where the plain kernel's bf16 dot products take 2, after widening every code. Where the
+    CPU has AMX-INT8 tiles, the sketch of 2 or more rows is one tile product per 16 rows (the same integer sums, so the
+    same answers). It answers steps of any size, 64 rows a call (users verifying drafts), where the plain path would
+    compute every logit."""
 
     def __init__(self, native):
         self.ops = cpu_ops()
+        self.max_rows = self.ops.greedy_head_q8_max_rows()
         self.native = native
         w, s = native.weight, native.scale  # [N/16, K2/2, 16, 2] bytes, [N/16, G, 16] float16
         blocks, half = w.shape[0], w.shape[1]
@@ -135,10 +137,13 @@ class GreedyHeadQ8:
         return f"the Q8_0 head's codes against int8 activations (+{self.nbytes / 1e6:.1f} MB of row norms, exact)"
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [M, K] float32 -> each row's argmax, or None where it does not apply (bf16 rows, whose plain logits are
-        rounded to bf16; more rows than it takes; a row that is not finite): the caller computes the logits."""
-        if not 1 <= hidden.shape[0] <= self.max_rows or hidden.dtype != torch.float32:
+        """hidden [M, K] float32 -> each row's argmax, max_rows rows a call (a row's answer does not depend on the rows
+        beside it), or None where it does not apply (bf16 rows, whose plain logits are rounded to bf16; a row that is not
+        finite): the caller computes the logits."""
+        if hidden.shape[0] < 1 or hidden.dtype != torch.float32:
             return None
         n = self.native
-        ids, self.last_candidates = self.ops.greedy_head_q8(hidden, n.weight, n.scale, n.group, n.n, self.wnorm)
+        parts = [self.ops.greedy_head_q8(h, n.weight, n.scale, n.group, n.n, self.wnorm) for h in hidden.split(self.max_rows)]
+        ids = torch.cat([p[0] for p in parts])
+        self.last_candidates = torch.cat([p[1] for p in parts])
         return None if bool((ids < 0).any()) else ids
