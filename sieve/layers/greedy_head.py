@@ -90,9 +90,9 @@ class GreedyHeadQ8:
     bounds every logit's distance from the sketch: |W_n| (|r| + slack), r the activations' rounding residual. At 1
     row it reads the bytes the plain kernel reads; at 2 to 8 rows (a step verifying drafted tokens) it multiplies
     4 products per instruction where the plain kernel's bf16 dot products take 2, after widening every code. Where the
-    CPU has AMX-INT8 tiles, the sketch of 2 or more rows is one tile product per 16 rows (the same integer sums, so the
-    same answers). It answers steps of any size, 64 rows a call (users verifying drafts), where the plain path would
-    compute every logit."""
+    CPU has AMX-INT8 tiles, the sketch of 9 rows or more is one tile product per 16 rows and 32 inputs (the same
+    integer sums, so the same answers). It answers steps of any size, 64 rows a call (users verifying drafts), where the
+    plain path would compute every logit."""
 
     def __init__(self, native):
         self.ops = cpu_ops()
