@@ -25,31 +25,36 @@ def capped(self, hidden):
     return orig(self, hidden)
 
 
-GreedyHeadQ8.__call__ = capped
-rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-engines = {"off": LLM(None, dtype="float32"), "ngram k=1": LLM(None, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 1})}
-tok = engines["off"].get_tokenizer()
-msgs = grounded_messages(32)
-prompts = [{"prompt_token_ids": tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]} for m in msgs]
-params = SamplingParams(max_tokens=64, temperature=0)
-res, toks = {}, {}
-for r in range(rounds + 1):
+def main() -> None:
+    GreedyHeadQ8.__call__ = capped
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    engines = {"off": LLM(None, dtype="float32"), "ngram k=1": LLM(None, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 1})}
+    tok = engines["off"].get_tokenizer()
+    msgs = grounded_messages(32)
+    prompts = [{"prompt_token_ids": tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]} for m in msgs]
+    params = SamplingParams(max_tokens=64, temperature=0)
+    res, toks = {}, {}
+    for r in range(rounds + 1):
+        for users in (8, 32):
+            for name, llm in engines.items():
+                for c in (True, False):
+                    cap["on"] = c
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts[:users], params, use_tqdm=False)
+                    dt = time.perf_counter() - t0
+                    made = sum(len(o.outputs[0].token_ids) for o in outs)
+                    if r:
+                        res.setdefault((users, name, c), []).append(made / dt)
+                    toks[(users, name, c)] = [o.outputs[0].token_ids for o in outs]
     for users in (8, 32):
-        for name, llm in engines.items():
-            for c in (True, False):
-                cap["on"] = c
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts[:users], params, use_tqdm=False)
-                dt = time.perf_counter() - t0
-                made = sum(len(o.outputs[0].token_ids) for o in outs)
-                if r:
-                    res.setdefault((users, name, c), []).append(made / dt)
-                toks[(users, name, c)] = [o.outputs[0].token_ids for o in outs]
-for users in (8, 32):
-    for name in engines:
-        a, b = res[(users, name, True)], res[(users, name, False)]
-        paired = statistics.median(y / x for x, y in zip(a, b))
-        same = toks[(users, name, True)] == toks[(users, name, False)] == toks[(users, "off", False)]
-        print(f"{users} users {name:10s}: capped at 8 rows {statistics.median(a):6.1f} tok/s, any rows {statistics.median(b):6.1f} tok/s "
-              f"({statistics.median(b) / statistics.median(a):.3f}x, paired {paired:.3f}x; rounds {', '.join(f'{y / x:.2f}' for x, y in zip(a, b))})"
-              f"  tokens {'identical' if same else 'DIFFER'}", flush=True)
+        for name in engines:
+            a, b = res[(users, name, True)], res[(users, name, False)]
+            paired = statistics.median(y / x for x, y in zip(a, b))
+            same = toks[(users, name, True)] == toks[(users, name, False)] == toks[(users, "off", False)]
+            print(f"{users} users {name:10s}: capped at 8 rows {statistics.median(a):6.1f} tok/s, any rows {statistics.median(b):6.1f} tok/s "
+                  f"({statistics.median(b) / statistics.median(a):.3f}x, paired {paired:.3f}x; rounds {', '.join(f'{y / x:.2f}' for x, y in zip(a, b))})"
+                  f"  tokens {'identical' if same else 'DIFFER'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
