@@ -34,6 +34,12 @@ if "SIEVE_KERNEL_CACHE" not in os.environ and (_kernels := _user_kernel_cache())
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags, as /proc/cpuinfo lists them (empty where there is none)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), ":").split(":", 1)[1].split())
+
 BASE = dict(
     hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=1024, rms_norm_eps=1e-5, vocab_size=4096, bos_token_id=0, eos_token_id=2,

@@ -9,6 +9,7 @@ import torch
 from sieve import LLM, SamplingParams
 from sieve.kernels import cpu_ops
 from sieve.layers.greedy_head import GreedyHead
+from tests.conftest import cpu_flags
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None or not hasattr(ops, "greedy_head"),
@@ -138,13 +139,6 @@ def test_engine_takes_greedy_tokens_from_the_sketch_and_they_equal_the_full_head
 
 needs_q8 = pytest.mark.skipif(ops is None or not hasattr(ops, "greedy_head_q8"),
                               reason="the Q8_0 greedy head multiplies int8 activations with AVX512-VNNI (vpdpbusd)")
-
-
-def cpu_flags() -> set[str]:
-    from pathlib import Path
-
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), ":").split(":", 1)[1].split())
 
 
 def q8_0_head(w: torch.Tensor):

@@ -7,7 +7,6 @@ it; a model without int4 weights, or a bad value, is refused."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from sieve.bench.gguf_export import export_gguf
 from sieve.config import ConfigError, EngineConfig
 from sieve.kernels import cpu_ops
 from sieve.quant.formats import Int4Weight, quantize_int4
+from tests.conftest import cpu_flags
 from sieve.quant.kernels import BlockedKernel, make_kernel
 from sieve.quant.q8_activations import int4_matmul, quantize_rows
 
@@ -99,11 +99,6 @@ def test_vnni_and_avx2_inner_kernels_give_the_same_bits(ops, dtype):
             assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="not int2"):
         ops.set_q8act_kernel("int2")
-
-
-def cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), ":").split(":", 1)[1].split())
 
 
 @pytest.fixture

@@ -144,6 +144,5 @@ class GreedyHeadQ8:
             return None
         n = self.native
         parts = [self.ops.greedy_head_q8(h, n.weight, n.scale, n.group, n.n, self.wnorm) for h in hidden.split(self.max_rows)]
-        ids = torch.cat([p[0] for p in parts])
-        self.last_candidates = torch.cat([p[1] for p in parts])
+        ids, self.last_candidates = parts[0] if len(parts) == 1 else (torch.cat(p) for p in zip(*parts))
         return None if bool((ids < 0).any()) else ids
