@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -239,14 +240,16 @@ def test_fma_form_of_the_bf16_dot_products_gives_the_same_bits(dtype):
                q4_0(torch.randn(130, 96) * 0.05), q8_0(torch.randn(120, 160) * 0.05), quantize_int8(torch.randn(70, 64))]
     for w in weights:
         k = w.k if isinstance(w, Int4Weight) else w.q.shape[1]
-        kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
+        with int4_off_amx(ops):
+            kern = make_kernel(w, dtype, torch.randn(w.scale.shape[0]).to(dtype))
         x = (torch.randn(150, k) * torch.logspace(-3, 2, k)).to(dtype)  # spread magnitudes, cancellation in the sums
         x[5] = torch.randn(k) * 1e-38  # float32 subnormals (bf16 keeps some): DAZ treats them as zero
         outs = {}
         for name in ("dpbf16", "fma"):
             before = ops.set_bf16_dot_kernel(name)
             try:  # register tiles up to 15 / 23 rows, float32 panels from 16 (Q8_0) / 24 (int4), past one 128-row chunk
-                outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 16, 17, 23, 24, 25, 33, 64, 150)]
+                with int4_off_amx(ops):
+                    outs[name] = [kern(x[:r]) for r in (1, 2, 3, 4, 5, 8, 9, 11, 16, 17, 23, 24, 25, 33, 64, 150)]
             finally:
                 ops.set_bf16_dot_kernel(before)
         for a, b in zip(outs["dpbf16"], outs["fma"]):
@@ -269,6 +272,7 @@ def test_quantized_kernels_take_float32_panels_from_their_row_threshold():
     with pytest.raises(RuntimeError, match="int4, q8_0, int8 or fp8"):
         ops.quantized_panel_rows("q4_k")
     before = ops.bf16_dot_kernel()
+    amx_before = ops.set_int4_amx(False) if hasattr(ops, "set_int4_amx") else False
     try:
         ops.set_bf16_dot_kernel("dpbf16")
         assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [0, 0, 0, 0]
@@ -282,6 +286,8 @@ def test_quantized_kernels_take_float32_panels_from_their_row_threshold():
         assert make_kernel(quantize_int8(torch.randn(32, 64)), torch.float32).name.endswith("(avx512-bf16 kernel)")
     finally:
         ops.set_bf16_dot_kernel(before)
+        if amx_before:
+            ops.set_int4_amx(True)
 
 
 def test_sieve_bf16_dot_forces_a_form_or_fails_closed():
@@ -467,6 +473,17 @@ def test_native_decode_attention_reads_a_16bit_cache_under_float32_queries(kv):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@contextlib.contextmanager
+def int4_off_amx(ops):
+    """int4 weights on the vdpbf16ps / FMA forms, for tests of those forms on a CPU whose int4 would take the tiles."""
+    before = ops.set_int4_amx(False) if hasattr(ops, "set_int4_amx") else None
+    try:
+        yield
+    finally:
+        if before:
+            ops.set_int4_amx(True)
+
+
 def _amx_or_skip(ops):
     if ops is None or not hasattr(ops, "set_int4_amx"):
         pytest.skip(f"a {ops.isa if ops else 'PyTorch-only'} build: no AMX kernel")
@@ -477,39 +494,56 @@ def _amx_or_skip(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_on_amx_tiles_matches_the_fma_form_and_keeps_each_row_its_own(dtype):
-    """SIEVE_INT4_AMX=1 (qmatmul.cpp): a group of 32 inputs against 16 output rows is one bf16 tile product. Every
-    output is within float32 rounding of the other forms' (the tile sums in its own order), with and without mins,
-    groups of 32 to 128, padded rows and inputs, past one tile of 16 rows; and a row's bits are the same alone as
-    among any number of others, since that form serves every row count."""
+def test_int4_on_amx_tiles_gives_the_bits_of_fmas_in_their_order_and_keeps_each_row_its_own(dtype):
+    """int4 on AMX (qmatmul.cpp): a group of 32 inputs against 16 output rows is one bf16 tile product, and below
+    `int4_amx_rows()` rows FMAs run in the order the SDM gives that product (two chains from zero, even and odd inputs,
+    then their sum). Both give the same bits at every row count: with and without mins, groups of 32 to 256, padded
+    rows and inputs, subnormal inputs, past one tile of 16 rows. So a row's bits are the same alone as among any number
+    of others under the default split, and every output is within float32 rounding of the other forms'."""
     from sieve.quant.formats import Int4Weight, quantize_int4
     from sieve.quant.kernels import make_kernel
 
     ops = cpu_ops()
     before = _amx_or_skip(ops)
+    rows_before = ops.int4_amx_rows()
+    assert rows_before == 3  # the default split (measured: qmatmul.cpp, use_int4_amx)
     try:
         torch.manual_seed(5)
         q = quantize_int4(torch.randn(130, 96) * 0.05, 32)
         weights = [quantize_int4(torch.randn(200, 300) * 0.05, 32), quantize_int4(torch.randn(96, 256) * 0.05, 128),
-                   quantize_int4(torch.randn(64, 192) * 0.05, 64), Int4Weight(q.packed, q.scale, None, 32, q.k)]
+                   quantize_int4(torch.randn(64, 192) * 0.05, 64), quantize_int4(torch.randn(48, 512) * 0.05, 256),
+                   Int4Weight(q.packed, q.scale, None, 32, q.k)]
         for w in weights:
             bias = torch.randn(w.scale.shape[0]).to(dtype)
-            x = (torch.randn(150, w.k) * torch.logspace(-3, 2, w.k)).to(dtype)
-            x[5] = torch.randn(w.k) * 1e-38  # subnormals: flushed, as by the other forms
+            x = (torch.randn(150, w.k) * torch.logspace(-3, 2, w.k)[torch.randperm(w.k)]).to(dtype)
+            x[5] = torch.randn(w.k) * 1e-38  # subnormals: taken as zero, as tdpbf16ps takes them
+            x[6, ::3] = 0
             ops.set_int4_amx(True)
             kern = make_kernel(w, dtype, bias)
-            assert kern.name.endswith("(AMX tiles, SIEVE_INT4_AMX=1)"), kern.name
-            rows = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 150)
-            amx = [kern(x[:r]) for r in rows]
+            assert kern.name.endswith("(avx512-bf16 kernel), AMX tiles from 3 rows"), kern.name
+            rows = (1, 2, 3, 4, 7, 15, 16, 17, 31, 33, 64, 150)
+            ops.set_int4_amx_rows(1)  # tiles at every row count
+            tiles = [kern(x[:r]) for r in rows]
+            ops.set_int4_amx_rows(4096)  # FMAs in the tiles' order at every row count
+            fmas = [kern(x[:r]) for r in rows]
+            ops.set_int4_amx_rows(rows_before)
+            split = [kern(x[:r]) for r in rows] + [kern(x[r:r + 1]) for r in range(8)]
+            for r, a, b in zip(rows, tiles, fmas):
+                assert torch.equal(a, b), (w.describe(), r, (a.float() - b.float()).abs().max().item())
+                assert torch.equal(a, tiles[-1][:r]), (w.describe(), r)
+            for r, a in enumerate(split[len(rows):]):
+                assert torch.equal(a, tiles[-1][r:r + 1]), (w.describe(), r)
             ops.set_int4_amx(False)
             other = kern(x)
-            for a in amx:
-                assert torch.equal(a, amx[-1][: a.shape[0]]), (w.describe(), a.shape[0])
             scale = other.float().abs().amax(dim=1, keepdim=True) + 1e-30
-            err = ((amx[-1].float() - other.float()).abs() / scale).max().item()
+            err = ((tiles[-1].float() - other.float()).abs() / scale).max().item()
             assert err < (5e-5 if dtype == torch.float32 else 8e-3), (w.describe(), err)
-            assert not torch.equal(amx[-1], torch.zeros_like(amx[-1]))
+            assert not torch.equal(tiles[-1], other)  # another order of summation: not the same bits everywhere
+            assert not torch.equal(tiles[-1], torch.zeros_like(tiles[-1]))
+        with pytest.raises(RuntimeError, match="1 to 4096"):
+            ops.set_int4_amx_rows(0)
     finally:
+        ops.set_int4_amx_rows(rows_before)
         ops.set_int4_amx(before)
 
 
@@ -538,8 +572,8 @@ def test_speculation_on_amx_int4_gives_the_plain_tokens(checkpoints, tmp_path):
 
 
 def test_sieve_int4_amx_picks_the_form_in_a_fresh_process_or_fails_closed():
-    """SIEVE_INT4_AMX=1 puts int4 on the tiles for the whole process (0 or unset: the FMA form); any other value is a
-    ValueError at load, and so is 1 where the CPU or Linux gives no tiles."""
+    """int4 takes the tiles wherever the CPU and Linux give them (unset or 1), and SIEVE_INT4_AMX=0 keeps the other
+    forms for the whole process; any other value is a ValueError at load, and so is 1 where there are no tiles."""
     import os
     import subprocess
     import sys
@@ -565,3 +599,6 @@ def test_sieve_int4_amx_picks_the_form_in_a_fresh_process_or_fails_closed():
         assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
     else:
         assert out.returncode != 0 and "no AMX-BF16 tiles it may use" in out.stderr
+    unset = subprocess.run([sys.executable, "-c", "from sieve.kernels import cpu_ops; print(getattr(cpu_ops(), 'int4_amx', bool)())"],
+                           capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "SIEVE_INT4_AMX"})
+    assert unset.returncode == 0 and unset.stdout.strip() == str(has_amx), unset.stderr

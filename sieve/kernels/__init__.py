@@ -18,8 +18,10 @@ In the avx512 build the int4 and int8 kernels run several rows' bf16 dot product
 two float32 FMAs that instruction is defined as (the same bits; chosen where this CPU agrees bit for bit and the
 FMAs are faster, `ops.bf16_dot_kernel()`); SIEVE_BF16_DOT=fma|dpbf16 forces one. Where it reads "fma", bf16 weights
 above the GEMV's rows also run float32 FMAs on widened panels (gemm_bf16.cpp) instead of oneDNN's bf16 GEMM.
-SIEVE_INT4_AMX=1 multiplies int4 weights on AMX tiles instead, at every row count (`ops.int4_amx()`): several rows
-for about the price of one, one row slower; a CPU or kernel without AMX-BF16 then fails closed.
+Where the CPU has AMX-BF16 and Linux grants the tile registers, int4 weights multiply on AMX tiles from
+`ops.int4_amx_rows()` rows (several rows for about the price of one), and below that as FMAs in the order the tiles sum
+(the same bits, so a row's result does not depend on its neighbours): `ops.int4_amx()`. SIEVE_INT4_AMX=0 keeps the
+other forms; SIEVE_INT4_AMX=1 asks for the tiles and fails closed where there are none.
 """
 
 from __future__ import annotations

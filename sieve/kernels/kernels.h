@@ -170,6 +170,10 @@ std::string set_bf16_dot_kernel(const std::string& name);
 // Whether int4 weights multiply on AMX tiles (qmatmul.cpp), and turning that off or on (tests); returns the setting before
 bool use_int4_amx();
 bool set_int4_amx(bool on);
+// On the tiles, from how many rows a call takes them (int4_amx_rows: fewer rows run FMAs in the tiles' own order, the
+// same bits); set_int4_amx_rows (1 .. 4096, tests and benchmarks) returns the count before
+int64_t int4_amx_rows();
+int64_t set_int4_amx_rows(int64_t rows);
 #endif
 #if defined(__AMX_TILE__)
 // AMX tiles (qmatmul.cpp, qmatmul_q8act.cpp): a thread's tile shapes (palette 1), and whether Linux grants this process

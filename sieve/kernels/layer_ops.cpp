@@ -111,40 +111,54 @@ template void silu_mul_into<float>(const float*, int64_t, int64_t, int64_t, floa
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps) {
-  check_bf16_rows(x, "x");
+  // bf16, or float32 (the Python layer loop of a float32 model: the native loop's own arithmetic, so that both loops
+  // give the same bits; F.rms_norm sums the squares in another order)
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && x.dim() == 2 && x.stride(1) == 1,
+              "x must be bf16 or float32 [T, H] with contiguous rows");
   const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == H, "weight must be bf16 [H]");
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.numel() == H, "weight must be [H] in x's dtype");
   const bool add = residual.has_value() && residual->defined();
+  TORCH_CHECK(!add || (residual->scalar_type() == dtype && residual->dim() == 2 && residual->size(0) == T && residual->size(1) == H),
+              "residual must match x");
   auto out = torch::empty({T, H}, x.options());
-  if (!add) {
-    add_rms_norm_into<bf16>(x.data_ptr<bf16>(), x.stride(0), nullptr, weight.contiguous().data_ptr<bf16>(), T, H, static_cast<float>(eps),
-                      out.data_ptr<bf16>());
-    return {out, x};
-  }
-  check_bf16_rows(*residual, "residual");
-  TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual must match x");
-  auto sum = residual->contiguous().clone();
-  add_rms_norm_into<bf16>(x.data_ptr<bf16>(), x.stride(0), sum.data_ptr<bf16>(), weight.contiguous().data_ptr<bf16>(), T, H,
-                    static_cast<float>(eps), out.data_ptr<bf16>());
+  auto sum = add ? residual->contiguous().clone() : x;
+  auto run = [&]<class E>() {
+    add_rms_norm_into<E>(x.data_ptr<E>(), x.stride(0), add ? sum.data_ptr<E>() : nullptr, weight.contiguous().data_ptr<E>(), T, H,
+                         static_cast<float>(eps), out.data_ptr<E>());
+  };
+  if (dtype == at::kFloat) run.template operator()<float>();
+  else run.template operator()<bf16>();
   return {out, sum};
 }
 
+// rotary_ and silu_mul take float32 too: the Python layer loop of a float32 model then runs the C++ loop's own
+// arithmetic (PyTorch's ops round otherwise: its mul-and-add against the kernels' contracted FMAs, its exp), so that
+// both loops give the same bits
 void rotary_(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
-              "qk must be bf16 [T, heads, D] with contiguous heads");
+  const auto dtype = qk.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be bf16 or float32 [T, heads, D] with contiguous heads");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "one int64 position per token");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
               cos.size(1) * 2 == qk.size(2), "cos / sin must be float32 [positions, D / 2]");
   auto pc = positions.contiguous();
-  rotary_into<bf16>(qk.data_ptr<bf16>(), qk.size(0), qk.size(1), qk.stride(0), qk.size(2), pc.data_ptr<int64_t>(), cos.data_ptr<float>(),
-              sin.data_ptr<float>(), cos.size(0));
+  auto run = [&]<class E>() {
+    rotary_into<E>(qk.data_ptr<E>(), qk.size(0), qk.size(1), qk.stride(0), qk.size(2), pc.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), cos.size(0));
+  };
+  if (dtype == at::kFloat) run.template operator()<float>();
+  else run.template operator()<bf16>();
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_bf16_rows(gate_up, "gate_up");
+  const auto dtype = gate_up.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && gate_up.dim() == 2 && gate_up.stride(1) == 1,
+              "gate_up must be bf16 or float32 [T, 2I] with contiguous rows");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
-  silu_mul_into<bf16>(gate_up.data_ptr<bf16>(), T, I, gate_up.stride(0), out.data_ptr<bf16>());
+  if (dtype == at::kFloat) silu_mul_into<float>(gate_up.data_ptr<float>(), T, I, gate_up.stride(0), out.data_ptr<float>());
+  else silu_mul_into<bf16>(gate_up.data_ptr<bf16>(), T, I, gate_up.stride(0), out.data_ptr<bf16>());
   return out;
 }
 

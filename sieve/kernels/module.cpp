@@ -7,9 +7,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &sieve::paged_decode_attention, "paged decode attention (CPU)", nogil, py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("starts") = py::none());
-  m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16): returns (normed, sum)", nogil);
-  m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 q/k heads", nogil);
-  m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 [T, 2I] gate|up matrix", nogil);
+  m.def("add_rms_norm", &sieve::add_rms_norm, "residual add + RMSNorm (bf16 or float32): returns (normed, sum)", nogil);
+  m.def("rotary_", &sieve::rotary_, "rotary embedding in place on bf16 or float32 q/k heads", nogil);
+  m.def("silu_mul", &sieve::silu_mul, "silu(gate) * up on a bf16 or float32 [T, 2I] gate|up matrix", nogil);
   m.def("apply_token_bitmask_", &sieve::apply_token_bitmask_, "-inf in float32 logits rows where a token bitmask forbids", nogil);
   m.def("dequantize_rows_q8", &sieve::dequantize_rows_q8, "rows of an int8 table with float16 group scales (an embedding lookup)", nogil);
   m.attr("isa") = SIEVE_ISA;
@@ -37,8 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_kernel", &sieve::bf16_dot_kernel, "how several rows' bf16 dot products run: fma (the same bits) or dpbf16");
   m.def("bf16_dot_fma_exact", &sieve::bf16_dot_fma_exact, "whether the two-FMA form gives vdpbf16ps's bits on this CPU");
   m.def("quantized_panel_rows", &sieve::quantized_panel_rows, "from how many rows int4 / q8_0 / int8 / fp8 weights run on float32 panels (0: never)");
-  m.def("int4_amx", &sieve::use_int4_amx, "whether int4 weights multiply on AMX tiles (every row count)");
+  m.def("int4_amx", &sieve::use_int4_amx, "whether int4 weights multiply on AMX tiles (from int4_amx_rows() rows; FMAs in their order below)");
   m.def("set_int4_amx", &sieve::set_int4_amx, "int4 on AMX tiles or not (tests); returns the setting before");
+  m.def("int4_amx_rows", &sieve::int4_amx_rows, "on AMX, from how many rows int4 takes the tiles (FMAs in their order below)");
+  m.def("set_int4_amx_rows", &sieve::set_int4_amx_rows, "set that row count (tests, benchmarks); returns the one before");
   m.def("set_bf16_dot_kernel", &sieve::set_bf16_dot_kernel, "pick fma or dpbf16 (tests); returns the one before");
 #endif
   m.def("q8act_kernel", &sieve::q8act_kernel, "the inner kernel int8 activations run: amx-int8, avx512-vnni or avx2");

@@ -245,20 +245,28 @@ inline void end_group_int4(__m512 (&acc)[MR][NB], const __m512 (&gacc)[MR][NB], 
 // int4: an MR x NB tile, group by group, two accumulators per (row, block) within a group (gacc: inputs 4u and
 // 4u + 1 of each unit, gh: 4u + 2 and 4u + 3), added when the group ends. `unit(gacc, gh, u)` adds unit u of every row
 // of x; the forms below (codes decoded for vdpbf16ps, for FMAs, or read from a float32 panel) differ only there.
-template <int MR, int NB, class Unit>
+// kTileOrder: an AMX tile product's order instead (see fma_unit): the two chains (gacc: even inputs, gh: odd) start
+// from zero at every 32 inputs, and their sum adds into the group's sum there.
+template <int MR, int NB, class Unit, bool kTileOrder = false>
 void tile_int4_frame(int64_t m0, const int64_t (&blk)[NB], const Out& out, const Int4Args& a, const Unit& unit) {
   __m512 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  const int64_t units = a.group / 4;
+  const int64_t units = a.group / 4, span = kTileOrder ? 8 : units;  // units a chain runs before it is summed
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512 gacc[MR][NB], gh[MR][NB];
+    __m512 gsum[MR][NB];
     for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
-    for (int64_t u = g * units; u < (g + 1) * units; ++u) unit(gacc, gh, u);
-    for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_add_ps(gacc[m][b], gh[m][b]);
-    end_group_int4<MR, NB>(acc, gacc, a, blk, g, m0);
+      for (int b = 0; b < NB; ++b) gsum[m][b] = _mm512_setzero_ps();
+    for (int64_t u0 = g * units; u0 < (g + 1) * units; u0 += span) {
+      __m512 gacc[MR][NB], gh[MR][NB];
+      for (int m = 0; m < MR; ++m)
+        for (int b = 0; b < NB; ++b) gacc[m][b] = gh[m][b] = _mm512_setzero_ps();
+      for (int64_t u = u0; u < u0 + span; ++u) unit(gacc, gh, u);
+      for (int m = 0; m < MR; ++m)
+        for (int b = 0; b < NB; ++b)
+          gsum[m][b] = kTileOrder ? _mm512_add_ps(gsum[m][b], _mm512_add_ps(gacc[m][b], gh[m][b])) : _mm512_add_ps(gacc[m][b], gh[m][b]);
+    }
+    end_group_int4<MR, NB>(acc, gsum, a, blk, g, m0);
   }
   out.store<MR, NB>(acc, m0, blk);
 }
@@ -287,10 +295,26 @@ void tile_int4(const uint16_t* x, int64_t K2, const uint8_t* w, int64_t m0, cons
 }
 
 // Unit u of rows m0 .. m0 + MR - 1 of x (float32) against NB blocks' numbers 128 + q as float32 (w[i]: input 4u + i of
-// each output row), each vdpbf16ps of tile_int4 as its two FMAs: the odd input's product first
-template <int MR, int NB>
+// each output row), each vdpbf16ps of tile_int4 as its two FMAs: the odd input's product first.
+// kTileOrder: as an AMX tile product (tdpbf16ps) adds them instead, which the Intel SDM defines as, per 32 inputs, one
+// float32 FMA chain from zero over the even inputs and one over the odd ones, in input order (DAZ, FTZ, nearest even),
+// then their sum added to the result: gacc takes inputs 4u and 4u + 2, gh 4u + 1 and 4u + 3. On the Emerald Rapids
+// host this gave tdpbf16ps's bits in every one of 588,800 lanes of random tiles (products near underflow, denormal
+// inputs, cancelling pairs, exponents spread over 1e-6 .. 1e6, accumulators of zero and of any size).
+template <int MR, int NB, bool kTileOrder = false>
 inline void fma_unit(__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], const float* x, int64_t K2, int64_t m0, int64_t u,
                      const __m512 (&w0)[NB], const __m512 (&w1)[NB], const __m512 (&w2)[NB], const __m512 (&w3)[NB]) {
+  if constexpr (kTileOrder) {
+    for (int m = 0; m < MR; ++m) {
+      const __m512 x0 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u]), x2 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 2]);
+      for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_fmadd_ps(w2[b], x2, _mm512_fmadd_ps(w0[b], x0, gacc[m][b]));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 x1 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 1]), x3 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 3]);
+      for (int b = 0; b < NB; ++b) gh[m][b] = _mm512_fmadd_ps(w3[b], x3, _mm512_fmadd_ps(w1[b], x1, gh[m][b]));
+    }
+    return;
+  }
   for (int m = 0; m < MR; ++m) {  // the two chains one after the other: half the weight vectors live at a time
     const __m512 x0 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u]), x1 = _mm512_set1_ps(x[(m0 + m) * K2 + 4 * u + 1]);
     for (int b = 0; b < NB; ++b) gacc[m][b] = _mm512_fmadd_ps(w0[b], x0, _mm512_fmadd_ps(w1[b], x1, gacc[m][b]));  // = dot(gacc, lo, x0)
@@ -320,16 +344,18 @@ inline void widen_int4(const uint8_t* p, __m512& w0, __m512& w1, __m512& w2, __m
 // same bits). x is the bf16-rounded input widened to float32 ([M, K2], exact); a unit's 32 bytes become 16 words, one
 // per output row, and a table lookup on each nibble gives the float32 number 128 + q that the bf16 path multiplies
 // (widen_int4). The caller sets DAZ and FTZ (`FlushDenormals`), as vdpbf16ps has them.
-template <int MR, int NB>
+// kTileOrder: the AMX tiles' order (fma_unit), so that below the rows where tiles pay a row gets their bits.
+template <int MR, int NB, bool kTileOrder = false>
 void tile_int4_fma(const float* x, int64_t K2, const uint8_t* w, int64_t m0, const int64_t (&blk)[NB], const Out& out,
                    const Int4Args& a) {
   const Streams<NB> ws(w, K2 / 4 * 32, blk);
-  tile_int4_frame<MR, NB>(m0, blk, out, a, [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], int64_t u) {
+  auto unit = [&](__m512 (&gacc)[MR][NB], __m512 (&gh)[MR][NB], int64_t u) {
     ws.prefetch_step(u);
     __m512 w0[NB], w1[NB], w2[NB], w3[NB];
     for (int b = 0; b < NB; ++b) widen_int4(ws.at(b, u), w0[b], w1[b], w2[b], w3[b]);
-    fma_unit<MR, NB>(gacc, gh, x, K2, m0, u, w0, w1, w2, w3);
-  });
+    fma_unit<MR, NB, kTileOrder>(gacc, gh, x, K2, m0, u, w0, w1, w2, w3);
+  };
+  tile_int4_frame<MR, NB, decltype(unit), kTileOrder>(m0, blk, out, a, unit);
 }
 
 // From kPanelFromInt4 / kPanelFromInt8 rows (below) the FMA form decodes each pair of weight blocks once into a float32
@@ -548,10 +574,11 @@ void group_sums(const uint16_t* xp, int64_t M, int64_t K2, int64_t group, std::v
 // inputs against 16 output rows is one bf16 tile product. The B tile is the group's 8 units decoded as tile_int4 does
 // (each unit's two pair-vectors, (128 + q) as bf16, are B's rows 2u and 2u + 1: VNNI order), the A tile the group's
 // 32 inputs of up to 16 rows of x, and C = sum (128 + q) x per row and output, which ends the group as in every other
-// form (end_group_int4's two FMAs). The tile product's summation order is the hardware's own (no FMA sequence gives
-// its bits), so on a CPU where it runs it serves every row count, one row included: a row's result is the same alone
-// as among others (each row of C is its row of A against B), and no other form is mixed in. What it buys is rows:
-// one tile product multiplies 16 rows for about the cost of one, where the FMA forms pay per row.
+// form (end_group_int4's two FMAs). A row's result is the same alone as among others (each row of C is its row of A
+// against B). The tile product sums in the order the SDM defines (fma_unit's kTileOrder: two FMA chains, even and odd
+// inputs, then their sum), so below int4_amx_rows() rows, where a tile product costs more than the FMAs it replaces,
+// FMAs in that order give the same bits. What the tiles buy is rows: one tile product multiplies 16 rows for about
+// the cost of one, where the FMA forms pay per row.
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxPrefetch = 1024;  // bytes ahead in each block's stream (4 groups of 32)
 
@@ -730,9 +757,6 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
   group_sums(xw, M, K2, group, xsum);
   const Out out{y, f32, n, nullptr, bias};
   const Int4Args args{scale, min, xsum.data(), K2 / group, group};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (group % 32 == 0 && group <= 256 && use_int4_amx()) return qmatmul_int4_amx(xw, M, K2, w, blocks, out, args);
-#endif
   // two accumulators per block at every batch size: one order of summation, so a row's result does not
   // depend on how many rows share the call (see the top of this file)
   // 5 to 8 rows (a decode verifying 4 to 7 drafted tokens): one pass of 8-row tiles over one stream per thread,
@@ -747,6 +771,17 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
     else if (M <= 4 || (M > kRows && !fma)) sweep<4, 2>(M, blocks, tile);
     else sweep<kRows, 1>(M, blocks, tile);
   };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (group % 32 == 0 && group <= 256 && use_int4_amx()) {
+    if (M >= int4_amx_rows()) return qmatmul_int4_amx(xw, M, K2, w, blocks, out, args);
+    // fewer rows: FMAs in the tiles' own order (fma_unit), the same bits at the FMA form's speed
+    const std::vector<float> xf = widen(xw, M * K2);
+    return run([&]<int MR, int B>(int64_t m0, const int64_t (&blk)[B]) {
+      FlushDenormals daz;  // as tdpbf16ps: denormal inputs as zero, denormal results flushed
+      tile_int4_fma<MR, B, true>(xf.data(), K2, w, m0, blk, out, args);
+    }, true);
+  }
+#endif
   if (M >= 2 && use_fma_dots()) {  // the same bits in fewer cycles where vdpbf16ps is slow (see tile_int4_fma)
     const std::vector<float> xf = widen(xw, M * K2);
     // 6 rows x 32 outputs: 24 group sums (two chains; GCC spills 2 of them), the running sums spilled between groups
@@ -772,12 +807,14 @@ void qmatmul_int4_into(const void* x, bool f32, int64_t M, int64_t K, const uint
 
 std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
 
-// Whether int4 weights (groups of 32 to 256 inputs) multiply on AMX tiles (above): with SIEVE_INT4_AMX=1, where the CPU
-// has them and Linux grants them. Opt-in: on the Emerald Rapids host with AMX (SmolLM2-135M Q4_1, all 120 int4
-// linears, the two forms interleaved) the tiles take 1 / 2 / 4 / 8 / 16 / 32 rows in 1.16 / 1.06 / 0.89 / 0.69 / 0.50 /
-// 0.37x the FMA form's time, and a row's bits must not depend on the row count, so one form serves every call of a
-// process: batch-1 decode without speculation runs at 0.79x, ngram k = 6 at 1.32x (scripts/amx_ab.py). Decided once,
-// never from a timing, since its bits differ from the other forms'.
+// Whether int4 weights (groups of 32 to 256 inputs) multiply on AMX tiles (above): by default wherever the CPU has them and
+// Linux grants them; SIEVE_INT4_AMX=0 keeps the vdpbf16ps / FMA forms, 1 asks for the tiles (the Python side fails
+// closed where there are none). Calls of int4_amx_rows() rows and more take the tiles, fewer rows FMAs in the tiles' own
+// order (tile_int4_fma<..., true>): the same bits, so a row's result does not depend on the rows beside it. Emerald
+// Rapids host, SmolLM2-135M Q4_1's 120 int4 linears, ms, the three interleaved: 1 / 2 / 3 / 4 / 8 / 16 rows FMA form
+// 4.72 / 5.32 / 6.33 / 7.47 / 15.69 / 28.35, FMAs in tile order 4.66 / 5.10 / 7.06 / 8.11 / 15.81 / 28.77, tiles
+// 5.62 / 5.60 / 6.15 / 6.20 / 10.35 / 13.93 (one tile product costs about the same for 1 row as for 16). Decided once
+// per process (or by set_int4_amx, for tests), never from a timing.
 #if defined(__AMX_TILE__)
 bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -791,7 +828,7 @@ bool use_int4_amx() {
   int mode = int4_amx.load(std::memory_order_relaxed);
   if (mode < 0) {
     const char* env = std::getenv("SIEVE_INT4_AMX");
-    static const int chosen = env && std::string(env) == "1" && amx_permitted();
+    static const int chosen = !(env && std::string(env) == "0") && amx_permitted();
     int expected = -1;
     int4_amx.compare_exchange_strong(expected, chosen);
     mode = int4_amx.load();
@@ -810,6 +847,12 @@ bool set_int4_amx(bool on) {
   TORCH_CHECK(!on, "int4 on AMX: this build has no AMX kernel (the CPU has no AMX-BF16)");
 #endif
   return before;
+}
+std::atomic<int64_t> int4_amx_from{3};
+int64_t int4_amx_rows() { return int4_amx_from.load(std::memory_order_relaxed); }
+int64_t set_int4_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= 4096, "int4 AMX rows: 1 to 4096, not ", rows);
+  return int4_amx_from.exchange(rows);
 }
 int64_t quantized_panel_rows(const std::string& kind) {
   TORCH_CHECK(kind == "int4" || kind == "q8_0" || kind == "int8" || kind == "fp8", "quantized_panel_rows: int4, q8_0, int8 or fp8, not ", kind);

@@ -70,7 +70,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
     """x [T, heads, D] -> rotated (rotate-half convention): [x1 cos - x2 sin, x2 cos + x1 sin].
-    bf16 on CPU: in place, by one native kernel that rounds as the reference does. Otherwise a copy:
+    bf16 and float32 on CPU: in place, by one native kernel that rounds as the reference does. Otherwise a copy:
     `roll` swaps the halves and the sign lives in the table, 4 ops instead of 8, with the same
     floating-point result (a - b == a + (-b))."""
     if rope.cos is None:
@@ -80,4 +80,6 @@ def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
 
 
 def _native(dtype: torch.dtype, device: torch.device) -> bool:
-    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops() is not None
+    # float32 too: the C++ layer loop's arithmetic (a contracted FMA where PyTorch multiplies and adds), so that the
+    # Python loop gives its bits
+    return dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and cpu_ops() is not None

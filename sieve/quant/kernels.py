@@ -80,7 +80,8 @@ class BlockedKernel:
         panels = ops.quantized_panel_rows(panel_kind) if hasattr(ops, "quantized_panel_rows") else 0
         self.name = f"{w.describe()} ({ops.isa} kernel)" + (f", float32 panels from {panels} rows" if panels else "")
         if isinstance(w, Int4Weight) and w.group % 32 == 0 and w.group <= 256 and getattr(ops, "int4_amx", bool)():
-            self.name = f"{w.describe()} (AMX tiles, SIEVE_INT4_AMX=1)"  # every row count (sieve/kernels/qmatmul.cpp)
+            # sieve/kernels/qmatmul.cpp: the tiles from that many rows, FMAs in their order below (the same bits)
+            self.name = f"{w.describe()} ({ops.isa} kernel), AMX tiles from {ops.int4_amx_rows()} rows"
         if isinstance(w, Int4Weight):
             blocked, scale, aux = block_int4(w)
             kind, group, n, k = ops.LINEAR_INT4, w.group, w.scale.shape[0], w.k
