@@ -272,22 +272,20 @@ def test_quantized_kernels_take_float32_panels_from_their_row_threshold():
     with pytest.raises(RuntimeError, match="int4, q8_0, int8 or fp8"):
         ops.quantized_panel_rows("q4_k")
     before = ops.bf16_dot_kernel()
-    amx_before = ops.set_int4_amx(False) if hasattr(ops, "set_int4_amx") else False
-    try:
-        ops.set_bf16_dot_kernel("dpbf16")
-        assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [0, 0, 0, 0]
-        if not ops.bf16_dot_fma_exact():
-            pytest.skip("this CPU's vdpbf16ps rounds otherwise than its two-FMA definition: the FMA form stays unused")
-        ops.set_bf16_dot_kernel("fma")
-        assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [24, 16, 0, 0]
-        assert make_kernel(quantize_int4(torch.randn(32, 64), 32), torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 24 rows")
-        q8_0 = ChannelScaledWeight(torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32, 2).half() + 0.01)
-        assert make_kernel(q8_0, torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 16 rows")
-        assert make_kernel(quantize_int8(torch.randn(32, 64)), torch.float32).name.endswith("(avx512-bf16 kernel)")
-    finally:
-        ops.set_bf16_dot_kernel(before)
-        if amx_before:
-            ops.set_int4_amx(True)
+    with int4_off_amx(ops):
+        try:
+            ops.set_bf16_dot_kernel("dpbf16")
+            assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [0, 0, 0, 0]
+            if not ops.bf16_dot_fma_exact():
+                pytest.skip("this CPU's vdpbf16ps rounds otherwise than its two-FMA definition: the FMA form stays unused")
+            ops.set_bf16_dot_kernel("fma")
+            assert [ops.quantized_panel_rows(k) for k in ("int4", "q8_0", "int8", "fp8")] == [24, 16, 0, 0]
+            assert make_kernel(quantize_int4(torch.randn(32, 64), 32), torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 24 rows")
+            q8_0 = ChannelScaledWeight(torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32, 2).half() + 0.01)
+            assert make_kernel(q8_0, torch.float32).name.endswith("(avx512-bf16 kernel), float32 panels from 16 rows")
+            assert make_kernel(quantize_int8(torch.randn(32, 64)), torch.float32).name.endswith("(avx512-bf16 kernel)")
+        finally:
+            ops.set_bf16_dot_kernel(before)
 
 
 def test_sieve_bf16_dot_forces_a_form_or_fails_closed():
@@ -602,3 +600,50 @@ def test_sieve_int4_amx_picks_the_form_in_a_fresh_process_or_fails_closed():
     unset = subprocess.run([sys.executable, "-c", "from sieve.kernels import cpu_ops; print(getattr(cpu_ops(), 'int4_amx', bool)())"],
                            capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "SIEVE_INT4_AMX"})
     assert unset.returncode == 0 and unset.stdout.strip() == str(has_amx), unset.stderr
+
+
+def test_float32_norm_rotary_and_silu_run_the_native_loops_kernels_and_keep_gradients():
+    """Under float32 on CPU, RMSNorm (with and without the residual add), the rotation and silu(gate) * up call the
+    kernels the C++ layer loop runs (layer_ops.cpp), whose bits differ from PyTorch's ops in the last place; a tensor
+    that requires grad takes PyTorch's ops instead, whose gradients the kernels would not record."""
+    from sieve.layers.activation import silu_and_mul
+    from sieve.layers.norm import RMSNorm
+    from sieve.layers.rotary import RotaryEmbedding, apply_rotary
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("no native kernels here")
+    torch.manual_seed(7)
+    norm = RMSNorm(96, 1e-6, torch.float32)
+    norm.weight.data = torch.randn(96)
+    x, res = torch.randn(20, 96), torch.randn(20, 96)
+    out, total = norm(x, res)
+    want, want_total = ops.add_rms_norm(x, res, norm.weight, 1e-6)
+    assert torch.equal(out, want) and torch.equal(total, want_total) and torch.equal(total, x + res)
+    assert torch.equal(norm(x), ops.add_rms_norm(x, None, norm.weight, 1e-6)[0])
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x + res, (96,), norm.weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+    rope = RotaryEmbedding(16, 64, 10000.0, None)
+    step = rope(torch.arange(3, 23), torch.float32)
+    assert step.cos is None  # prepared for the native kernel
+    q = torch.randn(20, 6, 16)
+    mine = apply_rotary(q.clone(), step)
+    kernel = q.clone()
+    ops.rotary_(kernel, step.positions, step.cos_table, step.sin_table)
+    assert torch.equal(mine, kernel)
+    gate_up = torch.randn(20, 64)
+    assert torch.equal(silu_and_mul(gate_up), ops.silu_mul(gate_up))
+
+    xg = x.clone().requires_grad_()
+    norm(xg).square().sum().backward()
+    xr = x.clone().requires_grad_()
+    torch.nn.functional.rms_norm(xr, (96,), norm.weight, 1e-6).square().sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    qg = q.clone().requires_grad_()
+    rotated = apply_rotary(qg, step)
+    torch.testing.assert_close(rotated, mine, rtol=1e-6, atol=1e-6)
+    rotated.square().sum().backward()
+    torch.testing.assert_close(qg.grad, 2 * q, rtol=1e-5, atol=1e-5)  # a rotation keeps norms: d|Rq|^2/dq = 2q
+    gu = gate_up.clone().requires_grad_()
+    silu_and_mul(gu).sum().backward()
+    assert gu.grad is not None and gu.grad.abs().sum() > 0

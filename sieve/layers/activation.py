@@ -12,7 +12,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> [T, I]. bf16 and float32 on CPU: one native kernel that rounds where PyTorch's two
     ops round (silu to bf16, then the product), the one the C++ layer loop runs, so that the Python loop gives its bits
     (in float32 PyTorch's exp differs from it in the last bit); otherwise PyTorch."""
-    if gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+    if (gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.device.type == "cpu" and gate_up.dim() == 2
+            and gate_up.stride(-1) == 1 and not gate_up.requires_grad):  # the kernel records no gradient
         ops = cpu_ops()
         if ops is not None:
             return ops.silu_mul(gate_up)

@@ -40,8 +40,9 @@ _MAX_NATIVE_WIDTH = 16384  # layer_ops.cpp kMaxNormWidth
 
 
 def _native(x: torch.Tensor):
-    """The native kernels if they take `x`: bf16 or float32 [T, H] on CPU with contiguous rows."""
+    """The native kernels if they take `x`: bf16 or float32 [T, H] on CPU with contiguous rows, outside autograd (they
+    record no gradient)."""
     if (x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" or x.dim() != 2 or x.stride(-1) != 1
-            or x.shape[-1] > _MAX_NATIVE_WIDTH):
+            or x.shape[-1] > _MAX_NATIVE_WIDTH or x.requires_grad):
         return None
     return cpu_ops()

@@ -73,10 +73,14 @@ def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
     bf16 and float32 on CPU: in place, by one native kernel that rounds as the reference does. Otherwise a copy:
     `roll` swaps the halves and the sign lives in the table, 4 ops instead of 8, with the same
     floating-point result (a - b == a + (-b))."""
-    if rope.cos is None:
+    if rope.cos is None and not x.requires_grad:  # (the native kernel records no gradient)
         cpu_ops().rotary_(x, rope.positions, rope.cos_table, rope.sin_table)
         return x
-    return x * rope.cos + x.roll(x.shape[-1] // 2, dims=-1) * rope.signed_sin
+    cos, signed_sin = rope.cos, rope.signed_sin
+    if cos is None:  # a tensor that requires grad, where the step prepared for the native kernel
+        c, s = rope.cos_table[rope.positions].to(x.dtype), rope.sin_table[rope.positions].to(x.dtype)
+        cos, signed_sin = torch.cat((c, c), dim=-1).unsqueeze(1), torch.cat((-s, s), dim=-1).unsqueeze(1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _native(dtype: torch.dtype, device: torch.device) -> bool:
