@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ class TensorParallelGroup:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.is_driver = rank == 0
         self._store, self._control, self._data = store, control, data  # control: gloo (commands); data: gloo or NCCL
+        # Driver: names a rank it started that is no longer running, or None (set by TensorParallelWorkers; None
+        # under torchrun, whose launcher watches its ranks)
+        self.gone = None
 
     @classmethod
     def init(cls, rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int,
@@ -98,11 +102,32 @@ class TensorParallelGroup:
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._control.broadcast([t], opts).wait()
+        work = self._control.broadcast([t], opts)
+        if self.is_driver and self.gone is not None:
+            # gloo does not always fail a send to a rank that was killed (1 run in about 8 of
+            # test_a_dead_rank_fails_the_step_instead_of_hanging waited here for good), so the driver checks its ranks
+            # while a command is out; a receive, as every all-reduce has, fails on the closed socket
+            while not work.is_completed():
+                gone = self.gone()
+                if gone:
+                    raise RuntimeError(f"{gone}: the tensor-parallel step cannot run")
+                time.sleep(1e-4)
+        work.wait()
 
     def shutdown(self) -> None:
-        """Driver: tell the workers to stop; then this group is done on every rank."""
+        """Driver: tell the workers to stop; then this group is done on every rank. Where a rank is gone (or the stop
+        could not be sent), the groups are aborted first: gloo work to a dead rank may never complete, and a group's
+        destructor would wait for it."""
+        told = False
         try:
-            self.announce(("stop",))
+            if self.gone is None or not self.gone():
+                self.announce(("stop",))
+                told = True
         finally:
+            if not told:
+                for group in (self._control, self._data):
+                    try:
+                        group.abort()
+                    except Exception:  # nothing more to do for a group that cannot abort
+                        pass
             self._control = self._data = self._store = None

@@ -64,6 +64,7 @@ class TensorParallelWorkers:
         handle = cls(None, processes, errors)
         log.info("tensor parallelism: %d ranks on this host (gloo/NCCL on 127.0.0.1:%d)", n, port)
         handle.group = TensorParallelGroup.init(0, n, device, "127.0.0.1", port, before_join=handle._joined)
+        handle.group.gone = handle.gone
         return handle
 
     @classmethod
@@ -83,7 +84,22 @@ class TensorParallelWorkers:
         handle = cls(None, [], None, [task.remote(config, rank, n, addr, port) for rank in range(1, n)])
         log.info("tensor parallelism: %d ranks, %d as Ray tasks (driver at %s:%d)", n, n - 1, addr, port)
         handle.group = TensorParallelGroup.init(0, n, device, addr, port, before_join=handle._joined)
+        handle.group.gone = handle.gone
         return handle
+
+    def gone(self) -> str | None:
+        """A rank this driver started that is no longer running, named; None while they all run. No side effects
+        (the group asks it while a command is out)."""
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            return f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})"
+        if self.ray_refs:
+            import ray
+
+            done, _ = ray.wait(self.ray_refs, timeout=0)
+            if done:
+                return "a tensor-parallel Ray task ended"
+        return None
 
     def _joined(self, store, timeout_s: float = 600.0) -> None:
         """Before the driver waits for the ranks it started: each has signed in on the store, or it fails here, naming
