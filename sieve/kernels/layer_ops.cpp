@@ -33,10 +33,6 @@ inline float rnd(float v) {  // what storing in T and reading back gives
   return static_cast<float>(T(v));
 }
 
-void check_bf16_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, name, " must be bf16 [T, H] with contiguous rows");
-}
-
 }  // namespace
 
 template <class T>

@@ -48,6 +48,11 @@ class RopeStep:
     cos: torch.Tensor | None = None  # [T, 1, D] cos | cos in the model dtype (PyTorch path)
     signed_sin: torch.Tensor | None = None  # [T, 1, D] -sin | sin
 
+    def gathered(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos | cos, -sin | sin) [T, 1, D] of these tokens in `dtype` (as the reference casts them)."""
+        cos, sin = self.cos_table[self.positions].to(dtype), self.sin_table[self.positions].to(dtype)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin tables; `forward` prepares them once per step for all layers."""
@@ -61,10 +66,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
         step = RopeStep(positions, self.cos, self.sin)
-        if not _native(dtype, positions.device):  # gather per token, in `dtype` (as the reference casts them)
-            cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-            step.cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-            step.signed_sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        if not _native(dtype, positions.device):  # gather per token, in `dtype`
+            step.cos, step.signed_sin = step.gathered(dtype)
         return step
 
 
@@ -76,10 +79,8 @@ def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
     if rope.cos is None and not x.requires_grad:  # (the native kernel records no gradient)
         cpu_ops().rotary_(x, rope.positions, rope.cos_table, rope.sin_table)
         return x
-    cos, signed_sin = rope.cos, rope.signed_sin
-    if cos is None:  # a tensor that requires grad, where the step prepared for the native kernel
-        c, s = rope.cos_table[rope.positions].to(x.dtype), rope.sin_table[rope.positions].to(x.dtype)
-        cos, signed_sin = torch.cat((c, c), dim=-1).unsqueeze(1), torch.cat((-s, s), dim=-1).unsqueeze(1)
+    # (a tensor that requires grad, where the step prepared for the native kernel, gathers the tables here)
+    cos, signed_sin = (rope.cos, rope.signed_sin) if rope.cos is not None else rope.gathered(x.dtype)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
