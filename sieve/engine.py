@@ -274,11 +274,12 @@ class LLMEngine:
         context = min(512, self.config.max_model_len // 2, free // 2)
         if context < 2 * self.config.block_size:
             return
-        with self._borrowed_blocks(context + 1) as tables:  # each long step beside a short one: their difference
-            for n in sorted({min(r, cap) for r in (8, 16, 32)}):  # one sequence's engine (cap 4) too
+        counts = sorted({min(r, cap) for r in (8, 16, 32)})  # one sequence's engine (cap 4) too
+        with self._borrowed_blocks(context + max(counts)) as tables:  # each long step beside a short one: their difference
+            for n in counts:  # one sequence's n rows from `context`, against n rows at position 0
                 extra = [time_decode_rows(self.runner, n, tables, context) - time_decode_rows(self.runner, n, tables)
                          for _ in range(reps)]
-                self.speculator.observe_keys(n, n * context, statistics.median(extra))
+                self.speculator.observe_keys(n, n * context + n * (n - 1) // 2, statistics.median(extra))
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):

@@ -459,18 +459,29 @@ def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int
 
 @torch.inference_mode()
 def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 0) -> float:
-    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), every row at position `context`
-    of the borrowed `tables` (which hold at least `context` + 1 tokens), attending to the same `context` + 1
-    keys, as one sequence's drafted rows do: the shape of the rows speculation adds, for the step-cost model. The
-    time includes building the rows' attention metadata, as a real step's does."""
+    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), for the step-cost model.
+
+    With `context` > 0 the rows are one sequence's decode and drafted rows, the shape speculation adds: positions
+    `context` .. `context` + `num_rows` - 1 of the borrowed `tables` (which hold that many tokens), row i attending
+    to its `context` + i + 1 keys, `num_rows` * `context` + `num_rows` * (`num_rows` - 1) / 2 more than the same
+    rows at position 0. The attention kernels group consecutive positions of one table and read their keys once
+    for all of them. The rows used to sit at one position, where each was a group of its own, and that priced a
+    drafted row's keys at an independent sequence's: about twice what a 9-row verification pays on the Emerald
+    Rapids host. With `context` 0 every row is at position 0 (one token of `tables`), attending to one key.
+    The time includes building the rows' attention metadata, as a real step's does."""
     dev = runner.device
-    blocks = context // runner.block_size + 1
+    end = context + num_rows if context else 1
+    blocks = -(-end // runner.block_size)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
-    meta = runner.metadata([(tables, context, context + 1)] * num_rows, [(tables, context + 1, blocks)] * num_rows, [])
-    ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
-    hidden = runner.model(ids, torch.full_like(ids, context), runner.caches, meta)
+    if context:
+        meta = runner.metadata([(tables, context, end)], [(tables, p + 1, blocks) for p in range(context, end)], [])
+        positions = torch.arange(context, end, device=dev)
+    else:
+        meta = runner.metadata([(tables, 0, 1)] * num_rows, [(tables, 1, blocks)] * num_rows, [])
+        positions = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+    hidden = runner.model(torch.zeros(num_rows, dtype=torch.int64, device=dev), positions, runner.caches, meta)
     runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
     return time.perf_counter() - t0
 

@@ -578,7 +578,9 @@ def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engi
     import sieve.model_runner
 
     # The load's timings from a fake machine (this one's speed must not decide the test): each key costs 1 us.
-    monkeypatch.setattr(sieve.model_runner, "time_decode_rows", lambda runner, n, tables, context=0: 0.01 + 1e-6 * n * context)
+    # n rows from `context` attend to n * context + n (n - 1) / 2 keys more than n rows at position 0
+    monkeypatch.setattr(sieve.model_runner, "time_decode_rows",
+                        lambda runner, n, tables, context=0: 0.01 + 1e-6 * (n * context + n * (n - 1) // 2 if context else 0))
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=8)
     sp = llm.llm_engine.speculator
     assert sp.cost.per_key == pytest.approx(1e-6)  # 8 to 32 rows at 512 tokens of context took longer than at position 0
@@ -642,6 +644,29 @@ def test_calibration_times_every_count_in_rounds(llama_engine_factory, monkeypat
     calls.clear()  # an engine for one sequence at a time (4 rows at most) measures the keys too
     llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, max_num_seqs=1)
     assert [n for n, c in calls if c] == [4] * 5 and llm.llm_engine.speculator.cost.per_key > 0
+
+
+def test_calibrated_drafted_rows_are_one_sequences_consecutive_positions(llama_engine_factory):
+    """The keys' calibration times n rows over a long context as one sequence's decode and drafts: consecutive
+    positions of one table, which the attention kernels group and whose keys they read once for all the rows. Rows
+    at one position were each a group of their own and priced a drafted row's keys at an independent sequence's.
+    At context 0 every row stays at position 0 (one token of the table)."""
+    from sieve.model_runner import time_decode_rows
+
+    llm = llama_engine_factory()
+    engine, seen = llm.llm_engine, []
+    runner = engine.runner
+    metadata = runner.metadata
+    runner.metadata = lambda writes, decodes, prefills: (seen.append((writes, decodes)), metadata(writes, decodes, prefills))[1]
+    with engine._borrowed_blocks(40 + 5) as tables:
+        assert time_decode_rows(runner, 5, tables, 40) > 0
+        assert time_decode_rows(runner, 3, tables) > 0
+    (writes, decodes), (writes0, decodes0) = seen
+    assert writes == [(tables, 40, 45)]  # one write of the 5 positions
+    assert [d[1] for d in decodes] == [41, 42, 43, 44, 45] and all(d[0] is tables for d in decodes)
+    assert writes0 == [(tables, 0, 1)] * 3 and [d[1] for d in decodes0] == [1, 1, 1]
+    out = llm.generate([{"prompt_token_ids": list(range(3, 30))}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4  # the borrowed blocks went back
 
 
 def test_adaptive_depth_counts_what_the_proposer_costs():
@@ -831,6 +856,18 @@ def test_bench_spec_gives_a_base_model_its_prompts_as_text():
     messages = chat_messages(2)
     prompts = _prompt_ids(llm, messages)
     assert [p["prompt_token_ids"] for p in prompts] == [tok.encode(m[0]["content"]) for m in messages]
+
+
+@pytest.mark.parametrize("configs, message", [("<ngram k=8>", "is not JSON"), ('[1, 2]', "is not a JSON object"),
+                                               ('{"method":"ngram","num_speculative_tokens":0}', "num_speculative_tokens")])
+def test_bench_spec_refuses_configs_it_cannot_read_in_one_line(configs, message, llama_dir, capsys):
+    """`sieve bench spec --configs` takes JSON objects separated by ';'. Anything else is one line on stderr and exit
+    status 2, before a model loads; text that was not JSON raised a Python traceback."""
+    from sieve.cli import main
+
+    assert main(["bench", "spec", "--model", str(llama_dir), "--configs", configs]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
 
 
 def test_bench_spec_reports_each_configuration_against_off(llama_dir, monkeypatch):

@@ -210,11 +210,23 @@ def _simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
 
 
 def run_bench_spec(args: argparse.Namespace) -> dict:
+    from sieve.config import ConfigError
     from sieve.spec.config import SpeculativeConfig
 
-    configs = [None] + [json.loads(c) for c in args.configs.split(";") if c.strip()]
-    for c in configs[1:]:
-        SpeculativeConfig.parse(dict(c))  # refuse a bad config before loading anything
+    configs: list = [None]
+    for text in (c for c in args.configs.split(";") if c.strip()):
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--configs: {text.strip()!r} is not JSON ({e.msg}); give speculative configs as JSON "
+                              "objects separated by ';'") from e
+        if not isinstance(config, dict):
+            raise ConfigError(f"--configs: {text.strip()!r} is not a JSON object")
+        try:
+            SpeculativeConfig.parse(dict(config))  # refuse a bad config before loading anything
+        except ValueError as e:
+            raise ConfigError(f"--configs: {e}") from e
+        configs.append(config)
     users = [int(u) for u in args.users.split(",")]
     max_users = max(users)
     engines = [_engine(args, c, max_users) for c in configs]
