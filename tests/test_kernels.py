@@ -77,6 +77,41 @@ def test_native_decode_attention_rows_of_one_sequence_equal_each_row_alone(block
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("profile", ["sink", "rising", "late", "flat"])
+def test_native_decode_attention_where_the_softmax_max_stands_and_where_it_rises(profile, dtype, tol):
+    """The online softmax keeps a running max per query: a tile that does not raise it skips the horizontal max, the
+    rescale and its multiply (an exact factor of 1), one that does rescales what came before. Scores shaped to take
+    each path on every tile: a first token far above the rest (an attention sink: the max stands from the first
+    tile), scores rising token by token (raised on every tile), one token far above the rest near the end (everything
+    before it rescaled by a tiny factor), and equal scores. Rows of one sequence, alone and grouped, match the
+    reference and each other."""
+    ops = cpu_ops()
+    bs, kv_heads, heads, head_dim, L, rows = 16, 2, 6, 64, 200, 9
+    need = -(-(L + rows) // bs)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    u = q[:, 0::3].mean(dim=(0, 1))  # a direction every query head shares
+    u = u / u.norm()
+    n = need * bs
+    level = {"sink": torch.cat([torch.tensor([12.0]), torch.zeros(n - 1)]), "rising": torch.linspace(-6, 6, n),
+             "late": torch.cat([torch.zeros(L - 3), torch.tensor([30.0]), torch.zeros(n - L + 2)]), "flat": torch.zeros(n)}[profile]
+    k = (0.05 * torch.randn(n, kv_heads, head_dim, generator=g) + level[:, None, None] * u).view(need, bs, kv_heads, head_dim)
+    v = torch.randn(need, bs, kv_heads, head_dim, generator=g)
+    q = q.abs().mean() * 8 * u + 0.05 * q  # queries along u: a score follows its key's level
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    tables = torch.tensor([list(range(need))] * rows)
+    lens = torch.arange(L, L + rows)
+    scale = head_dim**-0.5
+    got = ops.paged_decode_attention(q.contiguous(), k, v, tables, lens, scale)
+    for r in range(rows):
+        alone = ops.paged_decode_attention(q[r : r + 1].contiguous(), k, v, tables[r : r + 1], lens[r : r + 1], scale)
+        assert torch.equal(got[r], alone[0]), r
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), rows, tables, lens, [])
+    ref = decode_attention_reference(q, KVCacheLayer(k, v), meta, scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_engine_outputs_equal_with_and_without_native_kernel(llama_engine_factory, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17, 90)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
@@ -504,12 +539,13 @@ def test_int4_on_amx_tiles_gives_the_bits_of_fmas_in_their_order_and_keeps_each_
     ops = cpu_ops()
     before = _amx_or_skip(ops)
     rows_before = ops.int4_amx_rows()
-    assert rows_before == 3  # the default split (measured: qmatmul.cpp, use_int4_amx)
+    assert rows_before == 2  # the default split (measured: qmatmul.cpp, use_int4_amx)
     try:
         torch.manual_seed(5)
         q = quantize_int4(torch.randn(130, 96) * 0.05, 32)
         weights = [quantize_int4(torch.randn(200, 300) * 0.05, 32), quantize_int4(torch.randn(96, 256) * 0.05, 128),
                    quantize_int4(torch.randn(64, 192) * 0.05, 64), quantize_int4(torch.randn(48, 512) * 0.05, 256),
+                   quantize_int4(torch.randn(40, 64) * 0.05, 64),  # one group: the pipeline's shortest (qmatmul.cpp)
                    Int4Weight(q.packed, q.scale, None, 32, q.k)]
         for w in weights:
             bias = torch.randn(w.scale.shape[0]).to(dtype)
@@ -518,8 +554,8 @@ def test_int4_on_amx_tiles_gives_the_bits_of_fmas_in_their_order_and_keeps_each_
             x[6, ::3] = 0
             ops.set_int4_amx(True)
             kern = make_kernel(w, dtype, bias)
-            assert kern.name.endswith("(avx512-bf16 kernel), AMX tiles from 3 rows"), kern.name
-            rows = (1, 2, 3, 4, 7, 15, 16, 17, 31, 33, 64, 150)
+            assert kern.name.endswith("(avx512-bf16 kernel), AMX tiles from 2 rows"), kern.name
+            rows = (1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 31, 33, 64, 150)
             ops.set_int4_amx_rows(1)  # tiles at every row count
             tiles = [kern(x[:r]) for r in rows]
             ops.set_int4_amx_rows(4096)  # FMAs in the tiles' order at every row count

@@ -102,6 +102,10 @@ inline std::vector<int64_t> row_groups(const int64_t* tables, const int64_t* len
   return starts;
 }
 
+// exp(m - mx): the factor that rescales what a query summed before a tile raised its max to mx (0 on its first tile).
+// Where the max stands it is exactly 1, and the caller skips the multiply: the same bits.
+inline float rescale(float m, float mx) { return mx == m ? 1.f : std::exp(m - mx); }
+
 // The queries of one work item (rows s0 .. s0 + R - 1 of a row group, the G query heads of kv head kh), scaled,
 // as float32 [Q = R G, D]: query i is row i / G, head i % G, and sees keys [qlo[i], qlen[i]). Returns the
 // first key any of them sees. The per-item state (m, l, acc) starts empty.
@@ -185,6 +189,12 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
+}
+
+// The online softmax's running max after a tile: max(m, the seen scores). Most tiles do not raise it, and a compare
+// says so without the horizontal reduction; the number is the same either way.
+inline float tile_max(float m, __m512 s, __mmask16 seen) {
+  return _mm512_mask_cmp_ps_mask(seen, s, _mm512_set1_ps(m), _CMP_GT_OQ) ? std::max(m, _mm512_mask_reduce_max_ps(seen, s)) : m;
 }
 
 // 16 consecutive elements of a K/V row as float32
@@ -277,13 +287,15 @@ inline void tile_scores(const float* qf, const float* kt, float* scores) {
 
 // acc of NQ queries (CW vectors from dimension 16 c) += p . V over the tile's cnt tokens, after scaling by alpha
 template <int D, int CW, int NQ>
-inline void tile_values(const float* p, const float* alpha, const float* vf, int64_t cnt, int c, float* acc) {
+inline void tile_values(const float* p, const float* alpha, const float* vf, int64_t vstride, int64_t cnt, int c, float* acc) {
   __m512 a[NQ][CW];
   for (int g = 0; g < NQ; ++g)
-    for (int i = 0; i < CW; ++i) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * (c + i)), _mm512_set1_ps(alpha[g]));
+    for (int i = 0; i < CW; ++i)
+      a[g][i] = alpha[g] == 1.f ? _mm512_loadu_ps(acc + g * D + 16 * (c + i))  // (times 1: the same bits)
+                                : _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * (c + i)), _mm512_set1_ps(alpha[g]));
   for (int64_t t = 0; t < cnt; ++t) {
     __m512 v[CW];
-    for (int i = 0; i < CW; ++i) v[i] = _mm512_loadu_ps(vf + t * D + 16 * (c + i));
+    for (int i = 0; i < CW; ++i) v[i] = _mm512_loadu_ps(vf + t * vstride + 16 * (c + i));
     for (int g = 0; g < NQ; ++g)
       for (int i = 0; i < CW; ++i) a[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * 16 + t]), v[i], a[g][i]);
   }
@@ -352,27 +364,35 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
             any = true;
             const __mmask16 seen = static_cast<__mmask16>(((1u << te) - 1) & ~((1u << tb) - 1));
             const __m512 sg = _mm512_loadu_ps(&p[g * 16]);
-            const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(seen, sg));
+            const float mx = tile_max(m[g], sg, seen);
             const __m512 pg = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sg, _mm512_set1_ps(mx))));
-            alpha[g] = std::exp(m[g] - mx);  // rescales what came before (0 on the first tile)
+            alpha[g] = rescale(m[g], mx);
             l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(pg);
             m[g] = mx;
             _mm512_storeu_ps(&p[g * 16], pg);
           }
           if (!any) continue;
-          for (int64_t t = 0; t < cnt; ++t) {  // values as float32, once for all queries
-            const int64_t row = row0 + (t0 + t) * KVH;
-            const float rs = row_scale<kKV>(v, row);
-            for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
+          // values as float32, once for all queries: a float32 pool's rows as they are (token t at a stride of KVH rows)
+          const float* vt = vf.data();
+          int64_t vstride = D;
+          if constexpr (kKV == at::kFloat) {
+            vt = static_cast<const float*>(v.data) + (row0 + t0 * KVH) * D;
+            vstride = KVH * D;
+          } else {
+            for (int64_t t = 0; t < cnt; ++t) {
+              const int64_t row = row0 + (t0 + t) * KVH;
+              const float rs = row_scale<kKV>(v, row);
+              for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
+            }
           }
           for (int c = 0; c < V; c += CW) {
-            for (g = 0; g + kPV <= Q; g += kPV) tile_values<D, CW, kPV>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]);
+            for (g = 0; g + kPV <= Q; g += kPV) tile_values<D, CW, kPV>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]);
             switch (Q - g) {
-              case 1: tile_values<D, CW, 1>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
-              case 2: tile_values<D, CW, 2>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
-              case 3: tile_values<D, CW, 3>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
-              case 4: tile_values<D, CW, 4>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
-              case 5: tile_values<D, CW, 5>(&p[g * 16], &alpha[g], vf.data(), cnt, c, &acc[g * D]); break;
+              case 1: tile_values<D, CW, 1>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]); break;
+              case 2: tile_values<D, CW, 2>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]); break;
+              case 3: tile_values<D, CW, 3>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]); break;
+              case 4: tile_values<D, CW, 4>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]); break;
+              case 5: tile_values<D, CW, 5>(&p[g * 16], &alpha[g], vt, vstride, cnt, c, &acc[g * D]); break;
               default: break;
             }
           }
@@ -471,15 +491,15 @@ void decode_dpbf16(const bf16* q, const Pool& k, const Pool& v, const int64_t* t
             }
             const __mmask16 seen = static_cast<__mmask16>(((1u << te) - 1) & ~((1u << tb) - 1));
             const __m512 sc = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-1e30f), _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
-            const float mx = std::max(m[i], _mm512_reduce_max_ps(sc));
-            const float alpha = std::exp(m[i] - mx);  // rescales what came before (0 on the first tile)
+            const float mx = tile_max(m[i], sc, seen);
+            const float alpha = rescale(m[i], mx);
             const __m512 p = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
             l[i] = l[i] * alpha + _mm512_reduce_add_ps(p);
             m[i] = mx;
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
             float* ai = &acc[i * D];
             __m512 a[A];
-            for (int c = 0; c < A; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ai + 16 * c), _mm512_set1_ps(alpha));
+            for (int c = 0; c < A; ++c) a[c] = alpha == 1.f ? _mm512_loadu_ps(ai + 16 * c) : _mm512_mul_ps(_mm512_loadu_ps(ai + 16 * c), _mm512_set1_ps(alpha));
             for (int64_t t = tb / 2; t < (te + 1) / 2; ++t) {
               const __m512bh pt = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[t]));
               for (int c = 0; c < A; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)vi[t][c], pt);
@@ -642,7 +662,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           float* sg = &scores[g * SW];
           float mx = m[g];
           for (int64_t t = tb; t < ng; ++t) mx = std::max(mx, sg[t]);
-          const float alpha = std::exp(m[g] - mx);
+          const float alpha = rescale(m[g], mx);
           for (int64_t t = ng; t < ((ng + 7) / 8) * 8; ++t) sg[t] = -1e30f;  // padding: exp -> 0
           float sum = 0.f;
           for (int64_t t = 0; t < ng; t += 8) {
@@ -655,7 +675,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           l[g] = l[g] * alpha + sum;
           m[g] = mx;
           __m256 a[V];
-          for (int i = 0; i < V; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(&acc[g * D + 8 * i]), _mm256_set1_ps(alpha));
+          for (int i = 0; i < V; ++i) a[i] = alpha == 1.f ? _mm256_loadu_ps(&acc[g * D + 8 * i]) : _mm256_mul_ps(_mm256_loadu_ps(&acc[g * D + 8 * i]), _mm256_set1_ps(alpha));
           for (int64_t t = tb; t < ng; ++t) {
             const __m256 p = _mm256_set1_ps(sg[t]);
             for (int i = 0; i < V; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(&vf[t * D + 8 * i]), a[i]);

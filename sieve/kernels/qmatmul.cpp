@@ -618,7 +618,13 @@ template <int b> inline void c_store(void* p) {
   else _tile_stored(6, p, 64);
 }
 
-// NB blocks of 16 output rows against all M rows of x (bf16 [Mp, K2], Mp a multiple of 16 when M > 16); acc [M][NB]
+// NB blocks of 16 output rows against all M rows of x (bf16 [Mp, K2], Mp a multiple of 16 when M > 16); acc [M][NB].
+// Up to 16 rows (one chunk: a decode and its drafts) the groups run as a software pipeline. Group g + 1's tile products
+// are issued as soon as group g's are stored; group g is then ended and group g + 2's weights decoded while the tile
+// unit multiplies. Before, every group decoded, multiplied, waited for its products, and ended in turn. Each group's
+// arithmetic and the order in which groups end are unchanged, so the bits are the same. Emerald Rapids host, one
+// layer's four int4 shapes, 3 / 4 / 9 / 16 rows: 0.111 / 0.118 / 0.151 / 0.229 -> 0.086 / 0.089 / 0.131 / 0.193 ms
+// (docs/benchmarks.md, issue 15, twenty-third part). Above 16 rows the chunks reuse each group's B tiles, in turn.
 template <int NB>
 void int4_amx_tile(const uint16_t* x, int64_t M, int64_t K2, const uint8_t* w, const int64_t (&blk)[NB], const Out& out,
                    const Int4Args& a, __m512* acc) {
@@ -629,8 +635,7 @@ void int4_amx_tile(const uint16_t* x, int64_t M, int64_t K2, const uint8_t* w, c
   alignas(64) float c[NB][kAmxRows * 16];
   const __m512i base = set_words(0x4300), low4 = set_words(0xF);
   for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g) {
-    __m512 s[NB], off[NB];
+  auto decode = [&](int64_t g) {  // group g's weights as B tiles, into btiles[g & 1]
     auto& btile = btiles[g & 1];
     for (int b = 0; b < NB; ++b) {
       const uint8_t* wb = w + blk[b] * block_bytes;
@@ -642,24 +647,50 @@ void int4_amx_tile(const uint16_t* x, int64_t M, int64_t K2, const uint8_t* w, c
           _mm512_store_si512(btile[b][t] + (2 * i) * 32, _mm512_ternarylogic_epi32(q, low4, base, 0xEA));
           _mm512_store_si512(btile[b][t] + (2 * i + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(q, 4), base));
         }
+    }
+  };
+  auto multiply = [&](int64_t g, int64_t h) {  // C = rows of chunk h . group g's B, for each block
+    auto& btile = btiles[g & 1];
+    for_tiles<NB>([&]<int b>() { c_zero<b>(); });
+    for (int64_t t = 0; t < sub; ++t) {
+      _tile_loadd(0, x + h * kAmxRows * K2 + (g * sub + t) * 32, K2 * 2);
+      for_tiles<NB>([&]<int b>() { b_load_and_multiply<b>(btile[b][t]); });
+    }
+  };
+  auto store = [&]() { for_tiles<NB>([&]<int b>() { c_store<b>(c[b]); }); };
+  auto end_group = [&](int64_t g, int64_t h) {  // acc += s C + (m - 128 s) sum x, for the stored C of chunk h
+    __m512 s[NB], off[NB];
+    for (int b = 0; b < NB; ++b) {
       s[b] = load_halves(a.scale + (blk[b] * a.G + g) * 16);
       off[b] = a.min ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s[b], load_halves(a.min + (blk[b] * a.G + g) * 16))
                      : _mm512_mul_ps(_mm512_set1_ps(-136.f), s[b]);
     }
-    for (int64_t h = 0; h < chunks; ++h) {
-      for_tiles<NB>([&]<int b>() { c_zero<b>(); });
-      for (int64_t t = 0; t < sub; ++t) {
-        _tile_loadd(0, x + h * kAmxRows * K2 + (g * sub + t) * 32, K2 * 2);
-        for_tiles<NB>([&]<int b>() { b_load_and_multiply<b>(btile[b][t]); });
+    const int64_t rows = std::min(kAmxRows, M - h * kAmxRows);
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m512 xs = _mm512_set1_ps(a.xsum[(h * kAmxRows + m) * a.G + g]);
+      for (int b = 0; b < NB; ++b) {
+        __m512& r = acc[(h * kAmxRows + m) * NB + b];
+        r = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(s[b], _mm512_load_ps(c[b] + m * 16), r));
       }
-      for_tiles<NB>([&]<int b>() { c_store<b>(c[b]); });
-      const int64_t rows = std::min(kAmxRows, M - h * kAmxRows);
-      for (int64_t m = 0; m < rows; ++m) {
-        const __m512 xs = _mm512_set1_ps(a.xsum[(h * kAmxRows + m) * a.G + g]);
-        for (int b = 0; b < NB; ++b) {
-          __m512& r = acc[(h * kAmxRows + m) * NB + b];
-          r = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(s[b], _mm512_load_ps(c[b] + m * 16), r));
-        }
+    }
+  };
+  if (chunks == 1) {
+    decode(0);
+    multiply(0, 0);
+    if (a.G > 1) decode(1);
+    for (int64_t g = 0; g < a.G; ++g) {
+      store();
+      if (g + 1 < a.G) multiply(g + 1, 0);
+      end_group(g, 0);
+      if (g + 2 < a.G) decode(g + 2);
+    }
+  } else {
+    for (int64_t g = 0; g < a.G; ++g) {
+      decode(g);
+      for (int64_t h = 0; h < chunks; ++h) {
+        multiply(g, h);
+        store();
+        end_group(g, h);
       }
     }
   }
@@ -813,8 +844,10 @@ std::string bf16_dot_kernel() { return use_fma_dots() ? "fma" : "dpbf16"; }
 // order (tile_int4_fma<..., true>): the same bits, so a row's result does not depend on the rows beside it. Emerald
 // Rapids host, SmolLM2-135M Q4_1's 120 int4 linears, ms, the three interleaved: 1 / 2 / 3 / 4 / 8 / 16 rows FMA form
 // 4.72 / 5.32 / 6.33 / 7.47 / 15.69 / 28.35, FMAs in tile order 4.66 / 5.10 / 7.06 / 8.11 / 15.81 / 28.77, tiles
-// 5.62 / 5.60 / 6.15 / 6.20 / 10.35 / 13.93 (one tile product costs about the same for 1 row as for 16). Decided once
-// per process (or by set_int4_amx, for tests), never from a timing.
+// 5.62 / 5.60 / 6.15 / 6.20 / 10.35 / 13.93. With the tiles' groups pipelined (int4_amx_tile), one layer's four
+// shapes at 1 / 2 rows: FMAs in tile order 0.079 / 0.107 ms, tiles 0.072 / 0.088, so the tiles now start at 2 rows
+// and one row (memory-bound, level either way) keeps the FMAs. Decided once per process (or by set_int4_amx, for
+// tests), never from a timing.
 #if defined(__AMX_TILE__)
 bool amx_permitted() {  // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -848,7 +881,7 @@ bool set_int4_amx(bool on) {
 #endif
   return before;
 }
-std::atomic<int64_t> int4_amx_from{3};
+std::atomic<int64_t> int4_amx_from{2};
 int64_t int4_amx_rows() { return int4_amx_from.load(std::memory_order_relaxed); }
 int64_t set_int4_amx_rows(int64_t rows) {
   TORCH_CHECK(rows >= 1 && rows <= 4096, "int4 AMX rows: 1 to 4096, not ", rows);
