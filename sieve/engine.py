@@ -270,12 +270,13 @@ class LLMEngine:
         # whose layers keep windows or recurrent state have no single context to time here: their keys cost 0.
         if len(self.runner.layer_groups) > 1 or self.arch.mamba_layers:
             return
+        counts = sorted({min(r, cap) for r in (8, 16, 32)})  # one sequence's engine (cap 4) too
         free = self.block_manager.num_free_blocks * self.config.block_size
-        context = min(512, self.config.max_model_len // 2, free // 2)
+        # the rows' positions run to context + the most rows: within the model's length and the free blocks
+        context = min(512, self.config.max_model_len // 2, free // 2, self.config.max_model_len - counts[-1], free - counts[-1])
         if context < 2 * self.config.block_size:
             return
-        counts = sorted({min(r, cap) for r in (8, 16, 32)})  # one sequence's engine (cap 4) too
-        with self._borrowed_blocks(context + max(counts)) as tables:  # each long step beside a short one: their difference
+        with self._borrowed_blocks(context + counts[-1]) as tables:  # each long step beside a short one: their difference
             for n in counts:  # one sequence's n rows from `context`, against n rows at position 0
                 extra = [time_decode_rows(self.runner, n, tables, context) - time_decode_rows(self.runner, n, tables)
                          for _ in range(reps)]

@@ -669,6 +669,16 @@ def test_calibrated_drafted_rows_are_one_sequences_consecutive_positions(llama_e
     assert len(out[0].outputs[0].token_ids) == 4  # the borrowed blocks went back
 
 
+def test_calibration_keeps_its_drafted_rows_inside_a_small_cache(llama_engine_factory):
+    """The keys' calibration borrows its context plus its most rows (32) from the free blocks, at positions below
+    the model's length. A small cache (10 blocks of 4 tokens) must still load, and the engine serve, with `auto`."""
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, block_size=4,
+                               num_gpu_blocks_override=10, max_model_len=36, max_num_seqs=8)
+    out = llm.generate([{"prompt_token_ids": list(range(3, 12))}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.llm_engine.block_manager.num_free_blocks == 10  # the borrowed blocks went back
+
+
 def test_adaptive_depth_counts_what_the_proposer_costs():
     """Drafts always accepted, a step cost nearly flat: drafting pays if asking the proposer is cheap, and not if
     each drafted token costs more than the step it saves."""
