@@ -123,14 +123,14 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(checkpoints):
 
 def test_shutdown_with_a_dead_rank_never_waits_on_the_groups_destructors():
     """A gloo group's destructor joins its threads, and one blocked on a send to a killed rank never returns: it hung
-    `test_a_dead_rank_fails_the_step_instead_of_hanging` about 1 run in 10, aborted or not. Where a rank is gone,
+    `test_a_dead_rank_fails_the_step_instead_of_hanging` in full `make test` runs, aborted or not. Where a rank is gone,
     shutdown aborts the groups and drops them on a daemon thread. Groups whose destructors block until released
     stand in for gloo's: shutdown returns at once, and they are destroyed once released."""
     import threading
 
     from sieve.distributed.parallel import TensorParallelGroup
 
-    release, destroyed, aborted = threading.Event(), [], []
+    release, both_gone, destroyed, aborted = threading.Event(), threading.Event(), [], []
 
     class Stuck:
         def __init__(self, name):
@@ -142,6 +142,8 @@ def test_shutdown_with_a_dead_rank_never_waits_on_the_groups_destructors():
         def __del__(self):
             release.wait()
             destroyed.append(self.name)
+            if len(destroyed) == 2:
+                both_gone.set()
 
     group = TensorParallelGroup(0, 2, torch.device("cpu"), object(), Stuck("control"), Stuck("data"))
     group.gone = lambda: "tensor-parallel rank 1 exited"
@@ -153,10 +155,7 @@ def test_shutdown_with_a_dead_rank_never_waits_on_the_groups_destructors():
         assert aborted == ["control", "data"]
     finally:
         release.set()
-    for _ in range(300):
-        if len(destroyed) == 2:
-            break
-        threading.Event().wait(0.01)
+    assert both_gone.wait(60)
     assert sorted(destroyed) == ["control", "data"]
 
 

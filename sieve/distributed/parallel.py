@@ -134,6 +134,6 @@ class TensorParallelGroup:
                     except Exception:  # nothing more to do for a group that cannot abort
                         pass
                 # Even aborted, a group's destructor joins its gloo threads, and one blocked on a send to the dead rank
-                # never returns (1 run in about 10 of test_a_dead_rank_fails_the_step_instead_of_hanging hung there):
+                # never returns (test_a_dead_rank_fails_the_step_instead_of_hanging hung there in full make test runs):
                 # the last references go on a daemon thread, which the process does not wait for.
                 threading.Thread(target=groups.clear, name="sieve-tp-dead-groups", daemon=True).start()
