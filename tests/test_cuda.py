@@ -50,6 +50,28 @@ def test_triton_kernel_matches_the_dequantized_weight(fmt, rows, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["q8_0", "int4 g32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernel_gives_a_row_the_same_bits_at_every_row_count(fmt, dtype):
+    """A row alone and the same row among 3, 16, 17, 100 or 2,048 others: the same bits. Above 16 rows the kernel
+    took a larger tile, whose tensor-core instructions sum a row's products in another order, so speculation's
+    verification steps of 17 or more rows were not lossless in bfloat16."""
+    from sieve.quant.formats import quantize_int4
+    from sieve.quant.kernels import make_kernel
+
+    torch.manual_seed(0)
+    n, k = 200, 320
+    qw = ({"q8_0": _q8_0, "int4 g32": lambda w: quantize_int4(w, 32)}[fmt])(torch.randn(n, k) * 0.05).to(torch.device("cuda"))
+    kern = make_kernel(qw, dtype, torch.randn(n, device="cuda").to(dtype))
+    x = torch.randn(2048, k, device="cuda").to(dtype)
+    alone = torch.cat([kern(x[i:i + 1]) for i in range(0, 2048, 97)])
+    for rows in (3, 16, 17, 100, 2048):
+        got = kern(x[:rows])
+        for i in range(0, rows, 97):
+            assert torch.equal(got[i], alone[i // 97]), (rows, i)
+
+
+@cuda
 def test_gguf_model_on_the_gpu_matches_the_cpu(checkpoints, tmp_path):
     from sieve import LLM, SamplingParams
     from sieve.bench.gguf_export import export_gguf
@@ -116,18 +138,21 @@ def test_triton_decode_attention_on_the_gpu_is_the_reference_and_each_row_its_ow
 
 @cuda
 @pytest.mark.parametrize("crowd", [False, True])
-def test_bfloat16_gguf_speculation_on_the_gpu_gives_the_plain_tokens(checkpoints, tmp_path, crowd):
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 6, "num_branches": 4}], ids=["k3", "k6-tree4"])
+def test_bfloat16_gguf_speculation_on_the_gpu_gives_the_plain_tokens(checkpoints, tmp_path, crowd, spec):
     """The H200 benchmark's case (a GGUF int4 file, bfloat16 activations, Triton linears): a drafted sequence's rows
     are computed as each would be alone, so its greedy tokens equal speculation off's, one request at a time and
-    4 at once (decode steps of at most 16 rows: the linears' one tile shape; above 16 rows they take another)."""
+    4 at once. k = 6 with 4 branches verifies 28 rows a sequence, 112 a step in the crowd: above the 16 rows that
+    once took another tile shape."""
     from sieve import LLM
     from sieve.bench.gguf_export import export_gguf
     from test_spec import grounded_workload
 
     path = export_gguf(checkpoints["llama"], tmp_path / "l.gguf", "q4_1", log=lambda s: None)
     prompts, params = grounded_workload(17)
-    engines = [LLM(str(path), device="cuda", dtype="bfloat16", num_gpu_blocks_override=512, speculative_config=spec)
-               for spec in (None, {"method": "ngram", "num_speculative_tokens": 3})]
+    engines = [LLM(str(path), device="cuda", dtype="bfloat16", num_gpu_blocks_override=512, speculative_config=s)
+               for s in (None, spec)]
 
     def run(llm):
         if crowd:
@@ -147,13 +172,13 @@ def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, mo
     from test_medusa import STORIES, distill_args, workload
 
     devices = set()
-    loss = distill.eagle_loss
+    loss = distill.eagle_batch_loss  # what training calls for every pass (one answer or a padded pack of them)
 
-    def recording(layer, seq, *args, **kwargs):
-        devices.add((layer.fc.weight.device.type, seq[2].device.type))
-        return loss(layer, seq, *args, **kwargs)
+    def recording(layer, seqs, *args, **kwargs):
+        devices.update((layer.fc.weight.device.type, seq[2].device.type) for seq in seqs)
+        return loss(layer, seqs, *args, **kwargs)
 
-    monkeypatch.setattr(distill, "eagle_loss", recording)
+    monkeypatch.setattr(distill, "eagle_batch_loss", recording)
     report = distill.run_distill(distill_args(STORIES, tmp_path, method="eagle", depth=3, batch_tokens=512))
     assert devices == {("cuda", "cuda")}
     first, last = report["history"][0], report["history"][-1]

@@ -181,9 +181,9 @@ def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_tok
     feats = torch.randn(2, 30, H, dtype=torch.float64)
     tokens = torch.randint(0, V, (2, 30)).tolist()
     n = (20, 14)
-    tree, chain = make(), make()
+    tree, chain, both = make(), make(), make()
     drafts = {}
-    for name, proposer, branches in (("tree", tree, [3, 1]), ("chain", chain, None)):
+    for name, proposer, branches in (("tree", tree, [3, 1]), ("chain", chain, None), ("both", both, [3, 3])):
         seqs = [SimpleNamespace(token_ids=tokens[i][: n[i] + 1], num_computed_tokens=n[i]) for i in range(2)]
         for i, seq in enumerate(seqs):
             proposer.observe_hidden(seq, 0, feats[i, : n[i]])
@@ -191,6 +191,14 @@ def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_tok
     t, c = drafts["tree"], drafts["chain"]
     assert len(t[0].alternatives) == 2 and not t[1].alternatives
     assert t[0].token_ids == c[0].token_ids and t[1].token_ids == c[1].token_ids
+    # Both sequences branching (their rows laid out without index copies), one drafting 4 and one 3: each as alone.
+    b = drafts["both"]
+    assert (b[0].token_ids, b[0].alternatives) == (t[0].token_ids, t[0].alternatives)
+    assert b[1].token_ids == c[1].token_ids and len(b[1].alternatives) == 2 and all(len(a) == 3 for a in b[1].alternatives)
+    alone, seq = make(), SimpleNamespace(token_ids=tokens[1][: n[1] + 1], num_computed_tokens=n[1])
+    alone.observe_hidden(seq, 0, feats[1, : n[1]])
+    a = alone.propose([seq], [3], [3])[0]
+    assert (b[1].token_ids, b[1].alternatives) == (a.token_ids, a.alternatives)
     L = tree.layer
     with torch.inference_mode():
         first = L.draft_vocab[L.logits(L.unrolled(table[torch.tensor(tokens[0][1: n[0] + 1])].double(),

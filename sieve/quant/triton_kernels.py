@@ -29,8 +29,9 @@ except ImportError:  # CPU-only installs: make_kernel never asks for these
 if triton is not None:
 
     # M (the rows) is not specialized: Triton would compile M == 1 apart, and a variant may order a row's sums
-    # otherwise; so 1 to 16 rows (one tile shape) run one compiled kernel, and a decode row and the same row among
-    # a verification's drafted rows get the same bits (sieve/layers/attention_triton_kernel.py, the same rule).
+    # otherwise. With one tile shape for every row count (TritonKernel.__call__), every M runs one compiled
+    # kernel, and a decode row, the same row among a verification's drafted rows and among a prefill chunk's
+    # rows get the same bits (sieve/layers/attention_triton_kernel.py, the same rule).
     @triton.jit(do_not_specialize=["M"])
     def _qlinear(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_q, stride_s, stride_ym,
                  GROUP: tl.constexpr, INT4: tl.constexpr, GROUPED: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -113,8 +114,12 @@ class TritonKernel:
         x = x.contiguous()
         M = x.shape[0]
         y = torch.empty(M, self.n, dtype=x.dtype, device=x.device)
-        block_m = 16 if M <= 16 else 64
-        block_n = 64 if M <= 16 else 128
+        # One tile shape at every row count: a 64 x 128 tile above 16 rows (as before) takes other tensor-core
+        # instructions, which sum a row's products in another order, so a drafted sequence's rows in a step of
+        # 17 or more rows differed from its rows decoded alone (seen on an H200: bfloat16, ngram k = 6 with 4
+        # branches, 28 rows a step, tokens not speculation-off's). Many rows re-read a weight tile once per 16
+        # rows, from L2; prefill pays for that, decode does not.
+        block_m, block_n = 16, 64
         block_k = 128 if not self.grouped or self.group >= 128 or 128 % self.group == 0 else self.group
         grid = (triton.cdiv(M, block_m), triton.cdiv(self.n, block_n))
         _qlinear[grid](x, self.q, self.scale, self.min if self.min is not None else self.scale,

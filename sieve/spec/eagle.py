@@ -39,7 +39,7 @@ MAX_CATCH_UP = 64  # positions: a context left this far behind restarts at its l
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return F.rms_norm(x, w.shape, w, eps)  # x * rsqrt(mean(x^2) + eps) * w, one operator rather than five
 
 
 def unroll_mask(T: int, level: int, device=None) -> torch.Tensor:
@@ -88,9 +88,13 @@ class EagleLayer(nn.Module):
         return cls(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
                    arch.rope_theta, arch.rms_norm_eps, draft_vocab)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of positions [T], computed once for q and k."""
         freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, D/2]
-        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -109,10 +113,10 @@ class EagleLayer(nn.Module):
         rotated q, k, v [..., T, heads, D]."""
         lead = emb.shape[:-1]
         x = self.fc(torch.cat([emb * self.embed_scale.to(emb.dtype), feat], dim=-1))
-        q, k, v = self.qkv(_rms(x, self.attn_norm, self.eps)).split(
-            [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = self._rope(q.view(*lead, self.nh, self.hd), positions)
-        k = self._rope(k.view(*lead, self.nkv, self.hd), positions)
+        qk, v = self.qkv(_rms(x, self.attn_norm, self.eps)).split(
+            [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
+        cos, sin = self._rotary(positions, qk.dtype)
+        q, k = self._rope(qk.view(*lead, self.nh + self.nkv, self.hd), cos, sin).split([self.nh, self.nkv], dim=-2)
         return x, q, k, v.view(*lead, self.nkv, self.hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -227,6 +231,7 @@ class EagleProposer:
             self._int8_linears()
         self.embed, self.dtype, self.device = embed, dtype, device
         self.states: dict[int, _SeqState] = {}
+        self._chain_masks: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _int8_linears(self) -> None:
         """On the CPU a draft pass is bound by the layer's bytes (float32: ~20 MB for SmolLM2's shape, a fifth of
@@ -287,8 +292,11 @@ class EagleProposer:
             toks += seqs[i].token_ids[st.entered + 1: st.entered + 1 + m]
             pos += range(st.entered, st.entered + m)
         feats = layer.scale_features(torch.cat(feats).to(self.dtype))
-        emb = self.embed(torch.tensor(toks, device=self.device)).to(self.dtype)
-        x, q, k, v = layer.project(emb, feats, torch.tensor(pos, device=self.device))
+        # The host's integers go over in one copy (on a GPU each copy from the host waits for the device's queue).
+        lasts = list(itertools.accumulate(m for _, _, m in batch))
+        ints = torch.tensor(toks + pos + [t - 1 for t in lasts], device=self.device)
+        emb = self.embed(ints[: len(toks)]).to(self.dtype)
+        x, q, k, v = layer.project(emb, feats, ints[len(toks): 2 * len(toks)])
         attn, row, k_max = [], 0, max(ks[i] for i, _, _ in batch)
         for i, st, m in batch:
             st.reserve(st.n + m + k_max, k)
@@ -301,8 +309,8 @@ class EagleProposer:
             st.n, st.pend_start, st.pend_n = S, st.base + S, 0
             row += m
         out = layer.finish(x, torch.cat(attn))
-        last = torch.tensor(list(itertools.accumulate(m for _, _, m in batch)), device=self.device) - 1
-        g = out.index_select(0, last)  # each sequence's prediction of the feature after its last committed position
+        # Each sequence's prediction of the feature after its last committed position.
+        g = out[-1:] if len(batch) == 1 else out.index_select(0, ints[2 * len(toks):])
         width = [min(branches[i], len(layer.draft_vocab)) if branches else 1 for i, _, _ in batch]
         self._draft(ks, batch, g, width, k_max, k[:1], drafts)
         return drafts
@@ -325,22 +333,28 @@ class EagleProposer:
                 st.v[st.n: st.n + k_max * W] = 0
             top = logits.topk(W, dim=-1).indices
             rows = [(a, c) for a in range(len(batch)) for c in range(width[a])]  # (sequence, chain)
-            d = top[torch.tensor([a for a, _ in rows], device=dev), torch.tensor([c for _, c in rows], device=dev)]
-            g = g.index_select(0, torch.tensor([a for a, _ in rows], device=dev))
+            if all(w == W for w in width):  # every sequence branches fully (the usual case): no index to copy over
+                d, g = top.reshape(-1), g.repeat_interleave(W, dim=0)
+            else:
+                idx = torch.tensor([[a for a, _ in rows], [c for _, c in rows]], device=dev)
+                d, g = top[idx[0], idx[1]], g.index_select(0, idx[0])
         else:
             rows, d = [(a, 0) for a in range(len(batch))], logits.argmax(dim=-1)
-        paths = {r: [] for r in rows}  # draft-vocabulary indices
+        # Each row's position before its first draft; draft step j enters position base + j.
+        base = torch.tensor([batch[a][1].entered for a, _ in rows], device=dev)
+        # Each draft step's (chains, their tokens' draft-vocabulary indices), read back to the host once at the end:
+        # which chains go on depends only on ks, so no step waits on the device (a GPU's launches queue ahead).
+        steps = []
         for j in range(k_max):
-            for r, t in zip(rows, d.tolist()):
-                paths[r].append(t)
+            steps.append((rows, d))
             live = [n for n, (a, _) in enumerate(rows) if ks[batch[a][0]] > j + 1]
             if not live:
                 break
             # The next token of every chain still short of its sequence's k: the layer on the chain's own feature and guess.
-            sel = torch.tensor(live, device=dev)
-            rows, g, d = [rows[n] for n in live], g.index_select(0, sel), d.index_select(0, sel)
-            pos = torch.tensor([batch[a][1].entered + j for a, _ in rows], device=dev)
-            x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, pos)
+            if len(live) < len(rows):
+                sel = torch.tensor(live, device=dev)
+                rows, g, d, base = [rows[n] for n in live], g.index_select(0, sel), d.index_select(0, sel), base.index_select(0, sel)
+            x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, base + j)
             if W == 1:  # one chain a sequence: its committed entries and its own are contiguous, no mask
                 attn = []
                 for n, (a, _) in enumerate(rows):
@@ -353,29 +367,41 @@ class EagleProposer:
                 attn = self._attend_chains(batch, rows, q, k, v, k_max, j)
             g = layer.finish(x, attn)
             d = layer.logits(g).argmax(dim=-1)
+        tokens = iter(layer.draft_vocab[torch.cat([d for _, d in steps])].tolist())
+        paths = {r: [] for r in steps[0][0]}  # token ids
+        for rows, _ in steps:
+            for r in rows:
+                paths[r].append(next(tokens))
         for a, (i, _, _) in enumerate(batch):
-            chains = [layer.draft_vocab[torch.tensor(paths[(a, c)], device=dev)].tolist()[: ks[i]] for c in range(width[a])]
+            chains = [paths[(a, c)][: ks[i]] for c in range(width[a])]
             drafts[i] = Draft(chains[0], alternatives=chains[1:])
 
     def _attend_chains(self, batch, rows, q, k, v, k_max: int, j: int) -> torch.Tensor:
         """Draft step j of chains laid out as `_draft` says: each row's K/V entered at its chain's slot, then one masked
-        pass per sequence over its committed entries and each chain's own."""
-        dev = self.device
-        by_seq: dict[int, list[int]] = {}
-        for n, (a, _) in enumerate(rows):
-            by_seq.setdefault(a, []).append(n)
-        attn = torch.empty(len(rows), q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
-        for a, idx in by_seq.items():
-            st, cs, ix = batch[a][1], [rows[n][1] for n in idx], torch.tensor(idx, device=dev)
-            slots = st.n + torch.tensor(cs, device=dev) * k_max + j
-            st.k[slots], st.v[slots] = k[ix], v[ix]
-            S = st.n + max(cs) * k_max + j + 1
-            mask = torch.zeros(len(idx), S, dtype=torch.bool, device=dev)
-            mask[:, : st.n] = True
-            for r, c in enumerate(cs):
-                mask[r, st.n + c * k_max: st.n + c * k_max + j + 1] = True
-            attn[ix] = self.layer.attend(q[ix], st.k[:S], st.v[:S], mask)
-        return attn
+        pass per sequence over its committed entries and each chain's own. A sequence's chains are rows lo .. hi - 1,
+        chains 0 .. w - 1 in order (all of them go on or none: how far depends on the sequence's k), so their slots
+        are every k_max-th entry from n + j, and the rows, slots and mask are slices, not indices copied from the host."""
+        attn, lo = [], 0
+        while lo < len(rows):
+            a, hi = rows[lo][0], lo
+            while hi < len(rows) and rows[hi][0] == a:
+                hi += 1
+            st, w = batch[a][1], hi - lo
+            S = st.n + (w - 1) * k_max + j + 1
+            st.k[st.n + j: S: k_max], st.v[st.n + j: S: k_max] = k[lo:hi], v[lo:hi]
+            mask = torch.cat([torch.ones(w, st.n, dtype=torch.bool, device=self.device), self._chain_mask(w, k_max, j)], dim=1)
+            attn.append(self.layer.attend(q[lo:hi], st.k[:S], st.v[:S], mask))
+            lo = hi
+        return torch.cat(attn)
+
+    def _chain_mask(self, w: int, k_max: int, j: int) -> torch.Tensor:
+        """[w, (w - 1) k_max + j + 1]: chain c's row attends to its own entries c k_max .. c k_max + j (kept per shape)."""
+        key = (w, k_max, j)
+        mask = self._chain_masks.get(key)
+        if mask is None:
+            col = torch.arange((w - 1) * k_max + j + 1, device=self.device)
+            mask = self._chain_masks[key] = (col[None, :] // k_max == torch.arange(w, device=self.device)[:, None]) & (col[None, :] % k_max <= j)
+        return mask
 
     def finish(self, seq: Sequence) -> None:
         self.states.pop(id(seq), None)
