@@ -199,6 +199,11 @@ def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_tok
     alone.observe_hidden(seq, 0, feats[1, : n[1]])
     a = alone.propose([seq], [3], [3])[0]
     assert (b[1].token_ids, b[1].alternatives) == (a.token_ids, a.alternatives)
+    # Asked for no tokens, a proposer only enters the committed positions.
+    idle, seq = make(), SimpleNamespace(token_ids=tokens[1][: n[1] + 1], num_computed_tokens=n[1])
+    idle.observe_hidden(seq, 0, feats[1, : n[1]])
+    assert [(d.token_ids, d.alternatives) for d in idle.propose([seq], [0], [3])] == [([], [[], []])]
+    assert idle.states[id(seq)].entered == n[1]
     L = tree.layer
     with torch.inference_mode():
         first = L.draft_vocab[L.logits(L.unrolled(table[torch.tensor(tokens[0][1: n[0] + 1])].double(),

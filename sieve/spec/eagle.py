@@ -344,7 +344,7 @@ class EagleProposer:
         base = torch.tensor([batch[a][1].entered for a, _ in rows], device=dev)
         # Each draft step's (chains, their tokens' draft-vocabulary indices), read back to the host once at the end:
         # which chains go on depends only on ks, so no step waits on the device (a GPU's launches queue ahead).
-        steps = []
+        steps, chains_of = [], {r: [] for r in rows}  # token ids of each (sequence, chain)
         for j in range(k_max):
             steps.append((rows, d))
             live = [n for n, (a, _) in enumerate(rows) if ks[batch[a][0]] > j + 1]
@@ -367,13 +367,12 @@ class EagleProposer:
                 attn = self._attend_chains(batch, rows, q, k, v, k_max, j)
             g = layer.finish(x, attn)
             d = layer.logits(g).argmax(dim=-1)
-        tokens = iter(layer.draft_vocab[torch.cat([d for _, d in steps])].tolist())
-        paths = {r: [] for r in steps[0][0]}  # token ids
+        tokens = iter(layer.draft_vocab[torch.cat([d for _, d in steps])].tolist() if steps else ())
         for rows, _ in steps:
             for r in rows:
-                paths[r].append(next(tokens))
+                chains_of[r].append(next(tokens))
         for a, (i, _, _) in enumerate(batch):
-            chains = [paths[(a, c)][: ks[i]] for c in range(width[a])]
+            chains = [chains_of[(a, c)][: ks[i]] for c in range(width[a])]
             drafts[i] = Draft(chains[0], alternatives=chains[1:])
 
     def _attend_chains(self, batch, rows, q, k, v, k_max: int, j: int) -> torch.Tensor:
