@@ -172,6 +172,13 @@ class LLMEngine:
                 raise ConfigError(str(e)) from e
             self.speculator = Speculator(sc, proposer, max_len, config.max_num_batched_tokens)
             self.runner.keep_hidden = self.speculator.needs_hidden
+            aux = self.speculator.aux_hidden_layers
+            if not all(0 <= l < self.arch.num_layers for l in aux):
+                raise ConfigError(f"the EAGLE layer at {sc.model} reads the target's layers {list(aux)}, and the target "
+                                  f"has {self.arch.num_layers}")
+            if aux and self.runner.model.tp is not None:
+                raise ConfigError("an EAGLE-3 layer reads the target's inner layers, which tensor parallelism does not gather")
+            self.runner.aux_hidden_layers = aux
             if sc.auto:
                 self._calibrate_step_cost()
             log.info("speculative decoding: %s, %s draft tokens%s", sc.method,
@@ -431,13 +438,14 @@ class LLMEngine:
             return torch.cat([score_logits(self.runner, token_ids, s, min(s + step, len(token_ids)), table)
                               for s in range(0, len(token_ids), step)])
 
-    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+    def hidden_states(self, token_ids: list[int], aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """The model's last hidden states [T, hidden] at every position of `token_ids` (what its LM head reads),
-        computed between steps on borrowed blocks: what `sieve distill` trains speculative heads on."""
+        computed between steps on borrowed blocks: what `sieve distill` trains speculative heads on. With
+        `aux_layers`, the residual stream after those layers follows ([T, (1 + len(aux_layers)) * hidden])."""
         from sieve.model_runner import score_hidden
 
         with self._borrowed_blocks(len(token_ids)) as table:
-            return score_hidden(self.runner, token_ids, 0, len(token_ids), table)
+            return score_hidden(self.runner, token_ids, 0, len(token_ids), table, aux_layers)
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

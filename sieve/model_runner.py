@@ -74,6 +74,9 @@ class ModelRunner:
             self._quantize_activations(model, device)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
         self.keep_hidden: str | None = None  # speculative heads draft from hidden states: "last" or "all" rows (StepResult)
+        # keep_hidden "all" with EAGLE-3's fused features: the residual stream after these layers is kept beside each
+        # row's last hidden state ([rows, (1 + len) * hidden], the last hidden state first)
+        self.aux_hidden_layers: tuple[int, ...] = ()
         self.eos_token_ids = eos_token_ids
         self.block_size = config.block_size
         self.kv_kind = config.kv_cache_dtype
@@ -275,9 +278,13 @@ class ModelRunner:
 
         if sched.branch_copies:  # draft branches start from a copy of their sequence's partial last block
             self.copy_blocks(sched.branch_copies)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.caches, meta
-        )
+        aux_layers = self.aux_hidden_layers if self.keep_hidden == "all" else ()
+        hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            self.caches, meta, aux_layers)
+        features = hidden
+        if aux_layers:
+            hidden, aux = hidden
+            features = torch.cat([hidden, aux], dim=1)
         if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
             self.copy_blocks(sched.block_copies)
         # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
@@ -315,7 +322,7 @@ class ModelRunner:
                         sample_rows.append(b_row + j)
                     chains[id(item)].append([chains[id(item)][0][0], *range(b_first, len(seqs))])
         if not seqs:
-            return StepResult([], prompt_lps, hidden=self._kept_hidden(first_rows, hidden))
+            return StepResult([], prompt_lps, hidden=self._kept_hidden(first_rows, features))
         sampled_hidden = hidden[sample_rows]
         mask_seconds, masked, meta_s = 0.0, 0, None
         with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
@@ -361,7 +368,7 @@ class ModelRunner:
                 emitted = verify_deterministic(item.draft, target)
             result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
             last_rows.append(first + len(emitted) - 1)
-        kept = self._kept_hidden(first_rows, hidden)
+        kept = self._kept_hidden(first_rows, features)
         if self.keep_hidden == "last":  # the row that sampled each sequence's last emitted token, at its position
             rows = sampled_hidden.index_select(0, torch.tensor(last_rows, device=self.device))
             kept = [(seq, seq.num_tokens + len(emitted) - 2, rows[i: i + 1]) for i, (seq, emitted, _) in enumerate(result)]
@@ -450,11 +457,16 @@ def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int
 
 
 @torch.inference_mode()
-def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int, tables) -> torch.Tensor:
-    """The last hidden states [end - start, hidden] that `score_logits` turns into logits."""
+def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int, tables,
+                 aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The last hidden states [end - start, hidden] that `score_logits` turns into logits; with `aux_layers`, the
+    residual stream after those layers beside them ([end - start, (1 + len(aux_layers)) * hidden], as served to an
+    EAGLE-3 layer)."""
     dev = runner.device
     meta = runner.metadata([(tables, start, end)], [], [(0, end - start, end, tables)])
-    return runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev), runner.caches, meta)
+    out = runner.model(torch.tensor(token_ids[start:end], device=dev), torch.arange(start, end, device=dev),
+                       runner.caches, meta, tuple(aux_layers))
+    return torch.cat(out, dim=1) if aux_layers else out
 
 
 @torch.inference_mode()

@@ -164,9 +164,11 @@ def test_bfloat16_gguf_speculation_on_the_gpu_gives_the_plain_tokens(checkpoints
 
 
 @cuda
-def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("aux", [None, "1,3"], ids=["eagle", "eagle3"])
+def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, monkeypatch, aux):
     """`sieve distill --method eagle` with the target on CUDA trains the layer there too (every loss computed on the
-    GPU), learns as on the CPU (the bounds of test_eagle's CPU run), and saves a layer that serves losslessly."""
+    GPU), learns as on the CPU (the bounds of test_eagle's CPU run), and saves a layer that serves losslessly; with
+    `--aux-hidden-layers`, EAGLE-3's fused features come from the GPU's layer loop, in training and served."""
     from sieve import LLM, SamplingParams
     from sieve.spec import distill
     from test_medusa import STORIES, distill_args, workload
@@ -179,7 +181,8 @@ def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, mo
         return loss(layer, seqs, *args, **kwargs)
 
     monkeypatch.setattr(distill, "eagle_batch_loss", recording)
-    report = distill.run_distill(distill_args(STORIES, tmp_path, method="eagle", depth=3, batch_tokens=512))
+    report = distill.run_distill(distill_args(STORIES, tmp_path, method="eagle", depth=3, batch_tokens=512,
+                                              aux_hidden_layers=aux))
     assert devices == {("cuda", "cuda")}
     first, last = report["history"][0], report["history"][-1]
     assert last["loss"] < first["loss"] and last["head_accuracy"][0] > 0.4
@@ -187,7 +190,8 @@ def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, mo
     prompts, params = workload(8)
     plain = LLM(str(STORIES), device="cuda", dtype="float32", kv_cache_memory_gb=0.25)
     spec = LLM(str(STORIES), device="cuda", dtype="float32", kv_cache_memory_gb=0.25,
-               speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+               speculative_config={"method": "eagle3" if aux else "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+    assert spec.llm_engine.runner.aux_hidden_layers == ((1, 3) if aux else ())
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
     assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
     assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0

@@ -115,29 +115,36 @@ def test_eagle_draft_tree_is_lossless_and_keeps_its_other_chains(eagle):
     assert accepted[3] > accepted[1] + 0.05  # accepted tokens per draft (0.88 against 0.74 here)
 
 
-def _random_layer(path, H: int = 32, V: int = 50):
+def _random_layer(path, H: int = 32, V: int = 50, aux: tuple[int, ...] = ()):
     """A small EAGLE layer with random weights (not the near-identity start) saved at `path`, for a target of hidden
-    size H and vocabulary V drafting its even ids; and an embedding table for that target."""
+    size H and vocabulary V drafting its even ids (with `aux`, fusing those layers' features, EAGLE-3's, through a
+    random projection); and an embedding table for that target."""
     layer = EagleLayer(H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)))
-    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 2)), aux_hidden_layers=aux)
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head) + ((layer.fuse,) if aux else ()):
         torch.nn.init.normal_(lin.weight, std=0.3)
+    if aux:
+        layer.aux_scale.uniform_(0.5, 2.0)
     layer.save(path, {})
     return H, V, torch.randn(V, H)
 
 
-def test_served_drafts_are_what_training_unrolls(tmp_path):
+@pytest.mark.parametrize("aux", [(), (0, 2)], ids=["eagle", "fused"])
+def test_served_drafts_are_what_training_unrolls(tmp_path, aux):
     """The proposer (features entered in pieces, rejected rows replaced, a draft cache grown) drafts exactly the
     tokens the unrolled training pass predicts for the same context and the same tokens: simulated acceptance is the
-    served one."""
+    served one. With fused inner layers (EAGLE-3), each row handed over carries them after the last hidden state, and
+    the drafts depend on them."""
     torch.manual_seed(0)
-    H, V, table = _random_layer(tmp_path)
+    H, V, table = _random_layer(tmp_path, aux=aux)
     proposer = EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
-    feats = torch.randn(40, H, dtype=torch.float64)
+    assert proposer.aux_hidden_layers == aux
+    W = H * (1 + len(aux))
+    feats = torch.randn(40, W, dtype=torch.float64)
     tokens = torch.randint(0, V, (40,)).tolist()
     seq = SimpleNamespace(token_ids=tokens[:21], num_computed_tokens=20)
     proposer.observe_hidden(seq, 0, feats[:12])  # a prefill chunk
-    proposer.observe_hidden(seq, 12, torch.randn(9, H, dtype=torch.float64))  # rows of a step whose drafts lost...
+    proposer.observe_hidden(seq, 12, torch.randn(9, W, dtype=torch.float64))  # rows of a step whose drafts lost...
     proposer.observe_hidden(seq, 12, feats[12:20])  # ...replaced from position 12
     for n in (20, 23):
         seq.token_ids, seq.num_computed_tokens = tokens[: n + 1], n
@@ -153,10 +160,14 @@ def test_served_drafts_are_what_training_unrolls(tmp_path):
             sim = [proposer.layer.draft_vocab[proposer.layer.logits(outs[s][n - 1 + s]).argmax()].item() for s in range(4)]
         assert draft == sim
         if n == 20:  # the drafts depend on the features entered (so a wrong row entered would show)
-            with torch.inference_mode():
-                other = proposer.layer.unrolled(table[path[1:]].double(), torch.randn(T, H, dtype=torch.float64), 4)
-                assert [proposer.layer.draft_vocab[proposer.layer.logits(other[s][n - 1 + s]).argmax()].item()
-                        for s in range(4)] != sim
+            others = [torch.randn(T, W, dtype=torch.float64)]
+            if aux:  # and on the inner layers' part alone
+                others.append(torch.cat([feats[:T, :H], torch.randn(T, W - H, dtype=torch.float64)], dim=1))
+            for other in others:
+                with torch.inference_mode():
+                    outs = proposer.layer.unrolled(table[path[1:]].double(), other, 4)
+                    assert [proposer.layer.draft_vocab[proposer.layer.logits(outs[s][n - 1 + s]).argmax()].item()
+                            for s in range(4)] != sim
     proposer.finish(seq)
     assert not proposer.states
 
@@ -319,20 +330,23 @@ def test_answers_trained_in_one_padded_pass_are_each_trained_as_alone(tmp_path):
         run_distill(distill_args(STORIES, tmp_path, method="medusa", pack_tokens=512))
 
 
-def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(tmp_path):
+@pytest.mark.parametrize("aux", [(), (1, 3)], ids=["eagle", "fused"])
+def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(tmp_path, aux):
     """`--token-loss soft`: each level's token loss is -sum p log q, p the target's distribution over the draft
     vocabulary (its LM-head rows times its next feature), q the layer's; the hard loss takes the target's greedy
     token alone. The feature regression is added with its weight; a negative weight is refused, and so are
-    both options for heads other than EAGLE's."""
+    both options for heads other than EAGLE's. With fused inner layers (EAGLE-3), features carry them after the last
+    hidden state: the target's distribution and the regression read the last hidden state alone."""
     torch.manual_seed(0)
     H, V, T = 16, 30, 9
     layer = EagleLayer(H, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 3)))
-    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head):
+                       rms_norm_eps=1e-6, draft_vocab=list(range(0, V, 3)), aux_hidden_layers=aux)
+    for lin in (layer.fc, layer.qkv, layer.o, layer.gate_up, layer.down, layer.head) + ((layer.fuse,) if aux else ()):
         torch.nn.init.normal_(lin.weight, std=0.3)
     table, teacher = torch.randn(V, H), torch.randn(len(layer.draft_vocab), H)
-    ids, feats = torch.randint(0, V, (T + 1,)), torch.randn(T + 1, H)
-    nxt = layer.draft_vocab[(feats @ teacher.t()).argmax(-1)]  # the target's greedy tokens, in the draft vocabulary
+    ids, feats = torch.randint(0, V, (T + 1,)), torch.randn(T + 1, H * (1 + len(aux)))
+    last = feats[:, :H]
+    nxt = layer.draft_vocab[(last @ teacher.t()).argmax(-1)]  # the target's greedy tokens, in the draft vocabulary
     index = torch.full((V,), -100, dtype=torch.int64)
     index[layer.draft_vocab] = torch.arange(len(layer.draft_vocab))
     seq = (ids, 0, feats, nxt)
@@ -344,7 +358,7 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
         for s, g in enumerate(outs):
             i = torch.arange(s, T)
             q = torch.log_softmax(layer.logits(g[i]), -1)
-            want_soft += -(torch.softmax(feats[i + 1] @ teacher.t(), -1) * q).sum()
+            want_soft += -(torch.softmax(last[i + 1] @ teacher.t(), -1) * q).sum()
             want_hard += -q.gather(1, index[nxt[i + 1]][:, None]).sum()
         count = sum(T - s for s in range(depth))
         assert n == T
@@ -353,7 +367,7 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
     # the feature regression is added with its weight
     with_reg, _ = eagle_loss(layer, seq, table, index, 1, teacher=teacher, reg_weight=2.0)
     g = layer.unrolled(table[ids[1:]], feats[:T], 1)[0]
-    reg = torch.nn.functional.smooth_l1_loss(g, layer.scale_features(feats[1:]), reduction="none").mean(-1).sum() / T
+    reg = torch.nn.functional.smooth_l1_loss(g, last[1:] / layer.feature_scale, reduction="none").mean(-1).sum() / T
     assert torch.allclose(with_reg, eagle_loss(layer, seq, table, index, 1, teacher=teacher, reg_weight=0.0)[0] + 2 * reg,
                           rtol=1e-5)
     with pytest.raises(ConfigError, match="--feature-loss-weight"):
@@ -368,3 +382,103 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
     assert parser.parse_args(["--out", "x", "--token-loss", "soft"]).token_loss == "soft"
     with pytest.raises(SystemExit):  # a loss it does not know
         parser.parse_args(["--out", "x", "--token-loss", "kl"])
+
+
+def test_inner_layers_residual_stream_is_handed_over_alike_by_both_layer_loops(checkpoints, tmp_path):
+    """EAGLE-3's fused features: the model hands over the residual stream after the layers asked for, beside the last
+    hidden state. The C++ layer loop (a float32 Q4_1 GGUF) gives the same bits as the Python loop, and the stream after
+    the last layer, through the final norm, is the last hidden state itself."""
+    from sieve import LLM
+    from sieve.bench.gguf_export import export_gguf
+
+    path = export_gguf(checkpoints["llama"], tmp_path / "m.gguf", "q4_1", log=lambda s: None)
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=64)
+    engine, model = llm.llm_engine, llm.llm_engine.runner.model
+    L, H = engine.arch.num_layers, engine.arch.hidden_size
+    aux = (0, L // 2, L - 1)
+    tokens = list(range(7, 40))
+    assert model.native is not None
+    native = engine.hidden_states(tokens, aux)
+    plain = engine.hidden_states(tokens)
+    model.native = None
+    python = engine.hidden_states(tokens, aux)
+    assert native.shape == (len(tokens), 4 * H)
+    assert torch.equal(native, python)
+    assert torch.equal(native[:, :H], plain)  # asking for inner layers changes nothing of the last hidden state
+    assert torch.equal(model.norm(native[:, 3 * H:].contiguous()), plain)
+    assert not torch.allclose(native[:, H: 2 * H], native[:, 2 * H: 3 * H])  # each layer's own stream
+
+
+def test_a_resumed_layer_starts_as_the_layer_it_was(tmp_path):
+    """`sieve distill --init DIR --aux-hidden-layers ...`: the fused projection a plain layer lacks starts at zero, so
+    the layer it resumes drafts exactly as the trained one did on any inner features; a layer fusing other layers, or
+    trained for another target, is refused."""
+    from sieve.spec.distill import _resumed_layer
+
+    torch.manual_seed(3)
+    H, V, table = _random_layer(tmp_path / "plain")
+    arch = SimpleNamespace(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rope_theta=10000.0,
+                           rms_norm_eps=1e-6, vocab_size=V)
+    engine = SimpleNamespace(arch=arch)
+    feats = torch.randn(20, 3 * H)
+    resumed = _resumed_layer(engine, str(tmp_path / "plain"), (1, 3), feats, "cpu").eval()
+    old, _ = EagleLayer.load(tmp_path / "plain")
+    assert resumed.aux_hidden_layers == (1, 3) and not resumed.fuse.weight.any()
+    assert torch.allclose(resumed.aux_scale, feats[:, H:].pow(2).mean(0).sqrt())
+    with torch.inference_mode():
+        emb = table[torch.randint(0, V, (19,))]
+        for a, b in zip(resumed.unrolled(emb, feats[:19], 3), old.unrolled(emb, feats[:19, :H], 3)):
+            assert torch.equal(a, b)
+    _random_layer(tmp_path / "fused", aux=(0, 2))
+    with pytest.raises(ConfigError, match="fuses layers"):
+        _resumed_layer(engine, str(tmp_path / "fused"), (1, 3), feats, "cpu")
+    with pytest.raises(ConfigError, match="another target"):
+        _resumed_layer(SimpleNamespace(arch=SimpleNamespace(**{**vars(arch), "hidden_size": 64})), str(tmp_path / "plain"),
+                       (1, 3), feats, "cpu")
+
+
+def test_eagle3_layer_trained_from_eagle_heads_serves_losslessly(eagle, tmp_path):
+    """EAGLE-3's fused features, trained on from the module's EAGLE layer (`--init`): served as method "eagle3", the
+    target hands the layers' stream over, the output equals the plain engine's (chunked prefill, sampled requests
+    seeded), and the projection learned something. Bad fused layers are refused before any answer is generated, and
+    "eagle3" with a layer that fuses none."""
+    out, _ = eagle
+    fused = tmp_path / "fused"
+    report = run_distill(distill_args(STORIES, fused, method="eagle", depth=3, batch_tokens=512, epochs=1,
+                                      aux_hidden_layers="1,3", init=str(out)))
+    config = json.loads((fused / "config.json").read_text())
+    assert config["aux_hidden_layers"] == [1, 3] and config["init"] == str(out)
+    assert report["draft_vocab_coverage"] > 0 and len(report["history"]) == 1
+    layer, _ = EagleLayer.load(fused)
+    assert layer.fuse.weight.abs().max() > 1e-3  # trained: it started at zero
+    assert report["head_accuracy"][0] > 0.4
+    plain = stories()
+    spec = stories(max_num_batched_tokens=32,
+                   speculative_config={"method": "eagle3", "model": str(fused), "num_speculative_tokens": 3})
+    assert spec.llm_engine.runner.aux_hidden_layers == (1, 3)
+    prompts, params = workload(12)
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    stats = spec.llm_engine.speculator.stats
+    assert stats.num_drafts > 20 and stats.num_accepted_tokens > 0.4 * stats.num_drafts
+    sampled = [SamplingParams(max_tokens=p.max_tokens, temperature=0.9, seed=i, ignore_eos=True) for i, p in enumerate(params)]
+    assert ids(spec.generate(prompts, sampled)) == ids(plain.generate(prompts, sampled))
+    assert_pool_clean(spec.llm_engine)
+    # refused: layers the target lacks (5 here), words, repeats, the option for other heads, heads fusing other layers
+    for bad in ("7", "x", "1,1"):
+        with pytest.raises(ConfigError, match="--aux-hidden-layers"):
+            run_distill(distill_args(STORIES, tmp_path / "bad", method="eagle", aux_hidden_layers=bad))
+    with pytest.raises(ConfigError, match="train an EAGLE layer"):
+        run_distill(distill_args(STORIES, tmp_path / "bad", method="medusa", aux_hidden_layers="1"))
+    with pytest.raises(ConfigError, match="fuses layers"):
+        run_distill(distill_args(STORIES, tmp_path / "bad", method="eagle", aux_hidden_layers="2", init=str(fused)))
+    with pytest.raises(ValueError, match="fuses no inner layers"):  # vLLM's "eagle3" names a layer that fuses some
+        stories(speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    cfg = {**config, "aux_hidden_layers": [1, 9]}
+    (tmp_path / "far").mkdir()
+    (tmp_path / "far" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "far" / "eagle.safetensors").write_bytes((fused / "eagle.safetensors").read_bytes())
+    with pytest.raises(ConfigError, match="has 5"):
+        stories(speculative_config={"method": "eagle", "model": str(tmp_path / "far"), "num_speculative_tokens": 3})
+    (tmp_path / "far" / "config.json").write_text(json.dumps({**config, "aux_hidden_layers": "1,3"}))
+    with pytest.raises(ValueError, match="aux_hidden_layers"):
+        stories(speculative_config={"method": "eagle", "model": str(tmp_path / "far"), "num_speculative_tokens": 3})

@@ -197,7 +197,7 @@ def _simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
     """Trained drafts (`sieve distill`: medusa and eagle heads, draft models) record the mean acceptance length they
     reached on held-out answers, and how those were held out (whole prompt families, or single answers: drafts
     trained before families were held out)."""
-    if not config or config.get("method") not in ("medusa", "eagle", "draft_model") or config.get("num_speculative_tokens") == "auto" \
+    if not config or config.get("method") not in ("medusa", "eagle", "eagle3", "draft_model") or config.get("num_speculative_tokens") == "auto" \
             or config.get("num_branches", 1) > 1:  # (training simulates one chain, not a tree)
         return None
     folder = Path(config["model"])

@@ -113,13 +113,20 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                                      std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                                      std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales,
-                                     std::vector<torch::Tensor> v_scales) const {
+                                     std::vector<torch::Tensor> v_scales, std::vector<int64_t> aux_layers,
+                                     c10::optional<torch::Tensor> aux) const {
   TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
+  TORCH_CHECK(aux_layers.empty() == !aux.has_value(), "aux layers and their output tensor come together");
+  for (int64_t l : aux_layers) TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers.size()), "aux layer ", l, " out of range");
+  TORCH_CHECK(!aux.has_value() || (aux->scalar_type() == dtype && aux->is_contiguous() && aux->dim() == 2 &&
+                                   aux->size(0) == x.size(0) &&
+                                   aux->size(1) == static_cast<int64_t>(aux_layers.size()) * x.size(1)),
+              "aux must be contiguous [T, len(aux_layers) * hidden] of the model's dtype");
   if (dtype == at::kFloat)
     return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                      k_pools, v_pools, k_scales, v_scales);
+                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux);
   return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                   k_pools, v_pools, k_scales, v_scales);
+                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux);
 }
 
 template <class E>
@@ -128,7 +135,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                  std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                                  std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                                  std::vector<torch::Tensor> v_pools, const std::vector<torch::Tensor>& k_scales,
-                                 const std::vector<torch::Tensor>& v_scales) const {
+                                 const std::vector<torch::Tensor>& v_scales, const std::vector<int64_t>& aux_layers,
+                                 const c10::optional<torch::Tensor>& aux) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
@@ -265,6 +273,14 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
     L.gate_up->forward_into(Hb, T, GU);
     silu_mul_into<E>(GU, T, inter, 2 * inter, ACT);
     L.down->forward_into(ACT, T, X);
+    for (size_t j = 0; j < aux_layers.size(); ++j) {  // the stream after layer l (EAGLE-3's features): its MLP output
+      if (aux_layers[j] != static_cast<int64_t>(l)) continue;  // added to everything before it, as the next layer adds
+      E* dst = aux->data_ptr<E>() + j * hid;
+      const int64_t stride = static_cast<int64_t>(aux_layers.size()) * hid;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < hid; ++c)
+          dst[t * stride + c] = static_cast<E>(static_cast<float>(R[t * hid + c]) + static_cast<float>(X[t * hid + c]));
+    }
   }
   auto out = torch::empty({T, hid}, opts);
   add_rms_norm_into<E>(X, hid, R, final_norm.data_ptr<E>(), T, hid, e, out.data_ptr<E>());

@@ -327,7 +327,8 @@ class NativeDecoder {
                         std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                         std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                         std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales = {},
-                        std::vector<torch::Tensor> v_scales = {}) const;
+                        std::vector<torch::Tensor> v_scales = {}, std::vector<int64_t> aux_layers = {},
+                        c10::optional<torch::Tensor> aux = c10::nullopt) const;
 
  private:
   template <class T>
@@ -335,7 +336,8 @@ class NativeDecoder {
                     c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                     std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                     std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
-                    const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales) const;
+                    const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                    const std::vector<int64_t>& aux_layers, const c10::optional<torch::Tensor>& aux) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;

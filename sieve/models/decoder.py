@@ -159,30 +159,44 @@ class DecoderModel(nn.Module):
         return e.dequantize_rows(input_ids, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCacheLayer], meta: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] -> final hidden states [T, hidden]. With `aux_layers` (0-based layer indices):
+        (those, and [T, len(aux_layers) * hidden], the residual stream after each of those layers, side by side: the
+        lower layers' features EAGLE-3's draft layer fuses with the last)."""
         if self.tp is not None:  # the driver tells the other ranks to run the same step on their shards
+            if aux_layers:
+                raise ValueError("the residual stream of inner layers is not gathered under tensor parallelism")
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
+        aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
         if self.native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
-            return self._forward_native(x, positions, caches, meta)
+            out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux)
+            return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
         rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
-        for layer, cache in zip(self.layers, caches):
+        slot = {l: j for j, l in enumerate(aux_layers)}
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if layer.window is None:
                 x, residual = layer(x, residual, rope, cache, meta)
             else:
                 x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window])
-        return self.norm(x, residual)[0]
+            if i in slot:  # the stream after layer i: its output added to everything before it
+                H = x.shape[1]
+                torch.add(residual, x, out=aux[:, slot[i] * H: (slot[i] + 1) * H])
+        out = self.norm(x, residual)[0]
+        return (out, aux) if aux_layers else out
 
-    def _forward_native(self, x, positions, caches, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_native(self, x, positions, caches, meta: AttentionMetadata, aux_layers: list[int] | None = None,
+                        aux: torch.Tensor | None = None) -> torch.Tensor:
         chunks = meta.prefills
         return self.native.forward(
             x, positions, meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
             [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
             [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches],
-            [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None])
+            [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None],
+            aux_layers or [], aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""

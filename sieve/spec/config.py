@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa")  # eagle3: an EAGLE layer fusing inner layers
 MAX_BRANCHES = 8
 
 
@@ -73,8 +73,8 @@ class SpeculativeConfig:
         positive_int("max_num_speculative_tokens", self.max_num_speculative_tokens)
         positive_int("num_branches", self.num_branches)
         if self.num_branches > 1:
-            if self.method not in ("eagle", "medusa", "ngram"):
-                raise ValueError(f"speculative_config.num_branches > 1 takes a proposer with several guesses (eagle, medusa "
+            if self.method not in ("eagle", "eagle3", "medusa", "ngram"):
+                raise ValueError(f"speculative_config.num_branches > 1 takes a proposer with several guesses (eagle, eagle3, medusa "
                                  f"or ngram); {self.method!r} drafts one chain")
             if self.auto:
                 raise ValueError("speculative_config.num_branches > 1 takes a fixed num_speculative_tokens: the adaptive "
@@ -91,7 +91,7 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
                              f"got {self.suffix_decoding_min_token_prob!r}")
-        if self.method in ("draft_model", "eagle", "medusa") and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3", "medusa") and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs \"model\": the path of the "
                              f"{'draft checkpoint' if self.method == 'draft_model' else 'heads trained by `sieve distill`'}")
         if self.quantization is not None and self.method != "draft_model":

@@ -393,17 +393,20 @@ def _end_epoch(history: list, epoch: int, loss: float, held: dict, what: str) ->
              [round(a, 3) for a in held["head_accuracy"]], {k: round(v, 2) for k, v in held["simulated_mean_acceptance_length"].items()})
 
 
-def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int = 256, features: bool = True) -> list[tuple]:
+def eagle_examples(engine, seqs: list[tuple[list[int], int]], rows_per_pass: int = 256, features: bool = True,
+                   aux_layers: tuple[int, ...] = ()) -> list[tuple]:
     """Per answer: (token ids [N], prompt length, the target's features at every position [N, H] (None without
-    `features`), and its greedy next token after every position [N]: the label wherever the text is not its own,
-    as in the prompt). On the CPU; `on_device` moves them to where training runs."""
-    out = []
+    `features`; with `aux_layers` [N, (1 + n) H], the residual stream after those layers following the last hidden
+    state, as the runner serves them to an EAGLE-3 layer), and its greedy next token after every position [N]: the
+    label wherever the text is not its own, as in the prompt). On the CPU; `on_device` moves them to where training
+    runs."""
+    out, H = [], engine.arch.hidden_size
     for ids, p in seqs:
         if len(ids) - p < 2:
             continue
-        h = engine.hidden_states(ids)
+        h = engine.hidden_states(ids, tuple(aux_layers))
         with torch.inference_mode():
-            nxt = torch.cat([engine.runner.model.compute_logits(h[s: s + rows_per_pass]).argmax(dim=-1)
+            nxt = torch.cat([engine.runner.model.compute_logits(h[s: s + rows_per_pass, :H]).argmax(dim=-1)
                              for s in range(0, len(h), rows_per_pass)])
         out.append((torch.tensor(ids), p, h.float().cpu().clone() if features else None, nxt.cpu().clone()))
     return out
@@ -446,7 +449,7 @@ def eagle_batch_loss(layer, seqs: list[tuple], table: torch.Tensor, index: torch
     outs = layer.unrolled(table[ids[:, 1:]], feats[:, :T], depth)
     if teacher is not None:  # the target's distribution after each position, once for every level
         with torch.no_grad():
-            target = torch.softmax(feats[:, 1:].to(teacher.dtype) @ teacher.t(), dim=-1)
+            target = torch.softmax(feats[:, 1:, : teacher.shape[1]].to(teacher.dtype) @ teacher.t(), dim=-1)
     acc = torch.promote_types(outs[0].dtype, torch.float32)  # the losses' dtype: float32, or float64 (tests)
     pos = torch.arange(T, device=dev)
     total = torch.zeros(B, dtype=acc, device=dev)
@@ -519,26 +522,66 @@ def warmup_decay(opt, steps: int):
         opt, lambda i: (i + 1) / warm if i < warm else max(0.1, 1 - 0.9 * (i - warm) / max(1, steps - warm)))
 
 
+def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu") -> "EagleLayer":
+    """The trained layer `--init` names, checked against this target and `--aux-hidden-layers`."""
+    from sieve.config import ConfigError
+    from sieve.spec.eagle import EagleLayer
+
+    try:
+        old, config = EagleLayer.load(init, dev, torch.float32)
+    except ValueError as e:
+        raise ConfigError(f"--init: {e}") from e
+    if config["hidden_size"] != engine.arch.hidden_size or max(config["draft_vocab"]) >= engine.arch.vocab_size:
+        raise ConfigError(f"--init {init}: the EAGLE layer was trained for another target")
+    if old.aux_hidden_layers and tuple(old.aux_hidden_layers) != tuple(aux_layers):
+        raise ConfigError(f"--init {init} fuses layers {list(old.aux_hidden_layers)}, not --aux-hidden-layers {list(aux_layers)}")
+    return old
+
+
+def _resumed_layer(engine, init: str, aux_layers: tuple[int, ...], sample: torch.Tensor, dev) -> "EagleLayer":
+    """A trained layer to go on from, with `aux_layers` fused: its own weights and scales kept, a fused part it lacks
+    starting at zero (scaled from `sample`, the training features), so it starts as the layer it was."""
+    from sieve.spec.eagle import EagleLayer
+
+    old = _init_layer(engine, init, aux_layers, dev)
+    layer = EagleLayer.for_target(engine.arch, old.draft_vocab.tolist(), aux_layers).to(dev)
+    missing, unexpected = layer.load_state_dict(old.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"fuse.weight", "aux_scale"}, (missing, unexpected)
+    if missing:
+        with torch.no_grad():
+            layer.aux_scale.copy_(sample[:, engine.arch.hidden_size:].float().pow(2).mean(0).sqrt().clamp_min(1e-3))
+    return layer
+
+
 def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft_vocab_size: int, epochs: int, lr: float,
                 batch_tokens: int, seed: int, token_loss: str = "hard", reg_weight: float = REG_WEIGHT,
-                pack_tokens: int = 0) -> tuple:
+                pack_tokens: int = 0, aux_layers: tuple[int, ...] = (), init: str | None = None) -> tuple:
+    """Train an EAGLE layer (with `aux_layers`, EAGLE-3's fused features); with `init`, go on from a trained layer's
+    weights and draft vocabulary (a fused part it lacks starts at zero: where it started)."""
     from sieve.spec.eagle import EagleLayer
 
     torch.manual_seed(seed)
     counts = Counter(t for _, p, _, nxt in train for t in nxt[p - 1:].tolist())  # what the target writes in its answers
-    vocab = [t for t, _ in counts.most_common(draft_vocab_size)]
-    for t in engine.eos_token_ids:
-        if t not in vocab and t < engine.arch.vocab_size:
-            vocab.append(t)
-    covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
     dev = engine.device  # where the target ran: the layer trains there, in float32
     train, held = on_device(train, dev), on_device(held, dev)
     table = embedding_table(engine).to(dev)
-    layer = EagleLayer.for_target(engine.arch, vocab).to(dev)
-    layer.calibrate(torch.cat([f for _, _, f, _ in train[:64]]), table)
+    sample = torch.cat([f for _, _, f, _ in train[:64]])
+    if init is None:
+        vocab = [t for t, _ in counts.most_common(draft_vocab_size)]
+        for t in engine.eos_token_ids:
+            if t not in vocab and t < engine.arch.vocab_size:
+                vocab.append(t)
+        layer = EagleLayer.for_target(engine.arch, vocab, aux_layers).to(dev)
+        layer.calibrate(sample, table)
+        with torch.no_grad():
+            layer.head.weight.copy_(lm_head_rows(engine, vocab).to(dev))
+    else:
+        layer = _resumed_layer(engine, init, aux_layers, sample, dev)
+        vocab = layer.draft_vocab.tolist()
+        log.info("from %s: held-out draft accuracy %s", init, measure_eagle(layer.eval(), held, table, depth)["head_accuracy"])
+        layer.train()
+    covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
     rows = lm_head_rows(engine, vocab).to(dev)
-    with torch.no_grad():
-        layer.head.weight.copy_(rows)
     teacher = rows if token_loss == "soft" else None
     index = torch.full((engine.arch.vocab_size,), -100, dtype=torch.int64, device=dev)
     index[torch.tensor(vocab, device=dev)] = torch.arange(len(vocab), device=dev)
@@ -583,11 +626,17 @@ def run_distill(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--feature-loss-weight must be >= 0, got {args.feature_loss_weight}")
     if args.pack_tokens < 0:
         raise ConfigError(f"--pack-tokens must be >= 0, got {args.pack_tokens}")
-    if args.method != "eagle" and (args.token_loss != "hard" or args.feature_loss_weight != REG_WEIGHT or args.pack_tokens):
-        raise ConfigError(f"--token-loss, --feature-loss-weight and --pack-tokens train an EAGLE layer, not --method {args.method}")
+    if args.method != "eagle" and (args.token_loss != "hard" or args.feature_loss_weight != REG_WEIGHT or args.pack_tokens
+                                   or args.aux_hidden_layers or args.init):
+        raise ConfigError(f"--token-loss, --feature-loss-weight, --pack-tokens, --aux-hidden-layers and --init train an EAGLE "
+                          f"layer, not --method {args.method}")
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
+    if args.method == "eagle":  # refused before the answers are generated, not after
+        aux = aux_hidden_layers(args.aux_hidden_layers, engine.arch.num_layers)
+        if args.init:
+            _init_layer(engine, args.init, aux)
     messages = prompt_messages(llm, args.prompt_source, args.prompts, args.seed)
     seqs, kept = answers(llm, messages, args)
     generated = time.perf_counter()
@@ -634,20 +683,40 @@ def _report(args, final: dict, started: float, what: str, serve: dict, extra: st
     return seconds
 
 
+def aux_hidden_layers(value: str | None, num_layers: int) -> tuple[int, ...]:
+    """--aux-hidden-layers: none, layer indices "2,15", or "eagle3": EAGLE-3's low and middle layers and one three
+    from the top (2, L // 2, L - 3; the last hidden state is always read as well)."""
+    from sieve.config import ConfigError
+
+    if not value:
+        return ()
+    if value == "eagle3":  # (fewer where those coincide in a shallow model)
+        layers = tuple({l: None for l in (2, num_layers // 2, num_layers - 3) if 0 <= l < num_layers})
+    else:
+        try:
+            layers = tuple(int(v) for v in value.split(","))
+        except ValueError:
+            raise ConfigError(f"--aux-hidden-layers takes layer indices like 2,15 or eagle3, got {value!r}") from None
+    if not all(0 <= l < num_layers for l in layers) or len(set(layers)) != len(layers):
+        raise ConfigError(f"--aux-hidden-layers {value}: distinct layers of the target's 0 .. {num_layers - 1}")
+    return tuple(sorted(layers))
+
+
 def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict) -> dict:
-    held = eagle_examples(engine, seqs[:n_held])
-    train = eagle_examples(engine, seqs[n_held:])
+    aux = aux_hidden_layers(args.aux_hidden_layers, engine.arch.num_layers)
+    held = eagle_examples(engine, seqs[:n_held], aux_layers=aux)
+    train = eagle_examples(engine, seqs[n_held:], aux_layers=aux)
     n_train, n_held_pos = sum(len(s[0]) - 1 for s in train), sum(len(s[0]) - s[1] for s in held)
     print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
           f"{generated - started:.0f} s); training an EAGLE layer on {n_train} positions ({args.depth} drafting steps "
           f"unrolled), {n_held_pos} answer positions held out", flush=True)
     layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
                                           args.batch_tokens, args.seed, args.token_loss, args.feature_loss_weight,
-                                          args.pack_tokens)
+                                          args.pack_tokens, aux, args.init)
     final = history[-1]
     meta = {"target": str(engine.config.model), "head_type": "eagle", "target_vocab_size": engine.arch.vocab_size,
             "draft_vocab_coverage": covered, "train_positions": n_train, "held_out_positions": n_held_pos,
-            "epochs": args.epochs, "depth": args.depth, "token_loss": args.token_loss,
+            "epochs": args.epochs, "init": args.init, "depth": args.depth, "token_loss": args.token_loss,
             "feature_loss_weight": args.feature_loss_weight, "head_accuracy": final["head_accuracy"],
             "chain_acceptance": final["chain_acceptance"],
             "simulated_mean_acceptance_length": final["simulated_mean_acceptance_length"],
@@ -655,7 +724,7 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
     layer.save(args.out, meta)
     print(f"draft vocabulary: {len(layer.draft_vocab)} tokens covering {100 * covered:.1f}% of the answers' tokens")
     seconds = _report(args, final, started, "draft accuracy (own features fed back)",
-                      {"method": "eagle", "model": str(args.out), "num_speculative_tokens": args.depth})
+                      {"method": "eagle3" if aux else "eagle", "model": str(args.out), "num_speculative_tokens": args.depth})
     return {**meta, "history": history, "seconds": seconds, "out": str(args.out)}
 
 
@@ -699,6 +768,11 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
                         "distribution over the draft vocabulary (soft, EAGLE's)")
     p.add_argument("--feature-loss-weight", type=float, default=REG_WEIGHT,
                    help="eagle: weight of the regression onto the target's next feature beside the token loss")
+    p.add_argument("--aux-hidden-layers", default=None,
+                   help="eagle: EAGLE-3's fused features: the target's residual stream after these layers (0-based, e.g. 2,15; "
+                        "eagle3: 2, L/2 and L-3) is added to the last hidden state through a learned projection")
+    p.add_argument("--init", default=None, help="eagle: go on training these heads (their weights and draft vocabulary; "
+                   "a fused projection they lack starts at zero)")
     p.add_argument("--batch-tokens", type=int, default=256, help="eagle and draft: positions per optimiser step (at least one sequence)")
     p.add_argument("--pack-tokens", type=int, default=0,
                    help="eagle: answers of similar length trained in one pass, padded, up to this many positions (0: one "

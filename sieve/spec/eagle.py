@@ -55,11 +55,13 @@ def unroll_mask(T: int, level: int, device=None) -> torch.Tensor:
 
 class EagleLayer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-                 rope_theta: float, rms_norm_eps: float, draft_vocab: list[int]):
+                 rope_theta: float, rms_norm_eps: float, draft_vocab: list[int], aux_hidden_layers: list[int] = ()):
         super().__init__()
         H = hidden_size
         self.sizes = dict(hidden_size=H, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+                          intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+                          aux_hidden_layers=list(aux_hidden_layers))
+        self.hidden_size, self.aux_hidden_layers = H, tuple(aux_hidden_layers)
         self.nh, self.nkv, self.hd, self.eps = num_heads, num_kv_heads, head_dim, rms_norm_eps
         self.fc = nn.Linear(2 * H, H, bias=False)  # [embedding of x_{t+1}; feature f_t] -> the layer's input
         self.attn_norm = nn.Parameter(torch.ones(H))
@@ -76,6 +78,13 @@ class EagleLayer(nn.Module):
         # training data (a few dimensions carry most of the magnitude), token embeddings by theirs (`calibrate`).
         self.register_buffer("feature_scale", torch.ones(H))
         self.register_buffer("embed_scale", torch.ones(1))
+        # EAGLE-3's fused features: the target's residual stream after inner layers (standardised by `aux_scale`)
+        # added to the last feature through `fuse`, which starts at zero (the plain EAGLE layer), so the layer's
+        # input stays in the space of the features it predicts and feeds itself back while drafting.
+        self.fuse = nn.Linear(len(self.aux_hidden_layers) * H, H, bias=False) if self.aux_hidden_layers else None
+        if self.fuse is not None:
+            self.register_buffer("aux_scale", torch.ones(len(self.aux_hidden_layers) * H))
+            nn.init.zeros_(self.fuse.weight)
         with torch.no_grad():  # start as "the next feature is this one": the residual branches begin at zero
             self.fc.weight.zero_()
             self.fc.weight[:, H:].copy_(torch.eye(H))
@@ -83,10 +92,10 @@ class EagleLayer(nn.Module):
             self.down.weight.mul_(0.1)
 
     @classmethod
-    def for_target(cls, arch, draft_vocab: list[int]) -> "EagleLayer":
+    def for_target(cls, arch, draft_vocab: list[int], aux_hidden_layers: list[int] = ()) -> "EagleLayer":
         """A layer shaped like one of the target's (its heads, KV heads and MLP width), on the target's rotary base."""
         return cls(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
-                   arch.rope_theta, arch.rms_norm_eps, draft_vocab)
+                   arch.rope_theta, arch.rms_norm_eps, draft_vocab, aux_hidden_layers)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D/2] of positions [T], computed once for q and k."""
@@ -100,13 +109,28 @@ class EagleLayer(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, feats: torch.Tensor, table: torch.Tensor) -> None:
-        """Fix the input scales from a sample of the target's features [N, H] and its embedding table [V, H]."""
-        self.feature_scale.copy_(feats.float().pow(2).mean(0).sqrt().clamp_min(1e-3))
+        """Fix the input scales from a sample of the target's features [N, H] (with fused layers [N, (1 + n) H], the
+        last hidden state first) and its embedding table [V, H]."""
+        rms = feats.float().pow(2).mean(0).sqrt().clamp_min(1e-3)
+        self.feature_scale.copy_(rms[: self.hidden_size])
+        if self.fuse is not None:
+            self.aux_scale.copy_(rms[self.hidden_size:])
         self.embed_scale.fill_(1.0 / table.float().pow(2).mean().sqrt().clamp_min(1e-6).item())
 
     def scale_features(self, feats: torch.Tensor) -> torch.Tensor:
-        """The target's features (its last hidden states) in the layer's standardised space."""
+        """The target's features (its last hidden states, [..., H]: the first H of a row that carries fused layers
+        too) in the layer's standardised space: what the layer predicts."""
+        feats = feats[..., : self.hidden_size]
         return feats / self.feature_scale.to(feats.dtype)
+
+    def input_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The layer's input at committed positions: the standardised last feature, plus (EAGLE-3) the fused inner
+        layers' ([..., (1 + n) H] rows as the runner hands them over)."""
+        x = self.scale_features(feats)
+        if self.fuse is not None:
+            aux = feats[..., self.hidden_size:]
+            x = x + self.fuse(aux / self.aux_scale.to(aux.dtype))
+        return x
 
     def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
         """Rows [..., T, H] of token embeddings and standardised features (positions [T]) -> the residual stream and
@@ -147,7 +171,7 @@ class EagleLayer(nn.Module):
         reads only valid rows of its own, so the padding changes nothing but the padded rows."""
         T = emb.shape[-2]
         positions = torch.arange(T, device=emb.device)
-        feats = self.scale_features(feats)
+        feats = self.input_features(feats)
         keys, values, outs = [], [], []
         for level in range(depth):
             # level s at i reads level s-1 at i-1
@@ -169,8 +193,11 @@ class EagleLayer(nn.Module):
         path = Path(path)
         config = read_config(path, "eagle", "EAGLE layer", article="an ")
         sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "rms_norm_eps")
+        aux = config.get("aux_hidden_layers", [])
+        if not isinstance(aux, list) or not all(isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in aux):
+            raise ValueError(f"{path}: aux_hidden_layers must be a list of layer indices, got {aux!r}")
         try:
-            layer = cls(*(config[k] for k in sizes), config["draft_vocab"])
+            layer = cls(*(config[k] for k in sizes), config["draft_vocab"], aux)
             layer.load_state_dict(load_file(str(path / WEIGHTS)))
         except Exception as e:  # missing sizes, a truncated or foreign weights file, other shapes
             raise ValueError(f"{path}: the EAGLE layer does not load ({type(e).__name__}: {e})") from e
@@ -219,6 +246,7 @@ class EagleProposer:
 
     free = False
     needs_hidden = "all"  # the target's hidden state of every row computed, not only the last
+    aux_hidden_layers: tuple[int, ...] = ()  # and the residual stream after these layers (EAGLE-3 layers)
 
     def __init__(self, path: str, hidden_size: int, vocab_size: int, device: torch.device, dtype: torch.dtype, embed):
         self.layer, self.config = EagleLayer.load(path, device, dtype)
@@ -227,6 +255,7 @@ class EagleProposer:
                              f"the target has {hidden_size}")
         if max(self.config["draft_vocab"]) >= vocab_size:
             raise ValueError(f"the EAGLE layer at {path} drafts token ids past the target's vocabulary ({vocab_size})")
+        self.aux_hidden_layers = self.layer.aux_hidden_layers
         if device.type == "cpu" and dtype == torch.float32:
             self._int8_linears()
         self.embed, self.dtype, self.device = embed, dtype, device
@@ -240,8 +269,10 @@ class EagleProposer:
         from sieve.quant.formats import quantize_int8
         from sieve.quant.kernels import BlockedKernel, make_kernel
 
-        for name in ("fc", "qkv", "o", "gate_up", "down", "head"):
+        for name in ("fc", "qkv", "o", "gate_up", "down", "head", "fuse"):
             lin = getattr(self.layer, name)
+            if lin is None:
+                continue
             kernel = make_kernel(quantize_int8(lin.weight.detach()), torch.float32)
             if isinstance(kernel, BlockedKernel):  # (no native kernels built here: the float32 layer stays)
                 lin.forward = kernel
@@ -291,7 +322,7 @@ class EagleProposer:
             feats.append(st.pend[:m])
             toks += seqs[i].token_ids[st.entered + 1: st.entered + 1 + m]
             pos += range(st.entered, st.entered + m)
-        feats = layer.scale_features(torch.cat(feats).to(self.dtype))
+        feats = layer.input_features(torch.cat(feats).to(self.dtype))
         # The host's integers go over in one copy (on a GPU each copy from the host waits for the device's queue).
         lasts = list(itertools.accumulate(m for _, _, m in batch))
         ints = torch.tensor(toks + pos + [t - 1 for t in lasts], device=self.device)

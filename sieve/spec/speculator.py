@@ -33,11 +33,15 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from sieve.spec.eagle import EagleProposer
 
-        return EagleProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"], context["dtype"],
-                             context["embed"])
+        proposer = EagleProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"],
+                                 context["dtype"], context["embed"])
+        if config.method == "eagle3" and not proposer.aux_hidden_layers:  # (an "eagle" config serves either kind)
+            raise ValueError(f"method 'eagle3': the EAGLE layer at {config.model} fuses no inner layers of the target; "
+                             f"train one with `sieve distill --method eagle --aux-hidden-layers eagle3`, or serve it as 'eagle'")
+        return proposer
     if config.method == "medusa":
         from sieve.spec.medusa import MedusaProposer
 
@@ -198,6 +202,12 @@ class Speculator:
         """Which of the target's last hidden states the proposer drafts from, handed over by the runner each step:
         "last" (Medusa: the row that produced each sequence's last token), "all" (EAGLE: every row computed), None."""
         return getattr(self.proposer, "needs_hidden", None)
+
+    @property
+    def aux_hidden_layers(self) -> tuple[int, ...]:
+        """Inner layers whose residual stream the proposer reads beside the last hidden state (EAGLE-3's fused
+        features; rows handed over as [rows, (1 + len) * hidden])."""
+        return tuple(getattr(self.proposer, "aux_hidden_layers", ()))
 
     def observe_hidden(self, hidden: list[tuple[Sequence, int, "torch.Tensor"]]) -> None:
         """(sequence, position of the first row, hidden states [rows, H]) from the step just run."""
