@@ -445,7 +445,7 @@ def test_eagle3_layer_trained_from_eagle_heads_serves_losslessly(eagle, tmp_path
     out, _ = eagle
     fused = tmp_path / "fused"
     report = run_distill(distill_args(STORIES, fused, method="eagle", depth=3, batch_tokens=512, epochs=1,
-                                      aux_hidden_layers="1,3", init=str(out)))
+                                      aux_hidden_layers="1,3", init=str(out), draft_vocab=None))
     config = json.loads((fused / "config.json").read_text())
     assert config["aux_hidden_layers"] == [1, 3] and config["init"] == str(out)
     assert report["draft_vocab_coverage"] > 0 and len(report["history"]) == 1
@@ -471,6 +471,11 @@ def test_eagle3_layer_trained_from_eagle_heads_serves_losslessly(eagle, tmp_path
         run_distill(distill_args(STORIES, tmp_path / "bad", method="medusa", aux_hidden_layers="1"))
     with pytest.raises(ConfigError, match="fuses layers"):
         run_distill(distill_args(STORIES, tmp_path / "bad", method="eagle", aux_hidden_layers="2", init=str(fused)))
+    with pytest.raises(ConfigError, match="keeps its draft vocabulary"):  # --draft-vocab is not silently dropped
+        run_distill(distill_args(STORIES, tmp_path / "bad", method="eagle", aux_hidden_layers="1,3", init=str(fused),
+                                 draft_vocab=len(layer.draft_vocab) + 1))
+    with pytest.raises(ConfigError, match="--draft-vocab"):
+        run_distill(distill_args(STORIES, tmp_path / "bad", method="eagle", draft_vocab=0))
     with pytest.raises(ValueError, match="fuses no inner layers"):  # vLLM's "eagle3" names a layer that fuses some
         stories(speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
     cfg = {**config, "aux_hidden_layers": [1, 9]}

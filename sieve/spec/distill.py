@@ -417,6 +417,7 @@ def on_device(seqs: list[tuple], device: torch.device) -> list[tuple]:
     return [tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in s) for s in seqs]
 
 
+DRAFT_VOCAB = 8192  # --draft-vocab's default for heads trained afresh
 REG_WEIGHT = 1.0  # EAGLE's feature regression beside the token loss (its features are unnormed: it weighs tokens 0.1)
 
 
@@ -522,8 +523,9 @@ def warmup_decay(opt, steps: int):
         opt, lambda i: (i + 1) / warm if i < warm else max(0.1, 1 - 0.9 * (i - warm) / max(1, steps - warm)))
 
 
-def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu") -> "EagleLayer":
-    """The trained layer `--init` names, checked against this target and `--aux-hidden-layers`."""
+def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu", draft_vocab: int | None = None) -> "EagleLayer":
+    """The trained layer `--init` names, checked against this target, `--aux-hidden-layers` and `--draft-vocab` (which
+    it keeps: given, it must be its size)."""
     from sieve.config import ConfigError
     from sieve.spec.eagle import EagleLayer
 
@@ -535,6 +537,8 @@ def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu") -> "E
         raise ConfigError(f"--init {init}: the EAGLE layer was trained for another target")
     if old.aux_hidden_layers and tuple(old.aux_hidden_layers) != tuple(aux_layers):
         raise ConfigError(f"--init {init} fuses layers {list(old.aux_hidden_layers)}, not --aux-hidden-layers {list(aux_layers)}")
+    if draft_vocab is not None and draft_vocab != len(old.draft_vocab):
+        raise ConfigError(f"--init {init} keeps its draft vocabulary of {len(old.draft_vocab)} tokens, not --draft-vocab {draft_vocab}")
     return old
 
 
@@ -619,7 +623,8 @@ def run_distill(args: argparse.Namespace) -> dict:
 
     if args.method not in ("medusa", "eagle", "draft"):
         raise ConfigError(f"sieve distill --method {args.method}: unknown (medusa, eagle, draft)")
-    for flag, value in (("--draft-layers", args.draft_layers), ("--depth", args.depth), ("--batch-tokens", args.batch_tokens)):
+    for flag, value in (("--draft-layers", args.draft_layers), ("--depth", args.depth), ("--batch-tokens", args.batch_tokens),
+                        ("--draft-vocab", 1 if args.draft_vocab is None else args.draft_vocab)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if not args.feature_loss_weight >= 0:  # NaN included
@@ -633,10 +638,12 @@ def run_distill(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm = LLM(args.target, dtype=args.dtype, max_num_seqs=64, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed)
     engine = llm.llm_engine
+    aux = ()
     if args.method == "eagle":  # refused before the answers are generated, not after
         aux = aux_hidden_layers(args.aux_hidden_layers, engine.arch.num_layers)
         if args.init:
-            _init_layer(engine, args.init, aux)
+            _init_layer(engine, args.init, aux, draft_vocab=args.draft_vocab)
+    draft_vocab = DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     messages = prompt_messages(llm, args.prompt_source, args.prompts, args.seed)
     seqs, kept = answers(llm, messages, args)
     generated = time.perf_counter()
@@ -651,14 +658,14 @@ def run_distill(args: argparse.Namespace) -> dict:
     seqs = [seqs[i] for i in held_idx] + [seqs[i] for i in train_idx]
     n_held = len(held_idx)
     if args.method == "eagle":
-        return _finish_eagle(args, engine, seqs, n_held, len(messages), started, generated, split)
+        return _finish_eagle(args, engine, seqs, n_held, len(messages), started, generated, split, aux, draft_vocab)
     if args.method == "draft":
         return _finish_draft(args, engine, seqs, n_held, len(messages), started, generated, split)
     held = examples(engine, seqs[:n_held], args.num_heads)
     train = examples(engine, seqs[n_held:], args.num_heads)
     print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
           f"{generated - started:.0f} s); training on {len(train[0])} positions, {len(held[0])} held out", flush=True)
-    heads, history, covered = train_medusa(engine, train, held, args.num_heads, args.draft_vocab, args.epochs, args.lr,
+    heads, history, covered = train_medusa(engine, train, held, args.num_heads, draft_vocab, args.epochs, args.lr,
                                            args.batch_size, args.seed, not args.independent_heads)
     final = history[-1]
     meta = {"target": str(engine.config.model), "head_type": "medusa" if args.independent_heads else "hydra", "target_vocab_size": engine.arch.vocab_size, "draft_vocab_coverage": covered,
@@ -702,15 +709,15 @@ def aux_hidden_layers(value: str | None, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict) -> dict:
-    aux = aux_hidden_layers(args.aux_hidden_layers, engine.arch.num_layers)
+def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict,
+                  aux: tuple[int, ...], draft_vocab: int) -> dict:
     held = eagle_examples(engine, seqs[:n_held], aux_layers=aux)
     train = eagle_examples(engine, seqs[n_held:], aux_layers=aux)
     n_train, n_held_pos = sum(len(s[0]) - 1 for s in train), sum(len(s[0]) - s[1] for s in held)
     print(f"distill: {len(seqs)} answers from {engine.model_name} ({sum(len(i) - p for i, p in seqs)} tokens, "
           f"{generated - started:.0f} s); training an EAGLE layer on {n_train} positions ({args.depth} drafting steps "
           f"unrolled), {n_held_pos} answer positions held out", flush=True)
-    layer, history, covered = train_eagle(engine, train, held, args.depth, args.draft_vocab, args.epochs, args.lr,
+    layer, history, covered = train_eagle(engine, train, held, args.depth, draft_vocab, args.epochs, args.lr,
                                           args.batch_tokens, args.seed, args.token_loss, args.feature_loss_weight,
                                           args.pack_tokens, aux, args.init)
     final = history[-1]
@@ -780,7 +787,9 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--independent-heads", action="store_true",
                    help="Medusa-1's independent heads (default: Hydra's sequential heads, each also reading the token before "
                         "the one it guesses)")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the heads can draft (the most frequent in the answers)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"tokens the heads can draft (the most frequent in the answers; default {DRAFT_VOCAB}; with --init, "
+                        "that of its heads)")
     p.add_argument("--prompts", type=int, default=240)
     p.add_argument("--prompt-source", default="templates", choices=["templates", "magpie", "mixed"],
                    help="templates: instructions from templates x topics, passages and code; magpie: questions the target "
