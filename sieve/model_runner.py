@@ -423,12 +423,13 @@ class ModelRunner:
             mine = [c for c in copies if c[0] == group]
             if not mine:
                 continue
-            src = torch.tensor([c[1] for c in mine], device=self.device)
-            dst = torch.tensor([c[2] for c in mine], device=self.device)
+            # One slice copy a block: an indexed copy along the pool's third dimension ran 25x slower on the CPU (5 ms
+            # for a draft tree's 7 blocks in SmolLM2's 30 layers), and its index tensors cost the GPU a copy from the host.
             pool = pool.view(torch.uint8)  # byte view: float8 has no CPU copy kernels everywhere
-            pool[:, :, dst] = pool[:, :, src]
-            if scales is not None:
-                scales[:, :, dst] = scales[:, :, src]
+            for _, src, dst in mine:
+                pool[:, :, dst].copy_(pool[:, :, src])
+                if scales is not None:
+                    scales[:, :, dst].copy_(scales[:, :, src])
 
     def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.

@@ -487,3 +487,53 @@ def test_eagle3_layer_trained_from_eagle_heads_serves_losslessly(eagle, tmp_path
     (tmp_path / "far" / "config.json").write_text(json.dumps({**config, "aux_hidden_layers": "1,3"}))
     with pytest.raises(ValueError, match="aux_hidden_layers"):
         stories(speculative_config={"method": "eagle", "model": str(tmp_path / "far"), "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rotation_is_looked_up_with_the_bits_of_the_textbook_form(tmp_path, monkeypatch, dtype):
+    """The layer's rotation comes from a table kept per device and dtype, applied as x cos + (halves swapped) signed
+    sin: the same bits as computing cos and sin of each position and rotating [x1 cos - x2 sin, x2 cos + x1 sin]
+    (what the layer was trained with), however the table grew. A proposer's later passes compute no rotation (cos,
+    sin), and on the CPU hand the attention its keys' own heads (the operator takes the groups, no copy repeats them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    layer = EagleLayer(64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, draft_vocab=list(range(8))).to(dtype)
+    pos = torch.tensor([0, 3, 77, 255, 256, 1023, 5000])
+    freqs = pos[:, None].to(torch.float32) * layer.inv_freq
+    cos, sin = freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+    x = torch.randn(len(pos), 6, 16).to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    textbook = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    small = layer._rotary(pos[:3], 78, dtype)  # a table of 256 rows, grown below
+    assert torch.equal(layer._rope(x, *layer._rotary(pos, 5001, dtype)), textbook)
+    assert all(torch.equal(a, b[:3]) for a, b in zip(small, layer._rotary(pos, 5001, dtype)))
+
+    H, V, table = _random_layer(tmp_path)  # 4 heads over 2 KV heads
+    proposer = EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float32, embed=lambda t: table[t])
+    feats, tokens = torch.randn(30, H), torch.randint(0, V, (30,)).tolist()
+    seq = SimpleNamespace(token_ids=tokens[:11], num_computed_tokens=10)
+    proposer.observe_hidden(seq, 0, feats[:10])
+    proposer.propose([seq], [3], [2])  # the table is made here
+    seen = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seq.token_ids, seq.num_computed_tokens = tokens[:13], 12
+    proposer.observe_hidden(seq, 10, feats[10:12])
+    sdpa, heads = torch.nn.functional.scaled_dot_product_attention, []
+
+    def attention(q, k, v, **kw):
+        heads.append((q.shape[-3], k.shape[-3], v.shape[-3]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention)
+    with Count():
+        drafts = proposer.propose([seq], [3], [2])
+    assert len(drafts[0].token_ids) == 3 and len(drafts[0].alternatives) == 1
+    assert "index_select" in seen and not {"cos", "sin"} & set(seen)
+    assert heads == [(4, 2, 2)] * 3  # entering the committed positions (token 1), then tokens 2 and 3: 2 key heads as they are

@@ -930,3 +930,20 @@ def test_bench_spec_reports_each_configuration_against_off(llama_dir, monkeypatc
         pairs = [a / b for a, b in zip(three["runs_tok_s"], res["off"]["users_3"]["runs_tok_s"])]
         assert three["paired_speedup"] == pytest.approx(sum(pairs) / 2)  # the median of two
     assert res["off"]["users_1"]["speedup"] == 1.0
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_block_copies_copy_each_block_in_every_layer(llama_engine_factory, kv):
+    """`copy_blocks` (a draft tree's chains start from a copy of their sequence's partial last block): each listed
+    block, in every layer, K and V (and an int8 cache's scales), becomes its source's copy; no other block changes."""
+    runner = llama_engine_factory(kv_cache_dtype=kv).llm_engine.runner
+    torch.manual_seed(0)
+    pools = [runner.kv_pools[0]] + ([runner.kv_scale_pools[0]] if kv == "int8" else [])
+    for p in pools:
+        p.copy_(torch.randn(p.shape).to(p.dtype) if p.dtype.is_floating_point else torch.randint(-100, 100, p.shape).to(p.dtype))
+    before = [p.clone() for p in pools]
+    runner.copy_blocks([(0, 5, 40), (0, 5, 41), (0, 9, 7)])
+    for p, b in zip(pools, before):
+        expected = b.clone()
+        expected[:, :, 40], expected[:, :, 41], expected[:, :, 7] = b[:, :, 5], b[:, :, 5], b[:, :, 9]
+        assert torch.equal(p, expected)

@@ -74,6 +74,7 @@ class EagleLayer(nn.Module):
         self.register_buffer("draft_vocab", torch.tensor(draft_vocab, dtype=torch.int64), persistent=False)
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # The layer works on standardised inputs: the target's features divided per dimension by their RMS over the
         # training data (a few dimensions carry most of the magnitude), token embeddings by theirs (`calibrate`).
         self.register_buffer("feature_scale", torch.ones(H))
@@ -97,15 +98,24 @@ class EagleLayer(nn.Module):
         return cls(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
                    arch.rope_theta, arch.rms_norm_eps, draft_vocab, aux_hidden_layers)
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of positions [T], computed once for q and k."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq  # [T, D/2]
-        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+    def _rotary(self, positions: torch.Tensor, until: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation of positions [T] (each below `until`, a bound the host knows): [T, 1, D] tables of cos, and of
+        sin signed for `_rope`, looked up in a table kept per device and dtype (two operators a pass where computing
+        them took thirteen; the same bits, an element's angle and its cosine being computed alike in either)."""
+        key = (self.inv_freq.device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < until:
+            n = max(until, 2 * (table[0].shape[0] if table is not None else 256))
+            freqs = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq  # [n, D/2]
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            table = self._rope_tables[key] = (torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :])
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """[x1 cos - x2 sin, x2 cos + x1 sin] as x cos + (x's halves swapped) signed sin: four operators, not eight, and
+        the same bits (a product by -sin is minus the product by sin)."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
     @torch.no_grad()
     def calibrate(self, feats: torch.Tensor, table: torch.Tensor) -> None:
@@ -132,14 +142,14 @@ class EagleLayer(nn.Module):
             x = x + self.fuse(aux / self.aux_scale.to(aux.dtype))
         return x
 
-    def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
-        """Rows [..., T, H] of token embeddings and standardised features (positions [T]) -> the residual stream and
-        rotated q, k, v [..., T, heads, D]."""
+    def project(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, until: int):
+        """Rows [..., T, H] of token embeddings and standardised features (positions [T], each below `until`) -> the
+        residual stream and rotated q, k, v [..., T, heads, D]."""
         lead = emb.shape[:-1]
         x = self.fc(torch.cat([emb * self.embed_scale.to(emb.dtype), feat], dim=-1))
         qk, v = self.qkv(_rms(x, self.attn_norm, self.eps)).split(
             [(self.nh + self.nkv) * self.hd, self.nkv * self.hd], dim=-1)
-        cos, sin = self._rotary(positions, qk.dtype)
+        cos, sin = self._rotary(positions, until, qk.dtype)
         q, k = self._rope(qk.view(*lead, self.nh + self.nkv, self.hd), cos, sin).split([self.nh, self.nkv], dim=-2)
         return x, q, k, v.view(*lead, self.nkv, self.hd)
 
@@ -147,9 +157,13 @@ class EagleLayer(nn.Module):
         """q [..., T, heads, D] over k, v [..., S, kv_heads, D] (mask [T, S], True: attend; None: all) ->
         [..., T, heads * D]."""
         rep = self.nh // self.nkv
-        if rep > 1:
+        # On the CPU the operator takes the groups itself (the same bits as repeating k and v, two operators fewer). On
+        # CUDA they stay repeated here: with a mask, grouped queries may send the operator to its unfused math form.
+        inside = rep > 1 and q.device.type == "cpu"
+        if rep > 1 and not inside:
             k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
-        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask,
+                                             enable_gqa=inside)
         return out.transpose(-3, -2).reshape(*q.shape[:-2], -1)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -176,7 +190,7 @@ class EagleLayer(nn.Module):
         for level in range(depth):
             # level s at i reads level s-1 at i-1
             f_in = feats if level == 0 else torch.cat([feats[..., :1, :], outs[-1][..., :-1, :]], dim=-2)
-            x, q, k, v = self.project(emb, f_in, positions)
+            x, q, k, v = self.project(emb, f_in, positions, T)
             keys.append(k)
             values.append(v)
             attn = self.attend(q, torch.cat(keys, dim=-3), torch.cat(values, dim=-3), unroll_mask(T, level, emb.device))
@@ -327,7 +341,7 @@ class EagleProposer:
         lasts = list(itertools.accumulate(m for _, _, m in batch))
         ints = torch.tensor(toks + pos + [t - 1 for t in lasts], device=self.device)
         emb = self.embed(ints[: len(toks)]).to(self.dtype)
-        x, q, k, v = layer.project(emb, feats, ints[len(toks): 2 * len(toks)])
+        x, q, k, v = layer.project(emb, feats, ints[len(toks): 2 * len(toks)], max(pos) + 1)
         attn, row, k_max = [], 0, max(ks[i] for i, _, _ in batch)
         for i, st, m in batch:
             st.reserve(st.n + m + k_max, k)
@@ -373,6 +387,7 @@ class EagleProposer:
             rows, d = [(a, 0) for a in range(len(batch))], logits.argmax(dim=-1)
         # Each row's position before its first draft; draft step j enters position base + j.
         base = torch.tensor([batch[a][1].entered for a, _ in rows], device=dev)
+        until = max(st.entered for _, st, _ in batch) + 1  # above every row's position at draft step 0
         # Each draft step's (chains, their tokens' draft-vocabulary indices), read back to the host once at the end:
         # which chains go on depends only on ks, so no step waits on the device (a GPU's launches queue ahead).
         steps, chains_of = [], {r: [] for r in rows}  # token ids of each (sequence, chain)
@@ -385,7 +400,7 @@ class EagleProposer:
             if len(live) < len(rows):
                 sel = torch.tensor(live, device=dev)
                 rows, g, d, base = [rows[n] for n in live], g.index_select(0, sel), d.index_select(0, sel), base.index_select(0, sel)
-            x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, base + j)
+            x, q, k, v = layer.project(self.embed(layer.draft_vocab[d]).to(self.dtype), g, base + j, until + j)
             if W == 1:  # one chain a sequence: its committed entries and its own are contiguous, no mask
                 attn = []
                 for n, (a, _) in enumerate(rows):
