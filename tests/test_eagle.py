@@ -232,7 +232,7 @@ def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_tok
 def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
     """A sequence not drafted for over MAX_CATCH_UP positions ("auto" chose k = 0) is not caught up position by
     position at its next probe: its context restarts at its last MAX_CATCH_UP positions, and the drafts are then
-    exactly those of a proposer that only ever saw those positions."""
+    exactly those of a proposer that only ever saw those positions, before and after the rows that follow."""
     from sieve.spec.eagle import MAX_CATCH_UP
 
     torch.manual_seed(1)
@@ -254,6 +254,15 @@ def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
     other = SimpleNamespace(token_ids=seq.token_ids, num_computed_tokens=end)
     fresh.observe_hidden(other, end - MAX_CATCH_UP, feats[end - MAX_CATCH_UP: end])
     assert fresh.propose([other], [3])[0].token_ids == draft
+    # The restarted context was made inside the proposer's inference-mode pass; the rows the engine hands over next
+    # (outside it) enter it all the same. (Before, writing them raised, and the step failed: found with eagle `auto`
+    # on open chat.)
+    feats2, tokens2 = torch.randn(2, H, dtype=torch.float64), torch.randint(0, V, (2,)).tolist()
+    for s in (seq, other):
+        s.token_ids, s.num_computed_tokens = s.token_ids + tokens2, end + 2
+    behind.observe_hidden(seq, end, feats2)
+    fresh.observe_hidden(other, end, feats2)
+    assert behind.propose([seq], [3])[0].token_ids == fresh.propose([other], [3])[0].token_ids
 
 
 def test_unroll_mask_is_what_each_draft_token_sees():
@@ -537,3 +546,4 @@ def test_rotation_is_looked_up_with_the_bits_of_the_textbook_form(tmp_path, monk
     assert len(drafts[0].token_ids) == 3 and len(drafts[0].alternatives) == 1
     assert "index_select" in seen and not {"cos", "sin"} & set(seen)
     assert heads == [(4, 2, 2)] * 3  # entering the committed positions (token 1), then tokens 2 and 3: 2 key heads as they are
+

@@ -291,6 +291,7 @@ class EagleProposer:
             if isinstance(kernel, BlockedKernel):  # (no native kernels built here: the float32 layer stays)
                 lin.forward = kernel
 
+    @torch.inference_mode()  # (the buffers it writes may have been made in `propose`'s pass, which is one)
     def observe_hidden(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
         """The target's features at positions start .. start + len(rows) - 1 (some may be rows of drafts that
         will be rejected: only positions below the sequence's computed tokens are ever entered)."""
