@@ -393,12 +393,18 @@ def test_soft_token_loss_is_the_cross_entropy_against_the_targets_distribution(t
         parser.parse_args(["--out", "x", "--token-loss", "kl"])
 
 
-def test_inner_layers_residual_stream_is_handed_over_alike_by_both_layer_loops(checkpoints, tmp_path):
+def test_inner_layers_residual_stream_is_handed_over_alike_by_both_layer_loops(checkpoints, tmp_path, monkeypatch):
     """EAGLE-3's fused features: the model hands over the residual stream after the layers asked for, beside the last
     hidden state. The C++ layer loop (a float32 Q4_1 GGUF) gives the same bits as the Python loop, and the stream after
-    the last layer, through the final norm, is the last hidden state itself."""
+    the last layer, through the final norm, is the last hidden state itself. A layer asked for twice (here layers
+    L / 2 and L - 1 of 2 are one) fills both places in both loops: new buffers are NaN here, as uninitialised memory
+    may be (before, the Python loop left the first place unwritten, and the test passed when freed memory happened to
+    hold the C++ loop's values)."""
     from sieve import LLM
     from sieve.bench.gguf_export import export_gguf
+
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(float("nan")))
 
     path = export_gguf(checkpoints["llama"], tmp_path / "m.gguf", "q4_1", log=lambda s: None)
     llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=64)
@@ -412,6 +418,7 @@ def test_inner_layers_residual_stream_is_handed_over_alike_by_both_layer_loops(c
     model.native = None
     python = engine.hidden_states(tokens, aux)
     assert native.shape == (len(tokens), 4 * H)
+    assert aux[1] == aux[2] and not native.isnan().any()
     assert torch.equal(native, python)
     assert torch.equal(native[:, :H], plain)  # asking for inner layers changes nothing of the last hidden state
     assert torch.equal(model.norm(native[:, 3 * H:].contiguous()), plain)

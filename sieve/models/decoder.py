@@ -176,15 +176,20 @@ class DecoderModel(nn.Module):
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
         rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
-        slot = {l: j for j, l in enumerate(aux_layers)}
+        slots: dict[int, list[int]] = {}  # layer -> its places in `aux` (every one written, as the C++ loop does)
+        for j, l in enumerate(aux_layers):
+            slots.setdefault(l, []).append(j)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if layer.window is None:
                 x, residual = layer(x, residual, rope, cache, meta)
             else:
                 x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window])
-            if i in slot:  # the stream after layer i: its output added to everything before it
+            if i in slots:  # the stream after layer i: its output added to everything before it
                 H = x.shape[1]
-                torch.add(residual, x, out=aux[:, slot[i] * H: (slot[i] + 1) * H])
+                first, *more = slots[i]
+                torch.add(residual, x, out=aux[:, first * H: (first + 1) * H])
+                for j in more:
+                    aux[:, j * H: (j + 1) * H].copy_(aux[:, first * H: (first + 1) * H])
         out = self.norm(x, residual)[0]
         return (out, aux) if aux_layers else out
 
