@@ -81,6 +81,11 @@ def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         return x
     # (a tensor that requires grad, where the step prepared for the native kernel, gathers the tables here)
     cos, signed_sin = (rope.cos, rope.signed_sin) if rope.cos is not None else rope.gathered(x.dtype)
+    return rotate_half_form(x, cos, signed_sin)
+
+
+def rotate_half_form(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated by (cos | cos) and (-sin | sin) [..., D]: x cos + (x's halves swapped) signed sin."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 

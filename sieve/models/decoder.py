@@ -186,10 +186,8 @@ class DecoderModel(nn.Module):
                 x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window])
             if i in slots:  # the stream after layer i: its output added to everything before it
                 H = x.shape[1]
-                first, *more = slots[i]
-                torch.add(residual, x, out=aux[:, first * H: (first + 1) * H])
-                for j in more:
-                    aux[:, j * H: (j + 1) * H].copy_(aux[:, first * H: (first + 1) * H])
+                for j in slots[i]:
+                    torch.add(residual, x, out=aux[:, j * H: (j + 1) * H])
         out = self.norm(x, residual)[0]
         return (out, aux) if aux_layers else out
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sieve.layers.rotary import rotate_half_form
 from sieve.sequence import Sequence
 from sieve.spec.folder import read_config, save_folder
 from sieve.spec.proposer import Draft
@@ -113,9 +114,10 @@ class EagleLayer(nn.Module):
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """[x1 cos - x2 sin, x2 cos + x1 sin] as x cos + (x's halves swapped) signed sin: four operators, not eight, and
-        the same bits (a product by -sin is minus the product by sin)."""
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+        """[x1 cos - x2 sin, x2 cos + x1 sin] in the target's four-operator form, with the same bits (a product by -sin
+        is minus the product by sin). (The target's `RotaryEmbedding` is not used whole: its table is fixed in size and
+        float32, and on the CPU it rotates by a native kernel whose rounding training, which needs gradients, lacks.)"""
+        return rotate_half_form(x, cos, signed_sin)
 
     @torch.no_grad()
     def calibrate(self, feats: torch.Tensor, table: torch.Tensor) -> None:
