@@ -425,11 +425,16 @@ class ModelRunner:
                 continue
             # One slice copy a block: an indexed copy along the pool's third dimension ran 25x slower on the CPU (5 ms
             # for a draft tree's 7 blocks in SmolLM2's 30 layers), and its index tensors cost the GPU a copy from the host.
+            # A draft tree's chains all copy the same source block: its view is taken once.
             pool = pool.view(torch.uint8)  # byte view: float8 has no CPU copy kernels everywhere
+            views: dict[int, tuple] = {}
             for _, src, dst in mine:
-                pool[:, :, dst].copy_(pool[:, :, src])
+                if src not in views:
+                    views[src] = (pool[:, :, src], scales[:, :, src] if scales is not None else None)
+                pool_src, scales_src = views[src]
+                pool[:, :, dst].copy_(pool_src)
                 if scales is not None:
-                    scales[:, :, dst].copy_(scales[:, :, src])
+                    scales[:, :, dst].copy_(scales_src)
 
     def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.

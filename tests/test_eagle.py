@@ -115,6 +115,31 @@ def test_eagle_draft_tree_is_lossless_and_keeps_its_other_chains(eagle):
     assert accepted[3] > accepted[1] + 0.05  # accepted tokens per draft (0.88 against 0.74 here)
 
 
+def test_eagle_draft_tree_wider_than_eight_chains_is_lossless(eagle):
+    """num_branches = 24, past the old cap of 8 (on a GPU a verified row is nearly free, and 16-32 chains accept more
+    than 8): greedy output equals the plain engine's where the pool and the token budget cannot give every sequence all
+    its chains each step (the scheduler drops those that do not fit, and gives their blocks back); a chain past the
+    eighth is verified and adopted."""
+    out, _ = eagle
+    prompts, params = workload(10)
+    plain = stories(num_gpu_blocks_override=64, block_size=4, max_num_seqs=4)
+    spec = stories(num_gpu_blocks_override=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=128,
+                   speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 3, "num_branches": 24})
+    engine = spec.llm_engine
+    chosen = count_chosen_branches(engine)
+    widths, real = [], engine.scheduler.postprocess
+
+    def postprocess(sched_out):
+        widths.extend(1 + len(item.branches) for item in sched_out.scheduled if item.draft)
+        real(sched_out)
+
+    engine.scheduler.postprocess = postprocess
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    assert max(widths) > 8 and min(widths) < 24  # trees wider than the old cap, and some cut to what fits
+    assert max(chosen) >= 8  # a chain the old cap left out was the one kept
+    assert_pool_clean(engine)
+
+
 def _random_layer(path, H: int = 32, V: int = 50, aux: tuple[int, ...] = ()):
     """A small EAGLE layer with random weights (not the near-identity start) saved at `path`, for a target of hidden
     size H and vocabulary V drafting its even ids (with `aux`, fusing those layers' features, EAGLE-3's, through a
