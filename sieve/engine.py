@@ -490,7 +490,8 @@ class LLMEngine:
                 item = drafted.get(id(seq))
                 if item is not None:
                     # Drafts accepted by verification (the metric), and those now part of the sequence (their K/V stays).
-                    self.speculator.record(seq, len(item.draft), len(tokens) - 1, sum(len(b.draft) for b in item.branches))
+                    self.speculator.record(seq, len(item.draft), len(tokens) - 1, sum(len(b.draft) for b in item.branches),
+                                           item.chain_accepted)
                     item.num_accepted = appended - 1
             if seq.finish_reason is not None:
                 finished.append(seq)

@@ -359,6 +359,7 @@ class ModelRunner:
             elif item.branches:  # a draft tree: the chain with the longest accepted prefix goes on (the first of equals)
                 drafts = [item.draft] + [b.draft for b in item.branches]
                 verified = [verify_deterministic(d, [targets[i] for i in rows]) for d, rows in zip(drafts, chains[id(item)])]
+                item.chain_accepted = [len(v) - 1 for v in verified]
                 item.chosen_branch = max(range(len(drafts)), key=lambda c: (len(verified[c]), -c))
                 emitted, rows = verified[item.chosen_branch], chains[id(item)][item.chosen_branch]
                 result.append((seq, emitted, [lp_dicts[i] for i in rows[: len(emitted)]]))

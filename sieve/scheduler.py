@@ -54,6 +54,7 @@ class ScheduledSeq:
     # sequence's own draft, b: branches[b - 1]), set by the model runner.
     branches: list[DraftBranch] = field(default_factory=list)
     chosen_branch: int = 0
+    chain_accepted: list[int] = field(default_factory=list)  # each chain's accepted prefix, by the model runner
 
     @property
     def num_rows(self) -> int:

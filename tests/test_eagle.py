@@ -19,7 +19,7 @@ from sieve.spec.distill import add_distill_args, eagle_batch_loss, eagle_loss, p
 from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
 
 from test_medusa import STORIES, distill_args, stories, workload
-from test_spec import assert_pool_clean, count_chosen_branches, ids
+from test_spec import assert_pool_clean, count_chosen_branches, fixed_step_cost, ids
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +145,49 @@ def test_eagle_draft_tree_wider_than_eight_chains_is_lossless(eagle):
     assert max(widths) > 8 and min(widths) < 24  # trees wider than the old cap, and some cut to what fits
     assert False in reservations  # the pool ran short for some chains (160 of 1,219 here)
     assert max(chosen) >= 8  # a chain the old cap left out was the one kept
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("per_row", [0.0, 0.01], ids=["rows-free", "rows-cost"])
+def test_auto_chooses_how_wide_each_draft_tree_is(eagle, per_row):
+    """"auto" with num_branches = 8: each step, each greedy sequence's tree width (1 to 8) is chosen with its depth, from
+    what further chains were measured to add and what their rows cost (the proposer's time is left out here). Where a
+    row is free (a GPU's launch-bound decode, at the limit) it verifies trees, as wide as the step's token budget leaves
+    room for, and learns from them what chains past the first add; where a row costs a tenth of a 10 ms step it
+    verifies hardly any. Greedy output equals the plain engine's either way, among sampled requests (which draft one
+    chain), with chunked prefill; the pool ends clean."""
+    out, _ = eagle
+    prompts, params = workload(10)
+    params[1] = params[7] = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    plain = stories(num_gpu_blocks_override=96, block_size=4, max_num_seqs=4)
+    spec = stories(num_gpu_blocks_override=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=96,
+                   speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": "auto",
+                                       "max_num_speculative_tokens": 3, "num_branches": 8})
+    engine = spec.llm_engine
+    speculator = engine.speculator
+    speculator.cost = speculator.controller.cost = fixed_step_cost(0.010 + per_row, 0.010 + 256 * per_row)
+    speculator.clock = lambda: 0.0  # and a proposer that costs nothing: neither may depend on this machine's timings
+    widths, real = [], engine.scheduler.postprocess
+
+    def postprocess(sched_out):
+        widths.extend(1 + len(item.branches) for item in sched_out.scheduled if item.draft)
+        real(sched_out)
+
+    engine.scheduler.postprocess = postprocess
+    assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    controller = speculator.controller
+    trees = sum(w > 1 for w in widths)
+    stats = speculator.stats
+    assert stats.num_drafts == len(widths) and stats.num_chains == sum(widths)  # (the benchmark's chains a draft)
+    print(f"{len(widths)} drafts verified, {trees} of them trees, widths {sorted(set(widths))}")
+    if per_row == 0:
+        assert trees > len(widths) // 2 and len(set(widths)) > 2  # mostly trees, and not one width throughout
+        assert controller.chain_norm[1] > 0 and controller.chain_gain[1] > 0  # chain 2 was measured, and added tokens
+        assert stats.num_draft_tokens > stats.num_drafts * 3  # further chains' tokens drafted
+    else:
+        # Drafts, and hardly a tree: only beside a prefill chunk, whose rows make a few more look cheap (none of 18
+        # drafts here; with free rows 143 of 187 were trees).
+        assert widths and trees <= len(widths) // 20
     assert_pool_clean(engine)
 
 

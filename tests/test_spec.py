@@ -73,6 +73,16 @@ def count_chosen_branches(engine) -> list[int]:
     return chosen
 
 
+def fixed_step_cost(one_row: float, rows_256: float) -> StepCostModel:
+    """A step cost linear from 1 row to 256 that steps do not move: what "auto" chooses must not depend on this
+    machine's timings."""
+    cost = StepCostModel()
+    cost.observe(1, one_row)
+    cost.observe(256, rows_256)
+    cost.observe = lambda *args: None
+    return cost
+
+
 def assert_pool_clean(engine):
     bm = engine.block_manager
     assert not engine.has_unfinished()
@@ -94,11 +104,7 @@ def test_greedy_tokens_identical_alone_and_in_a_crowd(llama_engine_factory, plai
     engine = llm.llm_engine
     if k == "auto":  # a fixed, nearly flat step cost: how deep it drafts must not depend on this machine's timings
         assert set(range(1, 33)) <= set(engine.speculator.cost.buckets)  # the load calibrated every small row count
-        flat = StepCostModel()
-        flat.observe(1, 0.010)
-        flat.observe(256, 0.013)
-        flat.observe = lambda *args: None
-        engine.speculator.cost = engine.speculator.controller.cost = flat
+        engine.speculator.cost = engine.speculator.controller.cost = fixed_step_cost(0.010, 0.013)
     alone = [llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts[:4], params[:4])]
     assert alone == reference[:4]
     assert ids(llm.generate(prompts, params)) == reference  # 33 at once
@@ -265,9 +271,12 @@ def test_draft_trees_behave_as_without_speculation(llama_engine_factory, plain):
     assert_pool_clean(engine)
 
 
-def test_ngram_draft_trees_take_the_continuations_of_other_matches(llama_engine_factory, plain):
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_ngram_draft_trees_take_the_continuations_of_other_matches(llama_engine_factory, plain, k):
     """ngram with num_branches: the continuations of the longest n's matches, most recent first and each once, then
-    of shorter n's; the first is the one-chain draft. Served, the greedy tokens are the plain engine's."""
+    of shorter n's; the first is the one-chain draft. Served, the greedy tokens are the plain engine's, with a fixed
+    depth and under "auto" (which drafts every chain each step, the proposer costing nothing, and chooses which to
+    verify: here with a nearly flat step cost, so trees)."""
     from sieve.spec.ngram import TokenBuffer, lookup, lookup_many
 
     tokens = [5, 6, 7, 1, 9, 9, 5, 6, 7, 2, 8, 5, 6, 7, 1, 4, 3, 6, 7, 3, 0, 5, 6, 7]
@@ -284,8 +293,10 @@ def test_ngram_draft_trees_take_the_continuations_of_other_matches(llama_engine_
     for i in range(0, len(prompts), 2):  # text of a small alphabet (the output too, by its logit bias): an n-gram
         prompts[i]["prompt_token_ids"] = [rng.choice(alphabet) for _ in range(80)]  # recurs with other continuations
         params[i] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={t: 50.0 for t in alphabet})
-    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_branches": 3,
-                                                   "prompt_lookup_min": 1}, block_size=4)
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": k, "num_branches": 3,
+                                                   "max_num_speculative_tokens": 3, "prompt_lookup_min": 1}, block_size=4)
+    if k == "auto":
+        llm.llm_engine.speculator.cost = llm.llm_engine.speculator.controller.cost = fixed_step_cost(0.010, 0.013)
     chosen = count_chosen_branches(llm.llm_engine)
     assert ids(llm.generate(prompts, params)) == ids(plain.generate(prompts, params))
     assert len(chosen) > 50 and chosen.count(1) + chosen.count(2) > 5
@@ -488,6 +499,44 @@ def test_adaptive_depth_follows_the_cost_of_a_step():
             assert c.choose(users, [6] * 32) == [0] * 32
     fixed = DepthController(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}), flat)
     assert fixed.choose([good, bad], [6, 2]) == [3, 2]
+
+
+def test_adaptive_width_prices_each_further_chain_of_a_draft_tree():
+    """"auto" with num_branches: a tree's further chain is 1 + k more rows, and adds tokens only where the chains before
+    it are wrong. Its gain is learnt as the tokens it accepted beyond the best of the chains before it, per unit of the
+    first chain's miss rate times the tokens a right first draft goes on to give. With rows cheap, a sequence
+    whose first chain misses gets the chains measured to add tokens and no more, one that misses less gets fewer, a
+    sampled one (no tree) none; within a token budget, only what fits; with costly rows, none."""
+    config = SpeculativeConfig.parse({"method": "eagle", "model": "x", "num_speculative_tokens": "auto",
+                                      "max_num_speculative_tokens": 3, "num_branches": 8})
+    fresh = DepthController(config, StepCostModel())
+    seq = object()
+    fresh.record_chains(seq, 3, [1, 3, 2, 4])
+    assert fresh.chain_gain[1:4] == [2, 0, 1]  # beyond the best before: 3 - 1, none (2 < 3), 4 - 3
+    assert fresh.chain_norm[1] == fresh.chain_norm[3] > 0 and fresh.chain_gain[4:] == [0] * 4
+
+    cheap, steep = StepCostModel(), StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        cheap.observe(n, 0.010 + 0.0001 * n)  # a row: 1% of a step
+        steep.observe(n, 0.001 + 0.003 * n)
+    miss, better, sampled = object(), object(), object()
+    c = DepthController(config, cheap)
+    for i in range(60):
+        # chain 1 gives 2 tokens half the time its first chain misses, chain 2 one a quarter of the time, no other any
+        chains = [[0, 2, 0], [0, 2, 0], [0, 0, 1], [0, 0, 0]][i % 4] + [0] * 5
+        c.record_chains(miss, 3, chains)
+        c.record(miss, 3, 0)
+        c.record(better, 3, 2 if i % 2 else 3)
+        c.record(sampled, 3, 0)
+    gains = c.chain_gains()
+    assert gains[0] > gains[1] > 0.1 > 0.01 > gains[2] and gains == sorted(gains, reverse=True)
+    ks, widths = c.choose_tree([miss, better, sampled], [3, 3, 3], [True, True, False])
+    assert ks == [3, 3, 3] and widths == [3, 2, 1]  # (chain 3 would add 0.001 of a token per unit)
+    # a budget of the drafts and one more chain (1 + 3 rows): the chain that adds the most per row
+    assert c.choose_tree([miss, better, sampled], [3, 3, 3], [True, True, False], budget=12 + 4) == ([3, 3, 3], [2, 1, 1])
+    c.cost = steep
+    ks, widths = c.choose_tree([miss, better, sampled], [3, 3, 3], [True, True, False])
+    assert widths == [1, 1, 1]
 
 
 def test_adaptive_depth_sees_the_staircase_of_row_groups():
@@ -803,7 +852,6 @@ def test_probing_a_proposer_that_catches_up_never_stops_and_its_drafting_cost_is
     ({"method": "eagle"}, "needs \"model\""),
     ({"method": "ngram", "model": "x"}, "takes no"),
     ({"method": "suffix", "num_branches": 2}, "drafts one chain"),
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": "auto", "num_branches": 2}, "fixed num_speculative_tokens"),
     ({"method": "eagle", "model": "x", "num_branches": 0}, "positive integer"),
     ({"method": "medusa", "model": "x", "num_branches": 65}, "at most 64"),
     ("{not json", "not valid JSON"),

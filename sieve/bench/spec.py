@@ -172,6 +172,12 @@ def _batch1(engines: list, prompts, args) -> list[dict]:
     return results
 
 
+def _drafts_and_chains(llm) -> tuple[int, int]:
+    """Drafts verified so far, and the chains they held (a draft tree counts each)."""
+    s = llm.llm_engine.speculator
+    return (s.stats.num_drafts, s.stats.num_chains) if s is not None else (0, 0)
+
+
 def _concurrent(llm, prompts, users: int, args) -> dict:
     """`users` closed-loop users: each sends its next request when its previous one finishes."""
     engine = llm.llm_engine
@@ -244,6 +250,7 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     results: dict = {name: {} for name in names}
     for u in users:
         runs: dict = {name: [] for name in names}
+        drafted0 = {name: _drafts_and_chains(llm) for name, llm in zip(names, engines)}
         for _ in range(args.repeats):
             for name, llm in zip(names, engines):
                 proposer = getattr(llm.llm_engine.speculator, "proposer", None)
@@ -254,10 +261,13 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
             if u == 1:
                 for name, r in zip(names, _batch1(engines, prompts[: args.prompts], args)):
                     runs[name].append(r)
-        for name in names:
+        for name, llm in zip(names, engines):
             rs = runs[name]
             med = statistics.median(r["tok_s"] for r in rs)
             entry = {"tok_s": med, "runs_tok_s": [r["tok_s"] for r in rs]}
+            (d0, c0), (d1, c1) = drafted0[name], _drafts_and_chains(llm)
+            if d1 > d0:  # a draft tree's width, on average ("auto" chooses it per sequence and step)
+                entry["chains_per_draft"] = (c1 - c0) / (d1 - d0)
             if u == 1:
                 entry["e2e_tok_s"] = statistics.median(r["e2e_tok_s"] for r in rs)
                 entry["mean_acceptance_length"] = rs[0]["mean_acceptance_length"]
@@ -285,6 +295,8 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
                     extra += f" (simulated in training: {simulated[0]:.2f}, held out by {simulated[1]})"
                 if args.temperature == 0:
                     extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
+            if "chains_per_draft" in e and configs[names.index(name)].get("num_branches", 1) > 1:
+                extra += f"  {e['chains_per_draft']:.2f} chains a draft"
             print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x (paired {e['paired_speedup']:.2f}x){extra}")
     for name, llm in zip(names, engines):
         s = llm.llm_engine.speculator

@@ -22,7 +22,9 @@ class SpeculativeConfig:
     # A draft tree of `num_branches` chains, all verified in the same target pass, the chain with the longest accepted
     # prefix going on. eagle branches at the root (its likeliest first tokens, each continued greedily); medusa takes
     # its first head's likeliest tokens, each followed by the later heads' guesses; ngram the different continuations
-    # of its matches, most recent first. Greedy requests without a grammar (others draft one chain); fixed k.
+    # of its matches, most recent first. Greedy requests without a grammar (others draft one chain). With "auto" it is
+    # the widest: each sequence's width is chosen each step with its depth, from what further chains were measured to
+    # add and what their rows cost (sieve/spec/controller.py).
     num_branches: int = 1
     model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
     quantization: str | None = None  # draft_model: the draft's weight format (as --quantization: int8, fp8, int4)
@@ -79,9 +81,6 @@ class SpeculativeConfig:
             if self.method not in ("eagle", "eagle3", "medusa", "ngram"):
                 raise ValueError(f"speculative_config.num_branches > 1 takes a proposer with several guesses (eagle, eagle3, medusa "
                                  f"or ngram); {self.method!r} drafts one chain")
-            if self.auto:
-                raise ValueError("speculative_config.num_branches > 1 takes a fixed num_speculative_tokens: the adaptive "
-                                 "depth does not price branches")
             if self.num_branches > MAX_BRANCHES:
                 raise ValueError(f"speculative_config.num_branches must be at most {MAX_BRANCHES}, got {self.num_branches}")
         positive_int("prompt_lookup_min", self.prompt_lookup_min)

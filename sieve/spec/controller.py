@@ -29,11 +29,19 @@ largest marginal gains over all sequences; the controller takes the M (0 include
 (expected tokens) / (t(base rows + M) + M * drafting cost per token), and wants a `MARGIN` better rate than not
 speculating at all, so a noisy estimate never makes a step slower. Depth is therefore per sequence, and k = 0 is
 a choice.
+
+Draft trees ("auto" with `num_branches` W > 1, `choose_tree`): after the depths, a sequence drafting k may verify
+further chains, each 1 + k more rows. Chain c adds tokens only where chains 0 .. c - 1 are wrong; from verified
+trees the controller learns, per rank c, the tokens chain c accepted beyond the best before it, per unit of
+(1 - a_s,1) x (1 + a_s,2 + a_s,2 a_s,3 + ...): the first chain's miss rate times what a right first draft goes on
+to give. Chains are added in order of gain per row while the expected tokens per second rise, within the token
+budget, each also priced at the proposer's measured seconds per token of a further chain.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 from sieve.sequence import Sequence
@@ -44,6 +52,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate
 GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
 SEQ_DECAY = 0.7  # per recorded draft: a sequence's estimate follows its recent drafts (copying starts and stops)
 PROBE_REACH = 0.25  # a probe drafts the positions expected to be reached at least this often, and one more
+CHAIN_PRIOR = 0.1  # a draft tree's chain c adds CHAIN_PRIOR / c (x its sequence's miss rate and extent) until measured
 
 
 class StepCostModel:
@@ -170,6 +179,12 @@ class DepthController:
         self.global_tried = [0.0] * self.K
         self.global_accepted = [0.0] * self.K
         self.per_seq: dict[int, tuple[list[int], list[int]]] = {}  # id(seq) -> (tried, accepted) per position
+        # Draft trees under "auto" (`num_branches` the widest): what chain c >= 1 adds, as tokens accepted beyond the
+        # best of chains 0 .. c - 1 (decayed sums), per unit of (the first chain's miss rate) x (the tokens a chain
+        # whose first draft is right goes on to give): see `chain_gains`.
+        self.W = config.num_branches if config.auto else 1
+        self.chain_gain = [0.0] * self.W
+        self.chain_norm = [0.0] * self.W
 
     def rates(self, seq: Sequence, depth: int | None = None) -> list[float]:
         """Estimated acceptance of each draft position (the first `depth`) given the previous ones were accepted."""
@@ -224,6 +239,74 @@ class DepthController:
             ks[i] += 1
         return ks
 
+    def choose_tree(self, seqs: list[Sequence], caps: list[int], branchable: list[bool], extra_tokens: int = 0,
+                    budget: int | None = None, draft_cost: float = 0.0, contexts: list[int] | None = None,
+                    chain_cost: float = 0.0) -> tuple[list[int], list[int]]:
+        """Depth and width per sequence: the depths `choose` gives, then further chains of `branchable` sequences
+        (each 1 + k rows: the sequence's last token again, then k drafts) while they raise the expected tokens per
+        second. A chain's expected gain is `chain_gains`; `chain_cost`: the proposer's seconds per token of a
+        further chain (what drafting a tree costs beyond its first chain)."""
+        n = len(seqs)
+        ks = self.choose(seqs, caps, extra_tokens, budget, draft_cost, contexts)
+        widths = [1] * n
+        if self.W == 1 or not any(ks):
+            return ks, widths
+        contexts = contexts or [0] * n
+        rates = [self.rates(s, k) if k else [] for s, k in zip(seqs, ks)]
+        expected = float(n) + sum(math.fsum(itertools.accumulate(r, lambda a, b: a * b)) for r in rates)
+        rows = n + extra_tokens + sum(ks)
+        keys = sum((1 + k) * c + k * (k + 1) // 2 for c, k in zip(contexts, ks))  # as `choose` counts them
+        drafted = draft_cost * sum(ks)
+        items = []  # (expected tokens the chain adds, its rows, its keys, its tokens drafted, sequence)
+        for i, (k, r) in enumerate(zip(ks, rates)):
+            if k and branchable[i]:
+                extent = _extent(r)
+                chain_keys = (1 + k) * contexts[i] + k * (k + 1) // 2
+                items += [(g * (1 - r[0]) * extent, 1 + k, chain_keys, k, i) for g in self.chain_gains()]
+        # Best gain per row first; a sequence's chains keep their rank order (gains fall with the rank).
+        items.sort(key=lambda x: -x[0] / x[1])
+        # (No margin over the chain alone: `choose` has already required speculation to beat none by MARGIN.)
+        best_rate = expected / (self.cost.predict(rows, keys) + drafted)
+        most = expected + sum(x[0] for x in items)
+        taken, best = [], 0
+        for g, r, k_rows, d, i in items:
+            if budget is not None and rows + r > budget:
+                continue
+            expected, rows, keys, drafted = expected + g, rows + r, keys + k_rows, drafted + chain_cost * d
+            taken.append(i)
+            t = self.cost.predict(rows, keys) + drafted
+            if most / t <= best_rate:  # t only grows: no later chain can do better
+                break
+            if expected / t > best_rate:
+                best_rate, best = expected / t, len(taken)
+        for i in taken[:best]:
+            widths[i] += 1
+        return ks, widths
+
+    def chain_gains(self) -> list[float]:
+        """Expected tokens chain c = 1 .. W - 1 of a tree adds per unit of (its sequence's first-chain miss rate) x
+        (`_extent`, the tokens a chain with a right first draft gives): measured, smoothed towards a prior that falls
+        with the rank, made non-increasing (the proposer ranks its guesses, and a width takes chains in that order)."""
+        out, low = [], math.inf
+        for c in range(1, self.W):
+            g = (self.chain_gain[c] + PRIOR_WEIGHT * CHAIN_PRIOR / c) / (self.chain_norm[c] + PRIOR_WEIGHT)
+            low = min(low, g)
+            out.append(low)
+        return out
+
+    def record_chains(self, seq: Sequence, k: int, accepted: list[int]) -> None:
+        """A verified tree of len(accepted) chains of k drafts for `seq` (before `record`, which updates the rates
+        these are weighed by): chain c's draft had its first accepted[c] tokens right."""
+        if self.W == 1:  # a fixed depth's trees: nothing chooses widths
+            return
+        rates = self.rates(seq, k)
+        norm = (1 - rates[0]) * _extent(rates)
+        best = accepted[0]
+        for c in range(1, min(len(accepted), self.W)):
+            self.chain_gain[c] = GLOBAL_DECAY * self.chain_gain[c] + max(0, accepted[c] - best)
+            self.chain_norm[c] = GLOBAL_DECAY * self.chain_norm[c] + norm
+            best = max(best, accepted[c])
+
     def probe_depth(self, seq: Sequence, cap: int) -> int:
         """How deep to probe `seq` (unverified): the positions its drafts are expected to reach at least
         `PROBE_REACH` of the time, and one more, so evidence grows one position past what is believed."""
@@ -253,3 +336,9 @@ class DepthController:
 
     def forget(self, seq: Sequence) -> None:
         self.per_seq.pop(id(seq), None)
+
+
+def _extent(rates: list[float]) -> float:
+    """Tokens a chain whose first draft is right gives in expectation: 1 + a_2 + a_2 a_3 + ... (rates[j]: position j's
+    acceptance given the ones before it)."""
+    return 1.0 + math.fsum(itertools.accumulate(rates[1:], lambda a, b: a * b))

@@ -63,6 +63,7 @@ class SpecStats:
     def __init__(self, max_k: int):
         self.num_drafts = 0  # verifications of a non-empty draft
         self.num_draft_tokens = 0
+        self.num_chains = 0  # chains verified: 1 a draft, and a draft tree's further ones
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * max_k
 
@@ -85,6 +86,7 @@ class Speculator:
         # acceptance that rises is seen.
         self.draft_cost = DraftCostModel()  # calls that draft for verification
         self.probe_cost = DraftCostModel()  # calls that only probe: they also catch up a context idle since the last one
+        self.chain_cost = DraftCostModel()  # per token of a tree's further chains: a call's time beyond its first chains'
         self.probe_share = PROBE_SHARE
         self.num_prepares = 0
         self.evidence: dict[int, int] = {}  # id(seq) -> the prepare at which it last drafted or was probed
@@ -104,37 +106,56 @@ class Speculator:
                 caps.append(cap)
         if not ready:
             return
+        contexts = [s.num_tokens for s in ready]
+        # "auto" with num_branches: how wide each sequence's tree is, as well as how deep, is chosen each step.
+        tree = self.controller.W > 1
+        branchable = [_branchable(s) for s in ready]
         if self.probing:
             self._resolve_probes(ready)
-            drafts = self.proposer.propose(ready, caps)
+            widest = [self.branches if b else 1 for b in branchable] if tree else None
+            drafts = self.proposer.propose(ready, caps, widest) if tree else self.proposer.propose(ready, caps)
             for seq, d in zip(ready, drafts):
                 if d.token_ids:
                     self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
             caps = [len(d.token_ids) for d in drafts]  # nothing to verify beyond what was drafted
-            ks = self.controller.choose(ready, caps, extra_tokens, self.budget, contexts=[s.num_tokens for s in ready])
-            for seq, k, d in zip(ready, ks, drafts):
+            if tree:
+                ks, widths = self.controller.choose_tree(ready, caps, branchable, extra_tokens, self.budget, contexts=contexts)
+            else:
+                ks, widths = self.controller.choose(ready, caps, extra_tokens, self.budget, contexts=contexts), [1] * len(ready)
+            for seq, k, w, d in zip(ready, ks, widths, drafts):
                 seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
+                if w > 1 and seq.draft_token_ids:
+                    seq.draft_alternatives = [a[:k] for a in d.alternatives[: w - 1] if a]
             return
         auto = self.config.auto
         if auto:
             self.num_prepares += 1
             self._resolve_probes(ready)
         cost = self.draft_cost.per_token or self.probe_cost.per_token or 0.0
-        ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost, [s.num_tokens for s in ready])
-        chosen = [(s, k) for s, k in zip(ready, ks) if k > 0]
-        probed = self._due_for_probe(ready, caps, ks, extra_tokens) if auto else []
+        if tree:
+            ks, widths = self.controller.choose_tree(ready, caps, branchable, extra_tokens, self.budget, cost, contexts,
+                                                     self.chain_cost.per_token or 0.0)
+        else:
+            ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost, contexts)
+            widths = [self.branches if b else 1 for b in branchable]  # fixed k: every tree as wide as configured
+        chosen = [(s, k, w) for s, k, w in zip(ready, ks, widths) if k > 0]
+        probed = [(s, k, 1) for s, k in self._due_for_probe(ready, caps, ks, extra_tokens)] if auto else []
         asked = chosen + probed
         if not asked:
             return
         started = self.clock()
         if self.branches > 1:  # a draft tree for the sequences that can verify one (greedy, no grammar)
-            drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked],
-                                           [self.branches if _branchable(s) else 1 for s, _ in asked])
+            drafts = self.proposer.propose([s for s, _, _ in asked], [k for _, k, _ in asked], [w for _, _, w in asked])
         else:
-            drafts = self.proposer.propose([s for s, _ in asked], [k for _, k in asked])
+            drafts = self.proposer.propose([s for s, _, _ in asked], [k for _, k, _ in asked])
         if auto:  # only the adaptive depth weighs what drafting costs
-            (self.draft_cost if chosen else self.probe_cost).observe(sum(len(d.token_ids) for d in drafts), self.clock() - started)
-        for (seq, k), d in zip(chosen, drafts):
+            seconds, drafted = self.clock() - started, sum(len(d.token_ids) for d in drafts)
+            further = sum(len(a) for d in drafts for a in d.alternatives)
+            if further and chosen:  # a tree's further chains: what the call took beyond its first chains' price
+                self.chain_cost.observe(further, max(0.0, seconds - (self.draft_cost.per_token or 0.0) * drafted))
+            else:
+                (self.draft_cost if chosen else self.probe_cost).observe(drafted, seconds)
+        for (seq, k, _), d in zip(chosen, drafts):
             seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
             seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
             if d.alternatives and seq.draft_token_ids and _branchable(seq):
@@ -142,7 +163,7 @@ class Speculator:
             if auto:  # verification gives evidence from here (a probe still waiting would count it twice)
                 self.evidence[id(seq)] = self.num_prepares
                 self.probes.pop(id(seq), None)
-        for (seq, _), d in zip(probed, drafts[len(chosen):]):
+        for (seq, _, _), d in zip(probed, drafts[len(chosen):]):
             self.evidence[id(seq)] = self.num_prepares
             if d.token_ids:
                 self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
@@ -181,11 +202,14 @@ class Speculator:
             # positions 0..a-1 right; position a wrong if it is known, else not yet tried
             self.controller.record(seq, a + 1 if a < len(known) else a, a)
 
-    def record(self, seq: Sequence, num_draft: int, num_accepted: int, num_alternative: int = 0) -> None:
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int, num_alternative: int = 0,
+               chain_accepted: list[int] | None = None) -> None:
         """A draft of `num_draft` tokens (and `num_alternative` more in its tree's other chains) was verified and
-        `num_accepted` kept: the first tokens of the chain that matched."""
+        `num_accepted` kept: the first tokens of the chain that matched. `chain_accepted`: a tree's, each chain's
+        accepted prefix (what its further chains add is learnt from them; the rates stay the first chain's)."""
         s = self.stats
         s.num_drafts += 1
+        s.num_chains += len(chain_accepted) if chain_accepted else 1
         s.num_draft_tokens += num_draft + num_alternative
         s.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
@@ -194,6 +218,9 @@ class Speculator:
         m.spec_num_drafts += 1
         m.spec_num_draft_tokens += num_draft + num_alternative
         m.spec_num_accepted_tokens += num_accepted
+        if chain_accepted and len(chain_accepted) > 1:
+            self.controller.record_chains(seq, num_draft, chain_accepted)
+            num_accepted = chain_accepted[0]
         if not self.probing:
             self.controller.record(seq, num_draft, num_accepted)
 
