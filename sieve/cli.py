@@ -86,19 +86,28 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sieve.engine import LLMEngine
+    from sieve.sampling_params import SamplingParams
 
+    try:  # every sampling and constraint flag is checked before the model loads (on every rank alike)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None, ignore_eos=args.ignore_eos,
+            structured_outputs=_structured_from_args(args),
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if _torchrun_worker(args):
         return 0
     engine = LLMEngine(config_from_args(args))
     try:
-        return _generate(engine, args)
+        return _generate(engine, args, params)
     finally:
         engine.shutdown()
 
 
-def _generate(engine, args: argparse.Namespace) -> int:
+def _generate(engine, args: argparse.Namespace, params) -> int:
     from sieve.engine import RequestError
-    from sieve.sampling_params import SamplingParams
 
     prompt = args.prompt
     if args.chat:
@@ -108,12 +117,7 @@ def _generate(engine, args: argparse.Namespace) -> int:
                   "--chat", file=sys.stderr)
             return 2
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None, ignore_eos=args.ignore_eos,
-            structured_outputs=_structured_from_args(args),
-        )
+    try:  # (what needs the model: a grammar compiled against its vocabulary, the prompt's length)
         engine.add_request("cli", prompt, params)
     except (RequestError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -294,7 +294,8 @@ def test_native_token_bitmask_equals_the_pytorch_path(vocab, monkeypatch):
 
 
 def test_generate_cli_takes_llama_cpp_constraint_flags(tmp_path):
-    """`sieve generate --choice/--regex/--json-schema @file/--grammar`, and a bad one is one error line, exit 2."""
+    """`sieve generate --choice/--regex/--json-schema @file/--grammar`, and a bad one is one error line, exit 2 (before
+    the model loads where the model is not needed to tell)."""
     from test_cli import run_cli
 
     r = run_cli("generate", "--prompt", "Is the sky blue? Answer yes or no.", "--chat", "--temperature", "0",
@@ -310,3 +311,7 @@ def test_generate_cli_takes_llama_cpp_constraint_flags(tmp_path):
     assert r.returncode == 2 and "regex" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "--prompt", "x", "--regex", "a", "--choice", "a")
     assert r.returncode == 2 and "exactly one" in r.stderr
+    # What needs no model is refused before it loads (a regex's syntax needs its vocabulary, so it waits for it)
+    r2 = run_cli("generate", "--prompt", "x", "--json-schema", f"@{tmp_path / 'missing.json'}")
+    assert r2.returncode == 2 and "missing.json" in r2.stderr and "Traceback" not in r2.stderr
+    assert "loaded" not in r.stderr + r2.stderr, r.stderr
