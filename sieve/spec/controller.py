@@ -257,12 +257,12 @@ class DepthController:
         rows = n + extra_tokens + sum(ks)
         keys = sum((1 + k) * c + k * (k + 1) // 2 for c, k in zip(contexts, ks))  # as `choose` counts them
         drafted = draft_cost * sum(ks)
-        items = []  # (expected tokens the chain adds, its rows, its keys, its tokens drafted, sequence)
+        items, gains = [], self.chain_gains()  # (expected tokens the chain adds, its rows, keys, tokens drafted, sequence)
         for i, (k, r) in enumerate(zip(ks, rates)):
             if k and branchable[i]:
-                extent = _extent(r)
+                unit = (1 - r[0]) * _extent(r)
                 chain_keys = (1 + k) * contexts[i] + k * (k + 1) // 2
-                items += [(g * (1 - r[0]) * extent, 1 + k, chain_keys, k, i) for g in self.chain_gains()]
+                items += [(g * unit, 1 + k, chain_keys, k, i) for g in gains]
         # Best gain per row first; a sequence's chains keep their rank order (gains fall with the rank).
         items.sort(key=lambda x: -x[0] / x[1])
         # (No margin over the chain alone: `choose` has already required speculation to beat none by MARGIN.)
