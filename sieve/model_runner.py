@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sieve.config import EngineConfig
-from sieve.device import available_memory_bytes
+from sieve.device import available_memory_bytes, zeroed
 from sieve.kernels import cpu_ops
 from sieve.block_manager import STATE_GROUP
 from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, build_metadata
@@ -89,7 +89,7 @@ class ModelRunner:
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
         for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
             shape = (arch.kv_entries, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
-            pool = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            pool = zeroed(shape, self.kv_dtype, torch.device(device))
             scales = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.kv_kind == "int8" else None
             self.kv_pools.append(pool)
             self.kv_scale_pools.append(scales)

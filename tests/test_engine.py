@@ -197,3 +197,26 @@ def test_choice_seeds_never_collide_with_other_requests(llama_llm):
     assert choices(100, 1) == three[:1]  # choice 0 is the same whatever n is
     assert three[1] != choices(101, 1)[0] and three[2] != choices(102, 1)[0]  # choice i of s is not choice 0 of s + i
     assert len({tuple(c) for c in three}) == 3
+
+
+def test_cpu_kv_pool_takes_memory_only_as_its_blocks_are_used(demo_dir):
+    """A 2 GiB KV budget on the CPU: the pool is ready without the process taking the memory (the kernel zeroes a
+    page when a block first writes it; torch.zeros wrote all of it before the engine started, 6-12 s for the
+    default 6.6 GB pool on a 2-core host), it reads as zeros, and requests run on it as on a small pool."""
+    from sieve import LLM
+
+    def rss_bytes() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    before = rss_bytes()
+    big = LLM(str(demo_dir), kv_cache_memory_gb=2, max_num_seqs=4096, skip_tokenizer_init=True)  # no cap below 2 GiB
+    grown = rss_bytes() - before
+    pool = big.llm_engine.runner.kv_pool
+    assert pool.numel() * pool.element_size() > 1.5 * 2**30 and grown < 0.5 * 2**30, (pool.shape, grown)
+    assert not pool[:, :, -1].any()
+    prompts = [{"prompt_token_ids": [5 + i, 17, 300, 42] * (3 + i)} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    small = LLM(str(demo_dir), num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    assert [o.outputs[0].token_ids for o in big.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in small.generate(prompts, params)]

@@ -374,6 +374,82 @@ def write_minimal(path, arch="llama", tensors=None, fields=True):
     return path
 
 
+def assert_reads_as_gguf_py(path) -> None:
+    """sieve's header reader and the gguf package's GGUFReader on one file: the same metadata keys in order and
+    values, and every tensor's name, type, shape, size, offset and data view (dtype, shape, bytes)."""
+    from sieve.models.gguf_reader import GGUFFile, StringArray
+
+    def plain(v):
+        if isinstance(v, (np.ndarray, StringArray)):
+            return v.tolist()
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert list(ours.fields) == keys
+    for k in keys:
+        got = plain(ours.fields[k])
+        if got and isinstance(got, list) and isinstance(got[0], list):  # the gguf package flattens arrays of arrays
+            got = [x for sub in got for x in sub]
+        assert got == ref.fields[k].contents(), k
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.shape, a.n_bytes, a.data_offset) == (b.tensor_type, tuple(int(d) for d in b.shape),
+                                                                     int(b.n_bytes), int(b.data_offset)), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
+
+
+def test_header_reader_reads_every_value_and_tensor_type_as_the_gguf_package(tmp_path):
+    """A file with a value of every GGUF type (arrays of numbers, of strings, of bools and of arrays among them) and
+    tensors of plain, integer, block and K-quant types."""
+    T, Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "llama")
+    for i, kind in enumerate([T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64]):
+        w.add_key_value(f"test.int{i}", 7 + i if kind.name.startswith("U") else -7 - i, kind)
+    w.add_key_value("test.f32", 0.1, T.FLOAT32)
+    w.add_key_value("test.f64", 0.1, T.FLOAT64)
+    w.add_key_value("test.bool", True, T.BOOL)
+    w.add_key_value("test.str", "grüße, 世界", T.STRING)
+    w.add_key_value("test.empty_str", "", T.STRING)
+    w.add_array("test.ints", [3, -1, 4, 1, -5])
+    w.add_array("test.floats", [0.5, 1e-3, -2.25])
+    w.add_array("test.strings", ["a", "", "<end_of_turn>", "ß" * 40])
+    w.add_array("test.bools", [True, False, True])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_array("test.empty", [])
+    rng = np.random.default_rng(0)
+    tensors = {"f32": (rng.standard_normal((3, 64), dtype=np.float32), None),
+               "f16": (rng.standard_normal((2, 32)).astype(np.float16), None),
+               "i8": (rng.integers(-9, 9, (4, 16), dtype=np.int8), Q.I8), "vec": (np.arange(5, dtype=np.float32), None)}
+    for qtype in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0):
+        tensors[qtype.name] = (gguf.quants.quantize(rng.standard_normal((2, 256), dtype=np.float32), qtype), qtype)
+    for qtype in (Q.Q4_K, Q.Q6_K):  # the gguf package does not quantize K-quants: rows of random blocks
+        tensors[qtype.name] = (rng.integers(0, 256, (3, 2 * gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    for name, (arr, raw) in tensors.items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    assert_reads_as_gguf_py(tmp_path / "all.gguf")
+    from sieve.models.gguf_reader import GGUFFile
+
+    fields = GGUFFile(tmp_path / "all.gguf").fields
+    assert [x.tolist() for x in fields["test.nested"]] == [[1, 2], [3]] and fields["test.str"] == "grüße, 世界"
+
+
+def test_header_reader_reads_the_default_model_as_the_gguf_package():
+    """SmolLM2-135M-Instruct's file: a 49,152-token vocabulary and merges (what took the gguf package 4-7 s)."""
+    from sieve.models.default import default_model_path
+    from sieve.models.gguf_reader import GGUFFile
+
+    path = default_model_path()
+    assert_reads_as_gguf_py(path)
+    tokens = GGUFFile(path).fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == 49152 and tokens[0] == "<|endoftext|>"
+
+
 @pytest.fixture(scope="module")
 def bad_files(checkpoints, tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
@@ -385,6 +461,9 @@ def bad_files(checkpoints, tmp_path_factory):
     (d / "not-gguf.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not a model")
     write_minimal(d / "gpt2.gguf", arch="gpt2")
     write_minimal(d / "no-fields.gguf", fields=False)
+    big = gguf.GGUFWriter(str(d / "big-endian.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    big.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    big.write_header_to_file(), big.write_kv_data_to_file(), big.write_tensors_to_file(progress=False), big.close()
     write_minimal(d / "iq-type.gguf", tensors={"token_embd.weight": (np.zeros((16, 64), np.uint8), gguf.GGMLQuantizationType.I8)})
     two = d / "two"
     two.mkdir()
@@ -398,6 +477,7 @@ BAD = {  # file -> what the one-line error must name
     "truncated-header.gguf": "not a readable GGUF file",
     "garbage.gguf": "not a readable GGUF file",
     "not-gguf.gguf": "not a readable GGUF file: ValueError: GGUF magic invalid",
+    "big-endian.gguf": "not a readable GGUF file: ValueError: the file is big-endian GGUF, which sieve does not read",
     "gpt2.gguf": "architecture 'gpt2' is not supported",
     "no-fields.gguf": "lacks llama.attention.head_count",
     "iq-type.gguf": "has type I8, which sieve does not load",

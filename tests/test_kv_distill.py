@@ -28,6 +28,33 @@ def test_fake_fp8_rounds_like_the_cache_and_passes_gradients():
     assert torch.equal(x.grad, torch.ones(64))  # straight through the rounding
 
 
+def test_a_padded_batch_gives_each_sequences_own_loss_and_gradients():
+    """Training takes a batch of sequences of different lengths in one pass, padded on the right: its loss and
+    gradients are those of one sequence at a time (padding on the left would change both)."""
+    import random
+
+    from sieve.quant.kv_distill import _set_kv_mode, batch_kl_loss, calibrate_scales, kl_loss, load_hf_model
+
+    teacher, student = load_hf_model(str(STORIES), torch.float32).eval(), load_hf_model(str(STORIES), torch.float32)
+    rng = random.Random(0)
+    batch = [[rng.randrange(1, 500) for _ in range(n)] for n in (150, 37, 96, 120)]
+    _set_kv_mode(student, calibrate_scales(student, batch))
+    _set_kv_mode(teacher, None)
+    batch_kl_loss(teacher, student, batch).backward()
+    padded = {n: p.grad.clone() for n, p in student.named_parameters()}
+    loss_padded = batch_kl_loss(teacher, student, batch).item()
+    student.zero_grad()
+    loss = 0.0
+    for ids in batch:
+        x = torch.tensor([ids])
+        one = kl_loss(teacher(x).logits[0].detach(), student(x).logits[0]) / len(batch)
+        one.backward()
+        loss += one.item()
+    assert loss_padded == pytest.approx(loss, rel=1e-5) and loss > 1e-3
+    for n, p in student.named_parameters():
+        torch.testing.assert_close(padded[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
 def test_distill_kv_fp8_lowers_kl_on_held_out_text(tmp_path):
     out = tmp_path / "distilled"
     cmd = [sys.executable, "-m", "sieve.cli", "distill", "--kv", "fp8", "--target", str(STORIES), "--out", str(out),

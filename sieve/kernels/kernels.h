@@ -135,7 +135,9 @@ void gemm_bf16_avx2_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int
 // gemm_bf16.cpp: the same above the GEMV's rows where this CPU's vdpbf16ps is slow (use_fma_dots()): float32 FMAs on
 // panels of widened weights, faster there than oneDNN's bf16 GEMM (bias float32 [N] or null)
 void gemm_bf16_fma_into(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias, bf16* y);
-torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+#endif
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);  // the panels above
 #endif
 
 // qmatmul.cpp / qmatmul_avx2.cpp: int8 / fp8 / int4 weights in the blocked layouts of sieve/quant/kernels.py, any batch.

@@ -60,7 +60,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+// The float32 panels the linear takes above the GEMV's rows, called directly (tests): gemm_bf16.cpp's in the
+// AVX512-BF16 build, qmatmul_avx2.cpp's in the AVX2 build.
 torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemm_bf16_fma takes bfloat16");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemm_bf16_fma: x [M, K], w [N, K]");
@@ -70,7 +72,11 @@ torch::Tensor gemm_bf16_fma(torch::Tensor x, torch::Tensor w, c10::optional<torc
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bkeep;
   const float* bp = bias_pointer(bias, N, bkeep);
+#if defined(__AVX512BF16__)
   if (M > 0) gemm_bf16_fma_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
+#else
+  if (M > 0) gemm_bf16_avx2_into(xc.data_ptr<bf16>(), M, K, wc.data_ptr<bf16>(), N, bp, y.data_ptr<bf16>());
+#endif
   return y;
 }
 #endif

@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = SIEVE_ISA;
 #if defined(SIEVE_HAS_QUANT)
   m.def("gemv_bf16", &sieve::gemv_bf16, "decode-sized GEMV, bf16 weights", nogil);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
   m.def("gemm_bf16_fma", &sieve::gemm_bf16_fma, "bf16 weights, any rows, float32 FMAs on widened panels", nogil);
 #endif
   m.attr("gemv_max_rows") = sieve::kGemvMaxRows;

@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's file format): hyper-parameters, tensors and tokenizer from one file.
 
-`GGUFCheckpoint(path)` reads the file with the `gguf` package (memory-mapped) and gives what the
-loader needs in Hugging Face terms, so the rest of sieve never sees GGUF names:
+`GGUFCheckpoint(path)` reads the file (memory-mapped: the header by sieve.models.gguf_reader, the
+block formats by the `gguf` package) and gives what the loader needs in Hugging Face terms, so the
+rest of sieve never sees GGUF names:
   - `config`: a `config.json`-shaped dict built from the file's metadata (architecture, sizes, rope,
     EOS ids), for llama (which is also how llama.cpp writes Mistral models), qwen2 and qwen3;
   - `tensors()`: (Hugging Face name, value) pairs. Quantized tensors keep the file's precision:
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sieve.models.gguf_reader import GGUFFile, StringArray
 from sieve.quant.formats import ChannelScaledWeight, Int4Weight, pack_int4_pairs
 
 log = logging.getLogger("sieve")
@@ -109,12 +111,10 @@ def find_gguf(path: Path) -> Path | None:
 
 class GGUFCheckpoint:
     def __init__(self, path: str | Path, dequantize: bool = False):
-        import gguf
-
         self.path = Path(path)
         self.dequantize = dequantize
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.reader = GGUFFile(self.path)
         except Exception as e:  # truncated, not GGUF, corrupt header or tensor table
             raise GGUFError(f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
         self.arch_name = self._field("general.architecture")
@@ -138,13 +138,10 @@ class GGUFCheckpoint:
 
     # ---- metadata --------------------------------------------------------------------------
     def _field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
+        value = self.reader.fields.get(key)
+        if value is None:
             return default
-        try:
-            return f.contents()
-        except Exception as e:
-            raise GGUFError(f"{self.path}: metadata field {key} is unreadable ({e})") from None
+        return value.tolist() if isinstance(value, (np.ndarray, StringArray)) else value
 
     def _arch_field(self, key: str, default=None, required: bool = False):
         value = self._field(f"{self.arch_name}.{key}", default)
@@ -171,7 +168,7 @@ class GGUFCheckpoint:
         embd = self._tensors.get("token_embd.weight")
         if embd is None:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor")
-        vocab = self._arch_field("vocab_size") or (len(tokens.data) if tokens is not None else int(embd.shape[-1]))
+        vocab = self._arch_field("vocab_size") or (len(tokens) if tokens is not None else int(embd.shape[-1]))
         eos = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         cfg = dict(
             architectures=[ARCHITECTURES[self.arch_name]], model_type=self.arch_name,
@@ -214,8 +211,8 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: attention logit softcapping is not supported")
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
         if tokens is not None:
-            for i in range(min(len(tokens.data), 1024)):
-                if bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace") == GEMMA_END_OF_TURN:
+            for i in range(min(len(tokens), 1024)):
+                if tokens[i] == GEMMA_END_OF_TURN:
                     out["eos_token_id"] = list(dict.fromkeys(cfg["eos_token_id"] + [i]))
                     break
         return out

@@ -98,21 +98,27 @@ def measure_cpu() -> Device:
         mem = next(int(line.split()[1]) * 1024 / 1e9 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
     except (OSError, StopIteration):
         pass
-    tflops = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        # 1024-square products for at least 0.3 s (a CPU without native bf16 arithmetic takes seconds for one)
-        a = torch.randn(1024, 1024, dtype=dtype)
-        b = torch.randn(1024, 1024, dtype=dtype)
+
+    def matmul_tflops(dtype, n: int, seconds: float) -> float:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
         a @ b
-        n, t = 0, time.perf_counter()
-        while n < 3 or time.perf_counter() - t < 0.3:
+        k, t = 0, time.perf_counter()
+        while k < 3 or time.perf_counter() - t < seconds:
             a @ b
-            n += 1
-        tflops[name] = n * 2 * 1024**3 / (time.perf_counter() - t) / 1e12
-    bf16_native = tflops["bf16"]
+            k += 1
+        return k * 2 * n**3 / (time.perf_counter() - t) / 1e12
+
+    # 1024-square products for at least 0.3 s. A CPU without native bf16 arithmetic multiplies bf16 about 100x
+    # slower than float32 (1 GFLOP/s on an AVX2 host: 7 s for three products), so three 256-square products
+    # tell first whether the big ones are worth timing.
+    tflops = {"fp32": matmul_tflops(torch.float32, 1024, 0.3)}
+    bf16_native = matmul_tflops(torch.bfloat16, 256, 0.0)
+    if bf16_native > tflops["fp32"] / 4:
+        bf16_native = matmul_tflops(torch.bfloat16, 1024, 0.3)
     # without native bf16 arithmetic (AVX2 only) PyTorch's bf16 product is far slower than float32, and sieve's
     # kernels compute a bf16 model's products in float32 there: the faster of the two is what a bf16 model gets
-    tflops["bf16"] = max(tflops["bf16"], tflops["fp32"])
+    tflops["bf16"] = max(bf16_native, tflops["fp32"])
     tflops["fp16"] = tflops["bf16"]
     return Device("cpu", mem, bw.best_gbps, tflops, f"measured now: {bw.threads} threads, copy {bw.copy_gbps:.1f} / triad "
                   f"{bw.triad_gbps:.1f} GB/s; PyTorch bf16 matmul {bf16_native * 1e3:.1f} GFLOP/s")

@@ -141,6 +141,19 @@ def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def batch_kl_loss(teacher, student, batch: list[list[int]]) -> torch.Tensor:
+    """The mean over `batch` of each sequence's kl_loss, in one pass of each model. The sequences are padded on
+    the right: a causal row never attends to the padding after it. (One sequence a pass, with transformers'
+    overhead per call, took 8x the passes: 40 s of 57 for stories260K's 100 steps of 8.)"""
+    lens = [len(ids) for ids in batch]
+    x = torch.tensor([ids + [0] * (max(lens) - len(ids)) for ids in batch])
+    mask = (torch.arange(max(lens)) < torch.tensor(lens)[:, None]).long()
+    with torch.no_grad():
+        t = teacher(x, attention_mask=mask).logits
+    s = student(x, attention_mask=mask).logits
+    return sum(kl_loss(t[i, :n], s[i, :n]) for i, n in enumerate(lens)) / len(batch)
+
+
 def train(student, teacher, seqs: list[list[int]], scales, steps: int, lr: float, batch_size: int, seed: int,
           log_every: int = 10, train_params: str = "all") -> list[float]:
     """`steps` AdamW steps of KL(teacher || student with fake-FP8 K/V) over batches of `seqs`."""
@@ -160,14 +173,9 @@ def train(student, teacher, seqs: list[list[int]], scales, steps: int, lr: float
             order += rng.sample(range(len(seqs)), len(seqs))
         batch, order = [seqs[i] for i in order[:batch_size]], order[batch_size:]
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids in batch:  # one sequence at a time (no padding), gradients accumulated
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                t = teacher(x).logits[0]
-            loss = kl_loss(t, student(x).logits[0]) / len(batch)
-            loss.backward()
-            total += loss.item()
+        loss = batch_kl_loss(teacher, student, batch)
+        loss.backward()
+        total = loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(total)
