@@ -461,6 +461,9 @@ def bad_files(checkpoints, tmp_path_factory):
     (d / "not-gguf.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not a model")
     write_minimal(d / "gpt2.gguf", arch="gpt2")
     write_minimal(d / "no-fields.gguf", fields=False)
+    import struct  # a header that claims 2^62 vocabulary strings in a file of 49 bytes
+
+    (d / "huge-array.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"a" + struct.pack("<IIQ", 9, 8, 1 << 62))
     big = gguf.GGUFWriter(str(d / "big-endian.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
     big.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     big.write_header_to_file(), big.write_kv_data_to_file(), big.write_tensors_to_file(progress=False), big.close()
@@ -477,6 +480,7 @@ BAD = {  # file -> what the one-line error must name
     "truncated-header.gguf": "not a readable GGUF file",
     "garbage.gguf": "not a readable GGUF file",
     "not-gguf.gguf": "not a readable GGUF file: ValueError: GGUF magic invalid",
+    "huge-array.gguf": "not a readable GGUF file: ValueError: an array of 4611686018427387904 strings runs past the end",
     "big-endian.gguf": "not a readable GGUF file: ValueError: the file is big-endian GGUF, which sieve does not read",
     "gpt2.gguf": "architecture 'gpt2' is not supported",
     "no-fields.gguf": "lacks llama.attention.head_count",

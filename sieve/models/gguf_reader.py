@@ -142,6 +142,8 @@ class GGUFFile:
             values = np.frombuffer(raw, dtype=dtype)
             return values.astype(bool) if item == 7 else values
         if item == STRING:
+            if count > (len(self._buf) - self._pos) // 8:  # each string takes at least its 8-byte length
+                raise ValueError(f"an array of {count} strings runs past the end of the file")
             offsets, lengths = [0] * count, [0] * count
             pos, buf, end, unpack = self._pos, self._buf, len(self._buf), struct.Struct("<Q").unpack_from
             for i in range(count):
