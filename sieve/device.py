@@ -36,5 +36,5 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     numel = math.prod(shape)
     if device.type != "cpu" or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    buf = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # the tensor keeps `buf` alive

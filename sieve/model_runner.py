@@ -89,7 +89,7 @@ class ModelRunner:
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
         for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
             shape = (arch.kv_entries, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
-            pool = zeroed(shape, self.kv_dtype, torch.device(device))
+            pool = zeroed(shape, self.kv_dtype, device)
             scales = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.kv_kind == "int8" else None
             self.kv_pools.append(pool)
             self.kv_scale_pools.append(scales)
