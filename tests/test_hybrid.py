@@ -14,8 +14,8 @@ import torch
 from sieve import LLM, SamplingParams
 
 from conftest import _widen_init
-from test_gguf import assert_matches
-from test_models import NEW_TOKENS, hf_greedy
+from reference import assert_matches, greedy_reference
+from test_models import NEW_TOKENS
 
 CONFIG = dict(vocab_size=4096, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_expand=2,
@@ -60,7 +60,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(bamba):
     runner = llm.llm_engine.runner
     assert runner.kv_pool.shape[1] == 1  # KV for the one attention layer only
     outs = run(llm, PROMPTS, logprobs=5)
-    ref_tokens, ref_logprobs = hf_greedy(bamba, PROMPTS, NEW_TOKENS)
+    ref_tokens, ref_logprobs = greedy_reference(bamba, PROMPTS, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
     assert_matches(outs, ref_tokens, ref_logprobs, "bamba")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from live_server import API_KEY, start_server
+from reference import CLEAR, TOL
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -97,19 +98,35 @@ def server_loglikelihoods(url: str, requests: list[tuple[list[int], list[int]]])
 
 
 def hf_loglikelihood(model, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+    score, greedy, _ = hf_scored(model, ctx, cont)
+    return score, greedy
+
+
+def hf_scored(model, ctx: list[int], cont: list[int]) -> tuple[float, bool, float]:
+    """The continuation's summed logprob, whether it is the greedy one, and how far that verdict is from flipping:
+    the least lead of a continuation token over the best other token if greedy, else the most any trails."""
     inp = (ctx + cont)[-(MAX_LEN + 1):]
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([inp[:-1]])).logits[0].double(), dim=-1)
     rows = logprobs[len(inp) - 1 - len(cont):]
-    picked = rows.gather(1, torch.tensor(cont)[:, None]).squeeze(1)
-    return picked.sum().item(), bool((rows.argmax(dim=-1) == torch.tensor(cont)).all())
+    ids = torch.tensor(cont)[:, None]
+    picked = rows.gather(1, ids).squeeze(1)
+    lead = picked - rows.scatter(1, ids, float("-inf")).max(dim=-1).values
+    greedy = bool((lead > 0).all())
+    return picked.sum().item(), greedy, (lead.min() if greedy else -lead.min()).item()
 
 
 def test_multiple_choice_scores_match_transformers(setup):
     url, tok, model, _ = setup
     requests = [encode_pair(tok, ctx, c) for ctx, conts in QUESTIONS for c in conts]
     got = server_loglikelihoods(url, requests)
-    want = [hf_loglikelihood(model, ctx, cont) for ctx, cont in requests]
+    scored = [hf_scored(model, ctx, cont) for ctx, cont in requests]
+    want = [(score, greedy) for score, greedy, _ in scored]
+    # the verdicts asserted below are clear on the reference, so they do not ride a near-tie on any CPU
+    assert min(margin for _, _, margin in scored) >= CLEAR * TOL
+    for i in range(len(QUESTIONS)):
+        best, second = sorted(score for score, _ in want[4 * i: 4 * i + 4])[-2:][::-1]
+        assert best - second >= CLEAR * TOL
     for (g, g_greedy), (w, w_greedy) in zip(got, want):
         assert math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-5), (g, w)
         assert g_greedy == w_greedy

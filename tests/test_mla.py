@@ -16,8 +16,8 @@ import torch
 from sieve import LLM, SamplingParams
 
 from conftest import _widen_init
-from test_gguf import assert_matches
-from test_models import NEW_TOKENS, hf_greedy
+from reference import assert_matches, greedy_reference
+from test_models import NEW_TOKENS
 
 BASE = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -78,7 +78,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, mla_checkpoints):
     arch = llm.llm_engine.arch
     assert arch.is_mla and arch.num_kv_heads == 1 and arch.head_dim == 32 + 16 and arch.sparse_layers == (1, 2)
     outs = run(llm, PROMPTS, logprobs=5)
-    ref_tokens, ref_logprobs = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    ref_tokens, ref_logprobs = greedy_reference(path, PROMPTS, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
     assert_matches(outs, ref_tokens, ref_logprobs, name)
 

@@ -11,6 +11,7 @@ from sieve import LLM, SamplingParams
 from sieve.models.arch import UnsupportedModelError
 
 from conftest import ARCHS, make_checkpoint
+from reference import assert_matches, greedy_reference
 
 PROMPTS = [
     "def main():\n    return 1",
@@ -19,22 +20,6 @@ PROMPTS = [
     "x",
 ]
 NEW_TOKENS = 32
-
-
-def hf_greedy(path, prompt_ids: list[list[int]], n: int):
-    """Reference: HF generate one prompt at a time; returns tokens and per-step log-softmax."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    for ids in prompt_ids:
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-        tokens.append(out.sequences[0, len(ids):].tolist())
-        logprobs.append(torch.stack([torch.log_softmax(l[0].float(), -1) for l in out.logits]))
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -46,15 +31,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(arch, checkpoints):
     assert len({len(p) for p in prompt_ids}) == len(PROMPTS), "prompts should differ in length"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)  # all batched together
-    ref_tokens, ref_logprobs = hf_greedy(path, prompt_ids, NEW_TOKENS)
+    ref_tokens, ref_logprobs = greedy_reference(path, prompt_ids, NEW_TOKENS)
     distinct = set().union(*(o.outputs[0].token_ids for o in outs))
     assert len(distinct) > 20, "checkpoint too degenerate for a meaningful comparison"
-    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
-        got = out.outputs[0].token_ids
-        assert got == ref, f"{arch}: greedy tokens differ from transformers"
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches(outs, ref_tokens, ref_logprobs, arch)
 
 
 def test_sharded_checkpoint_and_dtype_override(tmp_path, demo_dir, checkpoints):

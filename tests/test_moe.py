@@ -10,7 +10,8 @@ import torch
 from sieve import LLM, SamplingParams
 
 from conftest import BASE, _widen_init
-from test_models import NEW_TOKENS, PROMPTS, hf_greedy
+from reference import assert_matches, greedy_reference
+from test_models import NEW_TOKENS, PROMPTS
 
 MOE = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
@@ -62,13 +63,9 @@ def test_moe_greedy_tokens_and_logprobs_match_transformers(name, moe_checkpoints
     prompt_ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)  # batched, prefill chunked at 64
-    ref_tokens, ref_logprobs = hf_greedy(path, prompt_ids, NEW_TOKENS)
+    ref_tokens, ref_logprobs = greedy_reference(path, prompt_ids, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
-    for out, ref, ref_lp in zip(outs, ref_tokens, ref_logprobs):
-        assert out.outputs[0].token_ids == ref, f"{name}: greedy tokens differ from transformers"
-        for step, lp in enumerate(out.outputs[0].logprobs):
-            for token_id, entry in lp.items():
-                assert entry.logprob == pytest.approx(ref_lp[step, token_id].item(), abs=1e-3)
+    assert_matches(outs, ref_tokens, ref_logprobs, name)
 
 
 def test_moe_is_batch_invariant_and_survives_preemption(moe_checkpoints):

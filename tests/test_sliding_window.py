@@ -18,9 +18,9 @@ from sieve import LLM, SamplingParams
 from sieve.block_manager import PAD
 
 from conftest import BASE, _widen_init
-from test_gguf import assert_matches, assert_matches_forward_pass
+from reference import assert_matches, assert_matches_forward_pass, greedy_reference
 from test_isa import avx2, run_with_isa  # noqa: F401  (the fixture: skips where the CPU cannot run the AVX2 build)
-from test_models import NEW_TOKENS, PROMPTS, hf_greedy
+from test_models import NEW_TOKENS, PROMPTS
 
 WINDOW = 8
 MODELS = {
@@ -91,7 +91,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, sliding_checkpoints
     prompt_ids = long_prompts(llm.get_tokenizer())
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
-    ref_tokens, ref_logprobs = hf_greedy(path, prompt_ids, NEW_TOKENS)
+    ref_tokens, ref_logprobs = greedy_reference(path, prompt_ids, NEW_TOKENS)
     assert len(set().union(*(o.outputs[0].token_ids for o in outs))) > 20, "checkpoint too degenerate to compare"
     assert_matches(outs, ref_tokens, ref_logprobs, name)
 
