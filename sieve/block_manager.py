@@ -75,12 +75,20 @@ class BlockManager:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
         return max(0, self.blocks_needed(num_tokens) - len(getattr(seq, self.TABLE)))
 
+    def root(self, salt: str | None) -> bytes:
+        """Where a sequence's chain of hashes starts: the engine's namespace, or with a cache salt (vLLM's `cache_salt`)
+        a namespace of the salt's own, so that only requests with the same salt share blocks."""
+        return self.root_hash if not salt else chain_hash(self.root_hash + salt.encode(), [])
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of `seq`'s first `num_blocks` full blocks (memoised on the sequence)."""
         hashes, bs = seq.block_hashes, self.block_size
+        if len(hashes) < num_blocks:
+            request = getattr(seq, "request", None)
+            root = self.root(request.params.cache_salt if request is not None else None)
         while len(hashes) < num_blocks:
             j = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else self.root_hash, seq.token_ids[j * bs : (j + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[j * bs : (j + 1) * bs]))
         return hashes[:num_blocks]
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
@@ -96,11 +104,11 @@ class BlockManager:
             hit.append(block)
         return hit
 
-    def prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
+    def prompt_hashes(self, token_ids: list[int], salt: str | None = None) -> list[bytes]:
         """Chained hashes of the full blocks of `token_ids` (KV transfer names blocks by them)."""
         hashes, bs = [], self.block_size
         for j in range(len(token_ids) // bs):
-            hashes.append(chain_hash(hashes[-1] if hashes else self.root_hash, token_ids[j * bs : (j + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else self.root(salt), token_ids[j * bs : (j + 1) * bs]))
         return hashes
 
     def cached_block(self, block_hash: bytes) -> int | None:

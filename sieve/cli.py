@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode", "both"],
                    help="prefill/decode disaggregation: this server's part (KV saved for, or loaded from, another server)")
     g.add_argument("--kv-transfer-config", default=None,
-                   help='KV transfer as JSON: {"transport": "tcp"|"shm", "kv_ip": ADDRESS, "kv_port": N, "lease_s": S}')
+                   help='KV transfer as JSON: {"secret_file": FILE (shared by every prefill and decode server), "producers": '
+                        '["HOST:PORT", ...] (a decode server fetches only from these), "transport": "tcp"|"shm", "kv_ip": '
+                        'ADDRESS, "kv_port": N, "lease_s": S, "transfer_timeout_s": S, "max_store_bytes": N}')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N processes (spawned here; or run the same command under torchrun, "
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")

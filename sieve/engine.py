@@ -61,6 +61,10 @@ class RequestError(ValueError):
     """A request the engine refuses (bad prompt, too long, cannot ever fit)."""
 
 
+class ServerBusy(RequestError):
+    """A request refused for now, not for what it asks (a prefill server's KV export store is full): retry later."""
+
+
 class StepFailed(RuntimeError):
     """A step raised: the requests it held (`request_ids`) are aborted, every other request goes on."""
 
@@ -326,7 +330,10 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.arch.vocab_size}")
         return text, ids
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
+                    kv_fetch=None) -> None:
+        """`kv_fetch`: a decode server's blocks for this prompt, fetched already off this thread (`KVConnector.fetch`,
+        as the server does); without it a remote-prefill request fetches them here, as the offline API does."""
         # The request's own copy: the engine fills defaults in it (max_tokens), and the caller's object may be
         # shared by other prompts and requests.
         params = copy.copy(params or SamplingParams())
@@ -364,30 +371,54 @@ class LLMEngine:
                            grammar=grammar.matcher() if grammar is not None else None)
             init_offsets(seq)
             req.seqs.append(seq)
-        self._kv_transfer(req, ids, params.kv_transfer_params)
+        self._kv_transfer(req, ids, params.kv_transfer_params, kv_fetch)
         # Choice 0 computes the prompt; the others fork from it when its last chunk runs (see the scheduler).
         self.scheduler.add(req.seqs[0])
         req.unforked = req.seqs[1:]
         self.requests[request_id] = req
 
-    def _kv_transfer(self, req: Request, ids: list[int], params: dict | None) -> None:
-        """A prefill server marks the request for export; a decode server fetches its prompt's blocks now, so the
-        scheduler finds them as a prefix-cache hit (a failed transfer leaves them to compute here)."""
+    def check_kv_transfer(self, params: dict | None) -> bool:
+        """Whether `params` (a request's kv_transfer_params) ask this engine to fetch a remote prefill; RequestError when
+        they ask for what it does not do."""
         if params is None:
-            return
+            return False
         if not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object")
         conn = self.kv_connector
         if conn is None:
             raise RequestError("kv_transfer_params: this server does no KV transfer (start it with --role prefill, decode or both)")
+        if params.get("do_remote_decode") and not conn.cfg.produces:
+            raise RequestError("kv_transfer_params.do_remote_decode: this server is a decode server (--role decode)")
+        if params.get("do_remote_prefill") and not conn.cfg.consumes:
+            raise RequestError("kv_transfer_params.do_remote_prefill: this server is a prefill server (--role prefill)")
+        return bool(params.get("do_remote_prefill"))
+
+    def fetch_kv(self, ids: list[int], params: dict):
+        """A decode server's transfer for one prompt (any thread: it touches no engine state); RequestError naming
+        kv_transfer_params when they may not be acted on."""
+        from sieve.distributed.kv_transfer import KVParamsError
+
+        try:
+            return self.kv_connector.fetch(ids, params)
+        except KVParamsError as e:
+            raise RequestError(f"kv_transfer_params: {e}") from None
+
+    def _kv_transfer(self, req: Request, ids: list[int], params: dict | None, fetched) -> None:
+        """A prefill server marks the request for export; a decode server enters its prompt's fetched blocks, so the
+        scheduler finds them as a prefix-cache hit (a failed transfer leaves them to compute here)."""
+        from sieve.distributed.kv_transfer import StoreFull
+
+        if not self.check_kv_transfer(params) and not (params and params.get("do_remote_decode")):
+            return
         if params.get("do_remote_decode"):
-            if not conn.cfg.produces:
-                raise RequestError("kv_transfer_params.do_remote_decode: this server is a decode server (--role decode)")
+            try:
+                self.kv_connector.check_export()
+            except StoreFull as e:
+                raise ServerBusy(f"kv_transfer_params.do_remote_decode: {e}") from None
             req.kv_export = True
         if params.get("do_remote_prefill"):
-            if not conn.cfg.consumes:
-                raise RequestError("kv_transfer_params.do_remote_prefill: this server is a prefill server (--role prefill)")
-            req.num_transferred_tokens = conn.load(ids, params)
+            fetched = fetched if fetched is not None else self.fetch_kv(ids, params)
+            req.num_transferred_tokens = self.kv_connector.admit(ids, fetched, req.params.cache_salt)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """What depends on the model: token ids inside the vocabulary, top-N within --max-logprobs."""

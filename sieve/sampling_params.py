@@ -33,6 +33,8 @@ class SamplingParams:
     # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} on a prefill server; on a decode
     # server, what the prefill server's response returned (where its blocks are). See sieve/distributed/kv_transfer.py.
     kv_transfer_params: dict | None = None
+    # vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt (tenant isolation)
+    cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,6 +91,8 @@ class SamplingParams:
                 bad("structured_outputs must be a StructuredOutputsParams")
             if self.min_tokens:
                 bad("min_tokens cannot be combined with structured outputs: the grammar decides where the output ends")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt must be a non-empty string")
         if any(not s for s in self.stop_strings):
             bad("stop strings must not be empty")
         for tok, value in (self.logit_bias or {}).items():

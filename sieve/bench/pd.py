@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -102,9 +103,14 @@ def run_bench_pd(args) -> int:
     port = _free_port()
     with _serve(model, args.cores, 2, port, logs / "colocated.log", []) as s:
         run("colocated (2 cores)", s.base_url)
-    pp, dp = _free_port(), _free_port()
-    with _serve(model, cores[0], 1, pp, logs / "prefill.log", ["--role", "prefill"]) as p, \
-            _serve(model, cores[1], 1, dp, logs / "decode.log", ["--role", "decode"]) as d:
+    pp, dp, kv_port = _free_port(), _free_port(), _free_port()
+    secret = logs / "kv.key"  # the secret both servers share (sieve/distributed/kv_auth.py)
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    produce = json.dumps({"secret_file": str(secret), "kv_port": kv_port})
+    consume = json.dumps({"secret_file": str(secret), "producers": [f"127.0.0.1:{kv_port}"]})
+    with _serve(model, cores[0], 1, pp, logs / "prefill.log", ["--role", "prefill", "--kv-transfer-config", produce]) as p, \
+            _serve(model, cores[1], 1, dp, logs / "decode.log", ["--role", "decode", "--kv-transfer-config", consume]) as d:
         cfg = parse_config({"backends": [{"name": SERVED_NAME, "url": d.base_url, "prefill": [p.base_url]}], "cache": {"backend": "none"}})
         url, stop = serve_in_thread(create_router_app(cfg))
         try:

@@ -245,10 +245,11 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         payload["model"] = backend.name
         return payload
 
-    async def prefill_first(backend: Backend, kind: str, body: dict) -> dict:
+    async def prefill_first(backend: Backend, kind: str, body: dict) -> tuple[dict, tuple[str, dict] | None]:
         """Prefill/decode disaggregation (vLLM's proxy contract): the prompt runs on a prefill server with max_tokens
         1 and kv_transfer_params {"do_remote_decode": true}; its answer's kv_transfer_params go with the request to the
-        decode server. No prefill server answering is no error: the decode server then computes the prompt itself."""
+        decode server. No prefill server answering is no error: the decode server then computes the prompt itself.
+        Returns the body for the decode server, and (prefill server, its params) when blocks were exported."""
         started = time.perf_counter()
         leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
         leg.update(model=backend.upstream_model, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
@@ -274,9 +275,21 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             if isinstance(params, dict):
                 pd_total.labels(backend.name, "transferred").inc()
                 pd_seconds.observe(time.perf_counter() - started)
-                return dict(body, kv_transfer_params=params)
+                return dict(body, kv_transfer_params=params), (url, params)
         pd_total.labels(backend.name, "prefill_failed").inc()
-        return body
+        return body, None
+
+    async def release_exported(backend: Backend, issued: tuple[str, dict] | None) -> None:
+        """The decode leg refused or failed: the prefill server gives its exported blocks back now, not at lease end."""
+        if issued is None:
+            return
+        url, params = issued
+        try:
+            r = await state["client"].post(f"{url}/kv_transfer/release", json={"kv_transfer_params": params}, headers=_auth(backend))
+            if r.status_code != 200:
+                log.warning("prefill server %s did not release its blocks: HTTP %d %s", url, r.status_code, r.text[:200])
+        except httpx.HTTPError as e:
+            log.warning("prefill server %s did not release its blocks: %s", url, e)
 
     async def open_stream(backend: Backend, kind: str, body: dict) -> tuple[httpx.Response, callable]:
         """The upstream stream, open and 200, and the function that releases its replica when it ends."""
@@ -385,6 +398,9 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             raise GatewayError(400, "the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object")
+        if "kv_transfer_params" in body:
+            raise GatewayError(400, "kv_transfer_params pass between the gateway's prefill and decode servers; clients do not "
+                                    "set them", param="kv_transfer_params")
         model = body.get("model")
         if not isinstance(model, str):
             raise GatewayError(400, "`model` is required: a backend, an alias or route:<policy>", param="model")
@@ -443,9 +459,17 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                 return _deliver(answer, kind, body, stream, dict(decision.headers(), **_cache_header(key)))
         else:
             decision, sent = await decide(route, body)
+        issued = None
         if decision.backend.prefill:
-            sent = await prefill_first(decision.backend, kind, sent)
+            sent, issued = await prefill_first(decision.backend, kind, sent)
+        try:
+            return await answer_from(decision, route, kind, key, body, sent, stream, started)
+        except (GatewayError, BackendDown):
+            await release_exported(decision.backend, issued)
+            raise
 
+    async def answer_from(decision: Decision, route: P.Route, kind: str, key: str | None, body: dict, sent: dict,
+                          stream: bool, started: float) -> Response:
         if stream:
             (r, release), decision = await with_fallback(decision, route, lambda b: open_stream(b, kind, sent))
             requests_total.labels(decision.policy, decision.backend.name).inc()

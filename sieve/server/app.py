@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sieve
-from sieve.engine import LLMEngine, RequestError
+from sieve.engine import LLMEngine, RequestError, ServerBusy
 from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
@@ -267,6 +267,23 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         _check_length(ids)
         return {"prompt_token_ids": ids, "prompt": text}
 
+    @app.post("/v1/kv_transfer/release", dependencies=[Depends(require_api_key)])
+    async def kv_release(body: dict):
+        """A gateway gives back the blocks of a prefill this server exported (its own signed kv_transfer_params) when
+        no decode server will take them, instead of leaving them held for the whole lease."""
+        from sieve.distributed.kv_transfer import KVParamsError
+
+        conn = getattr(engine, "kv_connector", None)
+        if conn is None or conn.store is None:
+            raise APIError(400, "this server exports no KV (start it with --role prefill or both)", param="kv_transfer_params")
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+        try:
+            return {"released_blocks": conn.release(params)}
+        except KVParamsError as e:
+            raise APIError(400, f"kv_transfer_params: {e}", param="kv_transfer_params") from None
+
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest):
         """vLLM's /tokenize: a prompt, or chat messages through the template, to token ids."""
@@ -293,7 +310,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
         return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
-    keyed = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} | (set() if metrics_public else {"/metrics"})
+    keyed = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv_transfer/release"} | (set() if metrics_public else {"/metrics"})
     document(app, protected=keyed if api_key else set())
 
     def _params(body, max_tokens, logprobs, prompt_logprobs):
@@ -302,6 +319,11 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
             raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
         if body.n > max_n:
             raise APIError(400, f"n = {body.n} is over this server's limit of {max_n} choices (--max-n)", param="n")
+        kv = body.kv_transfer_params
+        if isinstance(kv, dict) and kv.get("do_remote_prefill") and isinstance(getattr(body, "prompt", None), list) \
+                and len(body.prompts()) > 1:
+            raise APIError(400, "kv_transfer_params.do_remote_prefill carries one prompt's KV: send one prompt",
+                           param="kv_transfer_params")
         if body.stream and isinstance(body.kv_transfer_params, dict) and body.kv_transfer_params.get("do_remote_decode"):
             raise APIError(400, "kv_transfer_params.do_remote_decode answers with the params a decode server needs: "
                            "it needs stream false", param="kv_transfer_params")
@@ -368,7 +390,12 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     def _as_api_error(e: Exception) -> APIError:
         if isinstance(e, EngineError):
             return APIError(503 if aengine.error is not None else 500, str(e), "server_error", code="engine_error")
-        return APIError(400, str(e), param="prompt" if "prompt" in str(e) or "context" in str(e) else None)
+        if isinstance(e, ServerBusy):
+            return APIError(503, str(e), "server_error", code="server_busy", headers={"Retry-After": "1"})
+        message = str(e)
+        param = message.split(":")[0].split(".")[0] if message.startswith("kv_transfer_params") else \
+            "prompt" if "prompt" in message or "context" in message else None
+        return APIError(400, message, param=param)
 
     async def _stream(raw, rid, created, streams, n, chat, body, n_top) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -25,8 +25,9 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from sieve.engine import LLMEngine, Prompt, StepFailed
+from sieve.engine import LLMEngine, Prompt, RequestError, StepFailed
 from sieve.outputs import RequestOutput
 from sieve.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class AsyncEngine:
         self.last_progress = time.monotonic()
         self.on_dead: Callable[[BaseException], None] | None = None  # called in the engine thread when it dies
         self.engine: LLMEngine | None = None
+        self._kv_pool: ThreadPoolExecutor | None = None  # a decode server's KV fetches
         # A test hook: seconds added to every step (SIEVE_DEBUG_STEP_DELAY), so that tests of timing-dependent
         # behaviour (graceful shutdown) control how long a request runs instead of racing the CPU.
         self.step_delay = float(os.environ.get("SIEVE_DEBUG_STEP_DELAY", "0"))
@@ -80,6 +82,7 @@ class AsyncEngine:
         are aborted and its error is raised here, before any output. The caller owns the streams and
         must `aclose()` each one it does not read to the end."""
         loop = asyncio.get_running_loop()
+        fetched = await self._fetch_kv(requests)
         entries = []
         with self._lock:
             if self.error is not None:
@@ -88,7 +91,7 @@ class AsyncEngine:
                 queue: asyncio.Queue = asyncio.Queue()
                 done = loop.create_future()
                 self._queues[rid] = (loop, queue)
-                self._inbox.append(("add", rid, prompt, params, priority, done))
+                self._inbox.append(("add", rid, prompt, params, priority, done, fetched.get(rid)))
                 entries.append((rid, queue, done))
         self._wake.set()
         streams = [RequestStream(self, rid, queue) for rid, queue, _ in entries]
@@ -104,6 +107,22 @@ class AsyncEngine:
                 await stream.aclose()
             raise refused[0]
         return streams
+
+    async def _fetch_kv(self, requests) -> dict:
+        """A decode server's KV transfers, before admission and off the engine thread (each within its deadline), so
+        that a slow or dead producer delays only its own request. Params it may not act on are refused here."""
+        fetched = {}
+        for rid, prompt, params, _ in requests:
+            if not self.engine.check_kv_transfer(params.kv_transfer_params):
+                continue
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
+            if ids is None:
+                raise RequestError("kv_transfer_params.do_remote_prefill needs the prompt as token ids")
+            if self._kv_pool is None:
+                self._kv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sieve-kv-fetch")
+            fetched[rid] = await asyncio.get_running_loop().run_in_executor(
+                self._kv_pool, self.engine.fetch_kv, list(ids), params.kv_transfer_params)
+        return fetched
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """One request: yields its outputs as it progresses; aborts it if the consumer goes away."""
@@ -180,10 +199,10 @@ class AsyncEngine:
             inbox, self._inbox = self._inbox, []
         for cmd in inbox:
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, done = cmd
+                _, rid, prompt, params, priority, done, kv_fetch = cmd
                 loop = self._queues[rid][0]
                 try:
-                    self.engine.add_request(rid, prompt, params, priority)
+                    self.engine.add_request(rid, prompt, params, priority, kv_fetch=kv_fetch)
                 except Exception as e:
                     with self._lock:
                         self._queues.pop(rid, None)

@@ -117,11 +117,12 @@ class _KVTransferCollector:
             for direction in ("save", "load"):
                 family.add_metric([self.model_name, direction], counts[direction])
             yield family
-        family = CounterMetricFamily("sieve:kv_transfer_fallbacks", "Transfers cut short (the rest computed locally), by reason",
-                                     labels=["model_name", "reason"])
-        for reason, n in sorted(s.fallbacks.items()):
-            family.add_metric([self.model_name, reason], n)
-        yield family
+        for name, doc, counts in (("fallbacks", "Transfers cut short (the rest computed locally), by reason", s.fallbacks),
+                                  ("refused", "Remote-prefill params and exports refused, by reason", s.refused)):
+            family = CounterMetricFamily(f"sieve:kv_transfer_{name}", doc, labels=["model_name", "reason"])
+            for reason, n in sorted(counts.items()):
+                family.add_metric([self.model_name, reason], n)
+            yield family
 
 
 class _StructuredCollector:

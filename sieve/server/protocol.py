@@ -90,6 +90,8 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     # Prefill/decode disaggregation (vLLM's field): see sieve/distributed/kv_transfer.py
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
@@ -145,6 +147,7 @@ class _Common(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured(),
             kv_transfer_params=self.kv_transfer_params,
+            cache_salt=self.cache_salt,
         )
 
 
