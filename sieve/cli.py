@@ -168,7 +168,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
-    return serve(app, args.host, args.port, grace=args.shutdown_grace)
+    rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
+    if rc != 0:  # a dead engine: its native threads (a broken gloo group's) may abort the interpreter's own exit
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

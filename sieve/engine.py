@@ -65,6 +65,10 @@ class ServerBusy(RequestError):
     """A request refused for now, not for what it asks (a prefill server's KV export store is full): retry later."""
 
 
+class EngineDead(RuntimeError):
+    """The engine cannot step again (a tensor-parallel rank is gone): every request fails and the server exits."""
+
+
 class StepFailed(RuntimeError):
     """A step raised: the requests it held (`request_ids`) are aborted, every other request goes on."""
 
@@ -478,6 +482,12 @@ class LLMEngine:
         with self._borrowed_blocks(len(token_ids)) as table:
             return score_hidden(self.runner, token_ids, 0, len(token_ids), table, aux_layers)
 
+    def check_alive(self) -> None:
+        """EngineDead when a tensor-parallel rank this engine started is gone: no later step can succeed."""
+        gone = self.tp_workers.gone() if self.tp_workers is not None else None
+        if gone:
+            raise EngineDead(gone)
+
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -488,11 +498,12 @@ class LLMEngine:
         keys = sched.decode_keys() if auto else 0
         try:
             result = self.runner.execute(sched)
-        except Exception as e:  # the requests of this step are lost; the rest of the engine is intact
+        except Exception as e:  # the requests of this step are lost; the rest of the engine is intact...
             self.scheduler.discard_branches(sched)
             failed = list(dict.fromkeys(item.seq.request.request_id for item in sched.scheduled))
             for rid in failed:
                 self.abort(rid)
+            self.check_alive()  # ...unless a rank it needs is gone
             raise StepFailed(failed, e) from e
         self.num_steps += 1
         for seq, first, dicts in result.prompt_logprobs:
@@ -542,16 +553,27 @@ class LLMEngine:
         outputs = []
         for req in touched.values():
             out = self.output_processor.make_output(req)
-            if out.finished:
-                del self.requests[req.request_id]
-                if req.kv_export and self.kv_connector is not None:  # its blocks are still cached: nothing ran since
-                    out.kv_transfer_params = self.kv_connector.save(req.seqs[0])
+            if out.finished and req.kv_export and self.kv_connector is not None:  # its blocks are still cached
+                out.kv_transfer_params = self._export(req)
             outputs.append(out)
         if self.speculator is not None:  # only the adaptive depth uses step times and the coming prefill
             if auto:  # the target's step alone: the speculator times its proposer's drafting separately
                 self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started, keys)
             self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
+        for out in outputs:  # unregistered last: whatever raised above, a failure still finds every request it must fail
+            if out.finished:
+                del self.requests[out.request_id]
         return outputs
+
+    def _export(self, req: Request) -> dict | None:
+        """A prefill server's finished request: its blocks saved for a decode server. An export that fails (a full
+        shared-memory disk, say) leaves the answer without params, and the decode server computes the prompt."""
+        try:
+            return self.kv_connector.save(req.seqs[0])
+        except Exception as e:  # noqa: BLE001
+            log.error("request %s: its KV could not be exported (%s: %s)", req.request_id, type(e).__name__, e)
+            self.kv_connector.stats.refused["export failed"] += 1
+            return None
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token_id: int) -> None:

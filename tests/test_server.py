@@ -831,3 +831,36 @@ def test_prompt_token_limit(llama_dir):
         assert httpx.post(url + "/v1/completions", headers=h, json={"prompt": [5] * 10, "max_tokens": 1}).status_code == 200
     finally:
         stop()
+
+
+def test_requests_finished_in_a_step_that_then_fails_are_failed_not_lost(llama_dir):
+    """Fault injection after a step's tokens: two requests finish in one step and building the second's output raises.
+    Before, the first had already left the engine's table, so the failure missed it and its client waited forever;
+    now every request of the step gets the error, and serving goes on."""
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    real, state = engine.output_processor.make_output, {"armed": False, "finished": 0}
+
+    def make_output(req):
+        out = real(req)
+        if state["armed"] and out.finished:
+            state["finished"] += 1
+            if state["finished"] == 2:
+                raise RuntimeError("injected after the tokens")
+        return out
+
+    engine.output_processor.make_output = make_output
+    url, stop = start_server(engine)
+    try:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        state["armed"] = True
+        r = httpx.post(url + "/v1/completions", headers=h, timeout=30,
+                       json={"prompt": [[5, 6, 7], [8, 9, 10]], "max_tokens": 3, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 500 and "injected after the tokens" in r.json()["error"]["message"]
+        state["armed"] = False
+        assert httpx.post(url + "/v1/completions", headers=h, timeout=30, json={"prompt": [5, 6, 7], "max_tokens": 3}).status_code == 200
+        wait_idle(engine)
+        assert not engine.requests and not stop.app.state.async_engine._queues
+    finally:
+        stop()

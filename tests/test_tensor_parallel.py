@@ -217,3 +217,59 @@ def test_ray_tasks_as_ranks(checkpoints):
         ray.shutdown()
     with pytest.raises(ConfigError, match="mp or ray"):
         LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, distributed_executor_backend="slurm")
+
+
+def test_a_killed_rank_marks_the_engine_dead_health_503_and_serve_exits_nonzero(checkpoints, tmp_path):
+    """Idle or busy, a killed rank ends the engine: in process, /health answers 503 ("dead") and requests 503; as
+    `sieve serve`, the process exits with status 1 (a supervisor restarts it) instead of failing every later step."""
+    import signal
+    import time
+
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from sieve import EngineConfig, LLMEngine
+    from sieve.server.app import create_app
+
+    engine = LLMEngine(EngineConfig(model=str(checkpoints["llama"]), dtype="float32", device="cpu", tensor_parallel_size=2,
+                                    num_gpu_blocks_override=64))
+    app = create_app(engine, api_key="k")
+    try:
+        with TestClient(app) as tc:
+            assert tc.get("/health").status_code == 200
+            worker = engine.tp_workers.processes[0]
+            worker.kill()
+            worker.join(timeout=10)
+            deadline = time.monotonic() + 20
+            while tc.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = tc.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "dead" and "exited" in health.json()["error"]
+            late = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": "Bearer k"})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "engine_error"
+    finally:
+        engine.shutdown()
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "sieve.cli", "serve", "--model", str(checkpoints["llama"]), "--dtype", "float32",
+                             "--device", "cpu", "--tensor-parallel-size", "2", "--port", str(port), "--no-webui"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        children = [c for task in Path(f"/proc/{proc.pid}/task").iterdir() for c in (task / "children").read_text().split()]
+        workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]  # not the resource tracker
+        assert len(workers) == 1, children
+        os.kill(workers[-1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1, (tmp_path / "serve.log").read_text()[-3000:]
+        assert "tensor-parallel worker" in (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from sieve.engine import LLMEngine, Prompt, RequestError, StepFailed
+from sieve.engine import EngineDead, LLMEngine, Prompt, RequestError, StepFailed
 from sieve.outputs import RequestOutput
 from sieve.sampling_params import SamplingParams
 
@@ -165,6 +165,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self.engine.check_alive()  # idle too: a dead rank ends the server now, not at the next request
                     self.last_progress = time.monotonic()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -173,6 +174,8 @@ class AsyncEngine:
                     time.sleep(self.step_delay)
                 try:
                     outputs = self.engine.step()
+                except EngineDead:
+                    raise  # below: every request fails, and the server exits
                 except StepFailed as e:  # a step that raised must not hang its clients: fail the requests it held
                     log.error("an engine step failed (%s); failing the %d requests it held", e, len(e.request_ids),
                               exc_info=e.__cause__)
@@ -230,10 +233,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, queued)
 
     def _fail_all(self, error: Exception) -> None:
+        """Everything the engine holds, and every stream still open (a request the engine let go of before the failure
+        was delivered its output, or is failed here: none is left waiting)."""
         failure = EngineError(f"engine step failed: {type(error).__name__}: {error}")
         rids = list(self.engine.requests)
         for rid in rids:
             self.engine.abort(rid)
+        with self._lock:  # (not those still in the inbox: they reach the engine next)
+            pending = {cmd[1] for cmd in self._inbox if cmd[0] == "add"}
+            rids = list(dict.fromkeys(rids + [rid for rid in self._queues if rid not in pending]))
         self._deliver([(rid, failure, True) for rid in rids])
 
     def _fail_everything(self, error: BaseException) -> None:
