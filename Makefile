@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml
 	command -v chromium >/dev/null && command -v redis-server >/dev/null || \
 		{ $(SUDO) apt-get install -y -q --no-install-recommends chromium redis-server || \
 		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium redis-server; }; }
+	# the native CPU kernels, built now for this CPU, so that the first `sieve serve` compiles nothing
+	$(BIN)/python -m sieve.kernels || echo "(no native kernels on this machine: sieve runs on its PyTorch path)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,6 +26,7 @@ other forms; SIEVE_INT4_AMX=1 asks for the tiles and fails closed where there ar
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -95,6 +96,53 @@ def _apply_settings(ops, dot: str | None):
     return ops
 
 
+def build_key(isa: str, sources: Path | None = None) -> str:
+    """The kernel folder's name: the sources, where they live (two installs would otherwise share a folder, and torch
+    rebuilds a module whose source paths changed: they rebuilt each other's kernels in turn), this CPU and the ISA."""
+    sources = sources or _DIR
+    text = b"".join((sources / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
+    return (hashlib.sha256(text).hexdigest()[:10] + "-" + hashlib.sha256(str(sources.resolve()).encode()).hexdigest()[:6] + "-"
+            + _cpu_signature() + ("" if isa == "avx512" else "-" + isa))
+
+
+@contextlib.contextmanager
+def build_lock(build: Path, log_every_s: float = 10.0):
+    """One builder per kernel folder at a time, and never a wait on a dead one. The lock is an flock on
+    `sieve-build.lock` (the kernel drops it when its process ends, killed or not), which names the holder's pid; whoever
+    holds it may remove torch's own `lock` file, which only a builder killed mid-build leaves behind (torch's loader
+    then waits on it forever, printing nothing). A waiter logs whom it waits for."""
+    import fcntl
+    import time
+
+    with open(build / "sieve-build.lock", "a+") as f:
+        waited = None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if waited is None or now - waited >= log_every_s:
+                    f.seek(0)
+                    log.warning("waiting for process %s, which is building sieve's native kernels in %s", f.read().strip() or "?", build)
+                    waited = now
+                time.sleep(0.2)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def cpu_ops():
     if os.environ.get("SIEVE_NO_NATIVE") == "1":
@@ -105,8 +153,7 @@ def cpu_ops():
         from sieve.demo import cache_root
 
         isa = cpu_isa()
-        text = b"".join((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
-        key = hashlib.sha256(text).hexdigest()[:10] + "-" + _cpu_signature() + ("" if isa == "avx512" else "-" + isa)
+        key = build_key(isa)
         name = f"sieve_cpu_ops_{key.replace('-', '_')}"
         dot = os.environ.get("SIEVE_BF16_DOT")
         if dot and dot not in ("fma", "dpbf16"):
@@ -117,12 +164,14 @@ def cpu_ops():
             return _apply_settings(_LOADED[name], dot)
         build = Path(os.environ.get("SIEVE_KERNEL_CACHE") or cache_root() / "kernels") / key
         build.mkdir(parents=True, exist_ok=True)
-        if not (build / f"{name}.so").exists():
-            log.info("building sieve's native CPU kernels (%s) in %s (first use on this machine: about a minute)", isa, build)
-        _LOADED[name] = load(
-            name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        with build_lock(build):
+            if not (build / f"{name}.so").exists():
+                log.info("building sieve's native CPU kernels (%s) in %s (once per install and machine: about a minute; "
+                         "make install does it ahead)", isa, build)
+            _LOADED[name] = load(
+                name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
+                extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
+            )
         return _apply_settings(_LOADED[name], dot)
     except ValueError:  # a bad SIEVE_* setting (ConfigError): not something to fall back from silently
         raise
