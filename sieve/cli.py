@@ -154,18 +154,25 @@ def _structured_from_args(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.engine import LLMEngine
-    from sieve.server.app import create_app
+    from sieve.server.app import ServerLimits, create_app
     from sieve.server.serve import serve
 
     if _torchrun_worker(args):
         return 0
+    try:
+        limits = ServerLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                              max_logit_bias=args.max_logit_bias, max_prompt_bytes=args.max_prompt_bytes,
+                              max_stream_backlog=args.max_stream_backlog, grammar_workers=args.structured_outputs_compile_workers)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = config_from_args(args)
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
                      metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds, max_n=args.max_n,
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
-                     grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui)
+                     grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -342,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--tokenizer-workers", type=int, default=1, help="threads that tokenize prompts and render chat templates")
     sv.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                     help="seconds a request's grammar (response_format, structured_outputs, tool_choice) may take to compile; past it, 400")
+    sv.add_argument("--structured-outputs-compile-workers", type=int, default=2,
+                    help="threads that compile grammars; the timeout counts from a compile's start, not its wait")
+    sv.add_argument("--max-stop-strings", type=int, default=32, help="most stop strings one request may give")
+    sv.add_argument("--max-stop-string-chars", type=int, default=256, help="longest stop string (streams hold back this much)")
+    sv.add_argument("--max-logit-bias", type=int, default=1024, help="most logit_bias entries one request may give")
+    sv.add_argument("--max-prompt-bytes", type=int, default=None,
+                    help="longer prompts get 400 before tokenizing (default: the prompt token limit x the longest token)")
+    sv.add_argument("--max-stream-backlog", type=int, default=256,
+                    help="outputs a stream may leave unread before its request is aborted (a reader too slow)")
     sv.add_argument("--no-webui", action="store_true", help="do not serve the chat playground at /")
     sv.add_argument("--health-stall-seconds", type=float, default=60.0,
                     help="/health answers 503 when work is queued and no step has finished for this long")

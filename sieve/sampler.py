@@ -79,12 +79,12 @@ class SamplingMetadata:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
             banned.append(ban)
         seeds = [None if s.seed is None else draw_seed(s.seed, s.index, len(out)) for s, out in zip(seqs, outs)]
-        entries = [(row, tok, v) for row, p in enumerate(ps) for tok, v in (p.logit_bias or {}).items() if tok < vocab]
+        biased = [(row, p.bias_tensors(vocab)) for row, p in enumerate(ps) if p.logit_bias]  # each request's, built once
         bias = None
-        if entries:
-            rows, toks, values = zip(*entries)
-            bias = (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(toks, dtype=torch.int64, device=device),
-                    torch.tensor(values, **f32))
+        if biased:
+            toks = torch.cat([t for _, (t, _) in biased])
+            rows = torch.repeat_interleave(torch.tensor([row for row, _ in biased]), torch.tensor([len(t) for _, (t, _) in biased]))
+            bias = (rows.to(device), toks.to(device), torch.cat([v for _, (_, v) in biased]).to(device))
         return cls(
             temperature=temperature,
             greedy=temperature == 0,

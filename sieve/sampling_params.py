@@ -36,6 +36,17 @@ class SamplingParams:
     # vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt (tenant isolation)
     cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
+    _bias: tuple | None = field(init=False, default=None, repr=False, compare=False)
+
+    def bias_tensors(self, vocab: int):
+        """logit_bias as (token ids, values) CPU tensors, built once per request (not per step)."""
+        if self._bias is None or self._bias[0] != vocab:
+            import torch
+
+            items = [(t, v) for t, v in (self.logit_bias or {}).items() if t < vocab]
+            self._bias = (vocab, torch.tensor([t for t, _ in items], dtype=torch.int64),
+                          torch.tensor([v for _, v in items], dtype=torch.float32))
+        return self._bias[1], self._bias[2]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -749,9 +749,9 @@ def test_prompts_of_one_request_are_admitted_together_with_their_own_params(serv
     admitted = []
     real = engine.add_request
 
-    def record(rid, prompt, params, priority=0):
+    def record(rid, prompt, params, priority=0, **kw):
         admitted.append((rid, engine.num_steps, id(params)))
-        return real(rid, prompt, params, priority)
+        return real(rid, prompt, params, priority, **kw)
 
     monkeypatch.setattr(engine, "add_request", record)
     # max_tokens null: each prompt's own room in the context (this once failed: one params object was shared and filled in)
@@ -862,5 +862,103 @@ def test_requests_finished_in_a_step_that_then_fails_are_failed_not_lost(llama_d
         assert httpx.post(url + "/v1/completions", headers=h, timeout=30, json={"prompt": [5, 6, 7], "max_tokens": 3}).status_code == 200
         wait_idle(engine)
         assert not engine.requests and not stop.app.state.async_engine._queues
+    finally:
+        stop()
+
+
+def test_limits_on_stop_strings_logit_bias_and_prompt_bytes_are_400s_counted(server):
+    """2,000 stop strings, a vocabulary-sized logit_bias, a 16 MB prompt (refused before the tokenizer sees it, on
+    /v1/completions, chat and /tokenize alike): 400s naming the field, counted in /metrics by limit."""
+    base, engine = server
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    seen = []
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, *a, **kw: seen.append(len(text)) or real(text, *a, **kw)
+    try:
+        cases = [("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(2000)]}, "stop"),
+                 ("/v1/completions", {"prompt": "hi", "stop": "x" * 5000}, "stop"),
+                 ("/v1/completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(engine.arch.vocab_size)}}, "logit_bias"),
+                 ("/v1/completions", {"prompt": "x" * ((16 << 20) - 1024)}, "prompt"),
+                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (15 << 20)}]}, "messages"),
+                 ("/tokenize", {"prompt": "x" * (15 << 20)}, "prompt")]
+        for path, body, param in cases:
+            r = httpx.post(base + path, json=body, headers=h, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, param, r.text[:300])
+        assert not any(n > 1 << 20 for n in seen)  # the long prompts never reached the tokenizer
+        r = httpx.post(base + "/tokenize", json={"prompt": "hello " * 600}, headers=h)  # tokenized, then over the token limit
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        engine.tokenizer.encode = real
+    page = metrics_page(base)
+    for limit in ("stop", "logit_bias", "prompt_bytes"):
+        assert f'sieve:limit_refusals_total{{limit="{limit}",model_name="{MODEL}"}}' in page
+
+
+def test_a_slow_reader_is_cut_at_its_backlog_while_other_streams_go_on(llama_dir):
+    """A stream nobody reads holds every output (each one the text so far). Past --max-stream-backlog outputs its
+    request is aborted, its queue emptied, and reading it raises; the stream read alongside gets every token."""
+    import asyncio
+
+    from sieve import EngineConfig, LLMEngine, SamplingParams
+    from sieve.server.async_engine import AsyncEngine, EngineError
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    aengine = AsyncEngine(engine, max_backlog=8)
+    try:
+        async def main():
+            params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+            slow, fast = await aengine.submit([("slow", {"prompt_token_ids": [5, 6, 7]}, params, 0),
+                                               ("fast", {"prompt_token_ids": [8, 9, 10]}, params, 0)])
+            outs = [o async for o in fast]
+            await asyncio.sleep(0.2)
+            with pytest.raises(EngineError, match="read too slowly"):
+                async for _ in slow:
+                    pass
+            return outs
+
+        outs = asyncio.run(main())
+        assert len(outs[-1].outputs[0].token_ids) == 60 and outs[-1].finished
+        assert aengine.num_slow_readers == 1
+        wait_idle(engine)
+        assert not engine.requests and not aengine._queues and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        aengine.stop()
+
+
+def test_a_grammar_waiting_behind_slow_compiles_gets_its_own_deadline(llama_dir, monkeypatch):
+    """Grammars compile on a pool, and --structured-outputs-compile-timeout counts from a compile's own start: three
+    distinct slow schemas (0.6 s each, one worker) do not time out a fast one queued behind them (it waited 1.8 s
+    against a 1 s timeout, and failed before). The compile itself runs on llguidance fuel sized to the deadline."""
+    import concurrent.futures
+
+    from sieve import EngineConfig, LLMEngine
+    from sieve.server.app import ServerLimits
+    from sieve.structured import GrammarError, StructuredOutputsParams
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    with pytest.raises(GrammarError, match="too big"):  # no fuel left for the lexer: the compile stops, it does not hang
+        engine.grammars.compile(StructuredOutputsParams(regex="([a-z]{3,40}[0-9]{2,30}){1,50}"), deadline_s=1e-7)
+    real = engine.grammars.compile
+
+    def compile(spec, deadline_s=None):
+        if spec.kind == "json" and "slow" in json.dumps(spec.json):
+            time.sleep(0.6)
+        return real(spec, deadline_s=deadline_s)
+
+    monkeypatch.setattr(engine.grammars, "compile", compile)
+    url, stop = start_server(engine, grammar_timeout=1.0, limits=ServerLimits(grammar_workers=1))
+    try:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+
+        def ask(schema):
+            body = {"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+            return httpx.post(url + "/v1/completions", json=body, headers=h, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(ask, {"type": "object", "properties": {f"slow{i}": {"type": "integer"}}}) for i in range(3)]
+            time.sleep(0.1)
+            fast = pool.submit(ask, {"type": "object", "properties": {"fast": {"type": "integer"}}})
+            assert fast.result().status_code == 200, fast.result().text
+            assert all(f.result().status_code == 200 for f in slow)
     finally:
         stop()

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -92,11 +93,41 @@ class BodyLimit:
                              "invalid_request_error", code="request_too_large")(scope, receive, send)
 
 
+@dataclass
+class ServerLimits:
+    """What one request may ask for (each a `sieve serve` flag): stop strings are scanned on every token and held back
+    from streams by the longest one, logit_bias is applied every step, an unread stream holds every output, a grammar
+    compiles on a shared pool."""
+
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_logit_bias: int = 1024
+    max_prompt_bytes: int | None = None  # default: the prompt token limit x the vocabulary's longest token
+    max_stream_backlog: int = 256
+    grammar_workers: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_logit_bias", "max_stream_backlog", "grammar_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most bytes one token of this vocabulary stands for (at least 1; 32 without a tokenizer)."""
+    if tokenizer is None:
+        return 32
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 (a tokenizer without a vocabulary listing)
+        return 64
+    return max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1))
+
+
 def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
-               grammar_timeout: float = 10.0, webui: bool = True) -> FastAPI:
+               grammar_timeout: float = 10.0, webui: bool = True, limits: "ServerLimits | None" = None) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -105,15 +136,20 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     the context length). /health answers 503 when the engine thread has died, or when work is queued and no step has
     finished for `health_stall_seconds`. Tokenization and chat templates run on a pool of `tokenizer_workers`
     threads, never on the event loop or the engine thread (a long prompt stalls neither other clients nor steps);
-    one by default, as vLLM's: a fast tokenizer used from two threads at once can fail ("Already borrowed")."""
-    aengine = AsyncEngine(engine)
+    one by default, as vLLM's: a fast tokenizer used from two threads at once can fail ("Already borrowed").
+    `limits`: what one request may ask for (ServerLimits: stop strings, logit_bias, prompt bytes, stream backlog,
+    grammar compiles)."""
+    limits = limits or ServerLimits()
+    aengine = AsyncEngine(engine, max_backlog=limits.max_stream_backlog)
     engine = aengine.engine
     model_name = served_model_name or engine.model_name
     metrics = Metrics(engine, model_name)
     aengine.on_finished = metrics.record_finished
+    aengine.on_slow_reader = lambda rid: metrics.limit_refused("stream_backlog")
 
     tokenize_pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="sieve-tokenize")
-    grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sieve-grammar")  # structured-output grammars compile here
+    # structured-output grammars compile here, each within its own deadline (time queued behind others does not count)
+    grammar_pool = ThreadPoolExecutor(max_workers=limits.grammar_workers, thread_name_prefix="sieve-grammar")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -124,6 +160,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = engine.tokenizer
     prompt_token_limit = max_prompt_tokens or engine.config.max_model_len
+    # A prompt of more bytes than the limit's tokens could ever hold is refused before it is tokenized
+    prompt_byte_limit = limits.max_prompt_bytes or prompt_token_limit * longest_token_bytes(tokenizer)
     app.state.async_engine = aengine
 
     @app.exception_handler(APIError)
@@ -204,6 +242,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if len(prompts) > max_prompts:
             raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {max_prompts} per request "
                                 "(--max-prompts-per-request)", param="prompt")
+        _check_bytes(prompts)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]  # token ids need no tokenizer: checked here
         prompts = [p if isinstance(p, str) else _encode_prompt(p) for p in prompts]
         for i, encoded in zip(texts, await asyncio.gather(*(off_loop(_encode_prompt, prompts[i]) for i in texts))):
@@ -216,7 +255,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so no chat template")
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, body.max_completion_tokens or body.max_tokens, n_logprobs, body.prompt_logprobs)
+        _check_bytes([m.text() for m in body.messages], "messages")
+        params = _params(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+                         n_logprobs, body.prompt_logprobs)
         await _compile_grammar(params, "tool_choice" if body.tool_mode and body.tool_choice not in (None, "auto") else None)
         prompt = await off_loop(_render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt,
                                 body.tools if body.tool_mode else None)
@@ -224,16 +265,27 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
     async def _compile_grammar(params, param: str | None = None) -> None:
         """Structured outputs: compile the request's grammar off the event loop and the engine thread (cached by its
-        hash, so the engine only copies it), within --structured-outputs-compile-timeout; a grammar that cannot
-        compile, or not in time, is a 400."""
+        hash, so the engine only copies it) on a pool of --structured-outputs-compile-workers threads, within
+        --structured-outputs-compile-timeout counted from when its compile starts (not while it waits behind others);
+        the compile itself is bounded by the same deadline (llguidance's fuel), so it ends rather than holding its
+        thread. A grammar that cannot compile, or not in time, is a 400."""
         spec = params.structured_outputs
         if spec is None:
             return
         param = param or "response_format"
-        future = asyncio.get_running_loop().run_in_executor(grammar_pool, engine.grammars.compile, spec)
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def compile_now():
+            loop.call_soon_threadsafe(started.set)
+            return engine.grammars.compile(spec, deadline_s=grammar_timeout)
+
+        future = loop.run_in_executor(grammar_pool, compile_now)
         try:
+            await asyncio.wait({future, asyncio.ensure_future(started.wait())}, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.wait_for(asyncio.shield(future), grammar_timeout)
         except asyncio.TimeoutError:
+            metrics.limit_refused("grammar_timeout")
             raise APIError(400, f"the {spec.kind} constraint did not compile within {grammar_timeout:g} s "
                                 "(--structured-outputs-compile-timeout)", param=param, code="grammar_timeout") from None
         except GrammarError as e:
@@ -247,6 +299,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if len(ids) > prompt_token_limit:
             raise APIError(400, f"the prompt is {len(ids)} tokens, over this server's limit of {prompt_token_limit} "
                                 f"({'--max-prompt-tokens' if max_prompt_tokens else 'the context length'})", param="prompt",
+                           code="context_length_exceeded")
+
+    def _check_bytes(texts, param: str = "prompt") -> None:
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
+        if size > prompt_byte_limit:
+            metrics.limit_refused("prompt_bytes")
+            raise APIError(400, f"the prompt is {size} bytes, more than {prompt_byte_limit} (--max-prompt-bytes; the most "
+                                f"that {prompt_token_limit} tokens can hold): refused before tokenizing", param=param,
                            code="context_length_exceeded")
 
     def _encode_prompt(prompt):
@@ -291,10 +351,13 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if tokenizer is None:
             raise APIError(400, "this server has no tokenizer")
         if body.messages is not None:
+            _check_bytes([m.text() for m in body.messages], "messages")
             prompt = await off_loop(_render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt)
             ids = prompt["prompt_token_ids"]
         else:
+            _check_bytes([body.prompt])
             ids = await off_loop(lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            _check_length(ids)
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
                 "token_strs": [tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None}
 
@@ -327,6 +390,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if body.stream and isinstance(body.kv_transfer_params, dict) and body.kv_transfer_params.get("do_remote_decode"):
             raise APIError(400, "kv_transfer_params.do_remote_decode answers with the params a decode server needs: "
                            "it needs stream false", param="kv_transfer_params")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > limits.max_stop_strings or any(len(x) > limits.max_stop_string_chars for x in stops):
+            metrics.limit_refused("stop")
+            raise APIError(400, f"stop takes at most {limits.max_stop_strings} strings of at most {limits.max_stop_string_chars} "
+                                "characters (--max-stop-strings, --max-stop-string-chars)", param="stop")
+        if len(body.logit_bias or {}) > limits.max_logit_bias:
+            metrics.limit_refused("logit_bias")
+            raise APIError(400, f"logit_bias takes at most {limits.max_logit_bias} tokens (--max-logit-bias)", param="logit_bias")
         if "priority" in body.model_fields_set and not allow_client_priority:
             raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
                            code="unsupported_field")
@@ -414,7 +485,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                 except EngineError as e:  # handed to the stream, which tells the client
                     await queue.put((p_idx, e))
 
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a client that stops reading stops the pumps, and its outputs pile up in the engine's queue for
+        # the request, whose backlog limit then ends it (--max-stream-backlog)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
         pumps: list[asyncio.Task] = []
         parsers = {} if chat and getattr(body, "tool_mode", False) else None  # choice index -> ToolCallParser
         first_chunk = [set(range(n)) for _ in streams]  # choices whose prompt_logprobs are still to be sent

@@ -39,10 +39,15 @@ class EngineError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], on_finished=None):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], on_finished=None, max_backlog: int = 256):
         """`engine`: an engine, or a function that builds one (called in the engine thread; its errors
-        are raised here)."""
+        are raised here). `max_backlog`: outputs a stream may leave unread; past it the reader is too slow, and its
+        request is aborted and its stream ended with an error (each output holds the text so far: an unread stream
+        would otherwise grow without bound)."""
         self.on_finished = on_finished  # called in the engine thread with each request's final output
+        self.max_backlog = max_backlog
+        self.on_slow_reader: Callable[[str], None] | None = None  # called on the event loop with each request cut
+        self.num_slow_readers = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple] = []
@@ -228,9 +233,28 @@ class AsyncEngine:
             for rid, item, last in items:
                 entry = self._queues.pop(rid, None) if last else self._queues.get(rid)
                 if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], item))
+                    by_loop.setdefault(entry[0], []).append((rid, entry[1], item))
         for loop, queued in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, queued)
+            loop.call_soon_threadsafe(self._put_all, queued)
+
+    def _put_all(self, items: list[tuple[str, asyncio.Queue, object]]) -> None:
+        """On the event loop: each item into its stream's queue, unless that stream's reader has let `max_backlog`
+        outputs pile up: then its queue is emptied, it gets an error instead, and its request is aborted."""
+        for rid, queue, item in items:
+            if getattr(queue, "cut", False):
+                continue
+            if queue.qsize() >= self.max_backlog:
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.cut = True
+                queue.put_nowait(EngineError(f"the client read too slowly: {self.max_backlog} outputs were waiting "
+                                             "(--max-stream-backlog); the request was aborted"))
+                self.num_slow_readers += 1
+                if self.on_slow_reader is not None:
+                    self.on_slow_reader(rid)
+                self.abort(rid)
+                continue
+            queue.put_nowait(item)
 
     def _fail_all(self, error: Exception) -> None:
         """Everything the engine holds, and every stream still open (a request the engine let go of before the failure
@@ -283,11 +307,6 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._aengine.abort(self.request_id)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
 
 
 def _settle(fut: asyncio.Future, error: Exception | None) -> None:

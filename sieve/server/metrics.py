@@ -26,6 +26,9 @@ class Metrics:
         self.tpot = Histogram("sieve:time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
         self.e2e = Histogram("sieve:e2e_request_latency_seconds", "End-to-end request latency", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
         self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full)", ["model_name"], registry=r).labels(**label)
+        limits = Counter("sieve:limit_refusals", "Requests refused (400) and streams cut by a server limit, by limit",
+                         ["model_name", "limit"], registry=r)
+        self.limit_refused = lambda limit: limits.labels(model_name=model_name, limit=limit).inc()
         gauges = {
             "sieve:num_requests_running": ("Sequences running", lambda: engine.num_running),
             "sieve:num_requests_waiting": ("Requests waiting", lambda: engine.num_waiting),

@@ -97,7 +97,10 @@ class GrammarCompiler:
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer
 
-    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+    def compile(self, spec: StructuredOutputsParams, deadline_s: float | None = None) -> CompiledGrammar:
+        """The constraint's prototype matcher (cached). With `deadline_s`, the compile's own work is bounded to about
+        that long: llguidance's lexer fuel (about 50,000 a millisecond) runs out and the compile fails, rather than
+        holding a compile thread for as long as a hostile grammar takes."""
         key = spec.key()
         with self._lock:
             hit = self._cache.get(key)
@@ -113,7 +116,11 @@ class GrammarCompiler:
             text = _grammar_text(spec)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"structured outputs `{spec.kind}`: {e}") from e
-        proto = llguidance.LLMatcher(tok, text, log_level=0)  # drops the GIL while it builds
+        limits = None
+        if deadline_s is not None:
+            limits = llguidance.LLParserLimits(initial_lexer_fuel=min(1_000_000, max(1, int(50_000 * 1000 * deadline_s))),
+                                               verbose_errors=False)
+        proto = llguidance.LLMatcher(tok, text, log_level=0, limits=limits)  # drops the GIL while it builds
         if proto.is_error():
             raise GrammarError(f"structured outputs `{spec.kind}` cannot be compiled: {_first_line(proto.get_error())}")
         compiled = CompiledGrammar(key, spec.kind, proto, time.perf_counter() - started)
