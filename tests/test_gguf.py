@@ -312,12 +312,12 @@ def test_16bit_kv_cache_keeps_batching_and_speculation_lossless(checkpoints, tmp
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
-def write_minimal(path, arch="llama", tensors=None, fields=True):
+def write_minimal(path, arch="llama", tensors=None, fields=True, context=64):
     """A tiny GGUF written by hand: `tensors` maps name -> (array, raw type or None)."""
     w = gguf.GGUFWriter(str(path), arch)
     if fields:
         w.add_block_count(1)
-        w.add_context_length(64)
+        w.add_uint64("llama.context_length", context) if context >= 1 << 32 else w.add_context_length(context)
         w.add_embedding_length(32)
         w.add_feed_forward_length(64)
         w.add_head_count(2)
@@ -417,6 +417,7 @@ def bad_files(checkpoints, tmp_path_factory):
     (d / "not-gguf.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not a model")
     write_minimal(d / "gpt2.gguf", arch="gpt2")
     write_minimal(d / "no-fields.gguf", fields=False)
+    write_minimal(d / "huge-context.gguf", context=1 << 40)
     import struct  # a header that claims 2^62 vocabulary strings in a file of 49 bytes
 
     (d / "huge-array.gguf").write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"a" + struct.pack("<IIQ", 9, 8, 1 << 62))
@@ -440,6 +441,7 @@ BAD = {  # file -> what the one-line error must name
     "big-endian.gguf": "not a readable GGUF file: ValueError: the file is big-endian GGUF, which sieve does not read",
     "gpt2.gguf": "architecture 'gpt2' is not supported",
     "no-fields.gguf": "lacks llama.attention.head_count",
+    "huge-context.gguf": "llama.context_length 1099511627776 is not a context length",
     "iq-type.gguf": "has type I8, which sieve does not load",
     "two": "holds 2 GGUF files",
 }
@@ -452,7 +454,7 @@ def test_bad_files_raise_one_clear_error(bad_files, name):
     assert BAD[name] in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["truncated-data.gguf", "gpt2.gguf", "iq-type.gguf", "two"])
+@pytest.mark.parametrize("name", ["truncated-data.gguf", "gpt2.gguf", "iq-type.gguf", "huge-context.gguf", "two"])
 def test_bad_files_on_the_command_line_exit_non_zero_without_a_traceback(bad_files, name):
     for cmd in (["generate", "--prompt", "hi"], ["serve", "--port", "0"]):
         r = subprocess.run([sys.executable, "-m", "sieve.cli", *cmd, "--model", str(bad_files / name)], capture_output=True,

@@ -962,3 +962,49 @@ def test_a_grammar_waiting_behind_slow_compiles_gets_its_own_deadline(llama_dir,
             assert all(f.result().status_code == 200 for f in slow)
     finally:
         stop()
+
+
+def test_odd_fields_and_values_are_400s_naming_the_field(server, client):
+    """What was accepted silently or crashed: a misspelt message key (an empty message, 200), image and audio parts
+    (dropped), unknown stream_options keys, top_logprobs without logprobs, max_completion_tokens 0 (the whole
+    context), an empty prompt (a 500 IndexError). Each is a 400 naming the field; the keys OpenAI's client sends back
+    with an assistant message still pass."""
+    base, h = server[0], {"Authorization": f"Bearer {API_KEY}"}
+    user = {"role": "user", "content": "hi"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "contnet": "hi"}]}, "messages.0.contnet"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [audio]}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [user], "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+         "stream_options.x"),
+        ("/v1/chat/completions", {"messages": [user], "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [user], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{**user, "audio": {"id": "a"}}]}, "messages.0.audio"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(base + path, json=body, headers=h)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+    echoed = {"role": "assistant", "content": "hello", "refusal": None, "annotations": [], "audio": None, "function_call": None,
+              "tool_calls": None}
+    r = client.chat.completions.create(model=MODEL, messages=[user, echoed, user], max_tokens=2)
+    assert r.choices[0].message.content is not None
+
+
+def test_tool_calls_only_to_offered_functions_and_one_when_parallel_is_off():
+    """A call to a function that was never offered stays content (it is not a tool call the client can run), and under
+    parallel_tool_calls false only the first call is one: the rest stay content."""
+    from sieve.server.tools import parse_tool_calls
+
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = parse_tool_calls(text, {"get_weather", "get_time"})
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"] and "rm_rf" in content
+    content, calls = parse_tool_calls(text, {"get_weather", "get_time"}, parallel=False)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and "get_time" in content

@@ -84,6 +84,9 @@ PLAIN = ("F32", "F16", "BF16")
 DEQUANTIZED = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # widened at load, and the log says so
 
 
+MAX_CONTEXT = 1 << 24  # tokens: more than any model's context (the longest are 10M)
+
+
 class GGUFError(ValueError):
     """A GGUF file sieve cannot load, with the reason."""
 
@@ -151,6 +154,14 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: {self.arch_name}.{key} varies per layer, which sieve does not support")
         return value
 
+    def _context_length(self) -> int:
+        """The file's context length, within what any model has (a hostile file's 2^40 sized the rotary tables before
+        any cap and crashed the load)."""
+        n = self._arch_field("context_length", 2048)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= int(n) <= MAX_CONTEXT:
+            raise GGUFError(f"{self.path}: {self.arch_name}.context_length {n!r} is not a context length (1 to {MAX_CONTEXT})")
+        return int(n)
+
     def decode_bytes(self) -> int:
         """Weight bytes one decode step reads as stored: every matrix, the embedding only where it is the
         (tied) LM head (otherwise a step reads one row of it)."""
@@ -178,7 +189,7 @@ class GGUFCheckpoint:
             head_dim=int(self._arch_field("attention.key_length", hidden // heads)),
             rms_norm_eps=float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self._arch_field("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(self._arch_field("context_length", 2048)),
+            max_position_embeddings=self._context_length(),
             vocab_size=int(vocab), tie_word_embeddings="output.weight" not in self._tensors,
             attention_bias="blk.0.attn_q.bias" in self._tensors and self.arch_name == "llama",
             eos_token_id=[int(e) for e in dict.fromkeys(eos) if e is not None],

@@ -29,7 +29,7 @@ from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.metrics import Metrics
 from sieve.server.openapi import document
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from sieve.server.tools import ToolCallParser, parse_tool_calls, render_messages
+from sieve.server.tools import ToolCallParser, parse_tool_calls, render_messages, tool_names
 from sieve.structured import GrammarError
 
 
@@ -380,6 +380,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         field = body.unsupported()
         if field is not None:
             raise APIError(400, f"`{field}` is not supported by this server", param=field, code="unsupported_field")
+        broken = body.invalid()
+        if broken is not None:
+            raise APIError(400, broken[1], param=broken[0])
         if body.n > max_n:
             raise APIError(400, f"n = {body.n} is over this server's limit of {max_n} choices (--max-n)", param="n")
         kv = body.kv_transfer_params
@@ -517,7 +520,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                         if c.logprobs is not None else None
                     idx = p_idx * n + c.index
                     if chat and parsers is not None:  # tools offered: calls leave the content as they complete
-                        parser = parsers.setdefault(idx, ToolCallParser())
+                        parser = parsers.setdefault(idx, ToolCallParser(tool_names(body.tools), body.parallel_tool_calls is not False))
                         content, calls = parser.feed(text)
                         if c.finish_reason:
                             content += parser.finish()
@@ -564,7 +567,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                     lp = _logprobs(c, 0, chat, n_top) if c.logprobs is not None else None
                     message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
                     if getattr(body, "tool_mode", False):
-                        message["content"], calls = parse_tool_calls(c.text)
+                        message["content"], calls = parse_tool_calls(c.text, tool_names(body.tools), body.parallel_tool_calls is not False)
                         if calls:
                             message["tool_calls"] = calls
                             reason = "tool_calls" if reason == "stop" else reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sieve.sampling_params import SamplingParams
 from sieve.structured import StructuredOutputsParams
@@ -48,6 +48,7 @@ class StructuredOutputs(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
@@ -95,6 +96,9 @@ class _Common(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
+        return None
+
+    def invalid(self) -> tuple[str, str] | None:
         return None
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -159,6 +163,13 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, p):
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("a prompt must not be empty")
+        return p
+
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix"
@@ -176,12 +187,28 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A message; any other key is a 400 naming it ({"contnet": ...} once became an empty message). The keys OpenAI's
+    own client sends back with an assistant message pass when empty."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    refusal: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> "ChatMessage":
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError(f"content[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported: "
+                                 f"this model reads text, and a {kind!r} part would be dropped")
+        return self
 
     def template_dict(self) -> dict:
         """What the chat template sees: role, text, and the tool fields the message has."""
@@ -217,6 +244,14 @@ class ChatCompletionRequest(_Common):
             return "functions"
         if self.function_call not in (None, "none"):
             return "function_call"
+        return None
+
+    def invalid(self) -> tuple[str, str] | None:
+        """(field, why) for the first rule of OpenAI's that the request breaks, or None."""
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            return "max_completion_tokens", f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}"
         return None
 
     @property

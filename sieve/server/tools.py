@@ -70,6 +70,10 @@ def _arguments(args: Any) -> Any:
     return args if args is not None else {}
 
 
+def tool_names(tools: list[dict] | None) -> set[str]:
+    return {t["function"]["name"] for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+
+
 def check_tools(tools: list[dict], tool_choice: Any) -> str | None:
     """The named function of `tool_choice` (None for "auto"/"none"/"required"); ValueError on a bad pair."""
     names = []
@@ -113,9 +117,11 @@ def constraint(tools: list[dict], tool_choice: Any, parallel: bool) -> Structure
 class ToolCallParser:
     """Splits a choice's text, as it streams, into content and tool calls. `feed(delta)` returns the content
     that is safe to show and the calls completed in it; `finish()` flushes what is left (an unclosed or
-    malformed call is content: nothing the model wrote is dropped)."""
+    malformed call is content: nothing the model wrote is dropped). With `names`, a call to a function that was not
+    offered is content too; with `parallel` False (`parallel_tool_calls: false`), so is every call after the first."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: set[str] | None = None, parallel: bool = True) -> None:
+        self.names, self.parallel = names, parallel
         self.buffer = ""
         self.space = ""  # trailing whitespace of the content so far, held back: after the last tool call it is dropped
         self.calls: list[dict] = []
@@ -144,7 +150,8 @@ class ToolCallParser:
                 return content, new
             body = self.buffer[start + len(OPEN): end]
             call = _parse_call(body)
-            if call is None:
+            if call is None or (self.names is not None and call["function"]["name"] not in self.names) \
+                    or (self.calls and not self.parallel):
                 content += self.buffer[: end + len(CLOSE)]
             else:
                 content += self.buffer[:start]
@@ -177,9 +184,9 @@ def _parse_call(body: str) -> dict | None:
             "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, names: set[str] | None = None, parallel: bool = True) -> tuple[str | None, list[dict]]:
     """A whole output: its content (None when it is only tool calls) and its calls; the same as streaming it."""
-    p = ToolCallParser()
+    p = ToolCallParser(names, parallel)
     content, _ = p.feed(text)
     content += p.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in p.calls]
