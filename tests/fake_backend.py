@@ -83,4 +83,8 @@ def make_backend(name: str) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model"}]}
 
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
     return app

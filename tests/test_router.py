@@ -549,3 +549,128 @@ def test_replicas_keep_conversations_where_their_prefix_is(balance):
     finally:
         stop()
         servers[0][1]()
+
+
+# ---- trust: keys, limits, errors, health, retries, tenants --------------------------------------------------------
+def test_a_gateway_with_keys_answers_401_on_every_route_but_health(backends, gateway):
+    """Client keys (constant-time, any of several) guard every route but /health; /health tells anyone whether the
+    gateway is up, and only a client with a key which backends it has."""
+    url, _ = gateway(api_keys={"key-a": "alice", "key-b": "bob"}, cache={"backend": "none"})
+    routes = [("POST", "/v1/chat/completions", {"model": "weak", "messages": [{"role": "user", "content": "hi"}]}),
+              ("POST", "/v1/completions", {"model": "weak", "prompt": "hi"}), ("GET", "/v1/models", None), ("GET", "/metrics", None)]
+    before = _calls(backends, "weak")
+    for auth in (None, "Bearer nope", "Bearer key-aa", "key-a"):
+        headers = {"Authorization": auth} if auth else {}
+        for method, path, body in routes:
+            r = httpx.request(method, url + path, json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (auth, path, r.text)
+    assert _calls(backends, "weak") == before  # nothing reached a backend
+    open_health = httpx.get(url + "/health")
+    assert open_health.status_code == 200 and open_health.json() == {"status": "ok"}  # no URLs
+    for key in ("key-a", "key-b"):
+        h = {"Authorization": f"Bearer {key}"}
+        for method, path, body in routes:
+            assert httpx.request(method, url + path, json=body, headers=h).status_code == 200, (key, path)
+        assert backends["weak"][0] in json.dumps(httpx.get(url + "/health", headers=h).json())
+
+
+def test_bad_bodies_get_openai_errors_not_plain_500s(backends, gateway):
+    url, _ = gateway(max_body_bytes=100_000, cache={"backend": "none"})
+    big = httpx.post(url + "/v1/chat/completions", json={"model": "weak", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    cases = [({"model": "weak", "messages": 5}, "messages"),
+             ({"model": "route:cascade", "messages": [{"role": "user", "content": "q"}], "top_logprobs": "x"}, "top_logprobs"),
+             ({"model": "route:budget", "messages": [{"role": "user", "content": "q"}], "max_tokens": "12"}, "max_tokens"),
+             ({"model": "weak", "messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
+             ({"model": "weak", "messages": [{"role": "user", "content": "q"}], "stream": "yes"}, "stream")]
+    for body, param in cases:
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.get(url + "/no/such/route")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_health_comes_from_the_backends_health_and_only_unavailability_is_retried():
+    """A replica whose /v1/models answers while its /health says 503 (a stalled engine) is marked down. A 503 goes to
+    the next replica; a 500 (a failed step) is the client's answer, not retried on every replica."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    def replica(name: str, health: int, status: int):
+        app = FastAPI()
+        app.state.calls = 0
+
+        @app.get("/health")
+        async def h():
+            return JSONResponse({"status": "x"}, status_code=health)
+
+        @app.get("/v1/models")
+        async def m():
+            return {"data": []}
+
+        @app.post("/v1/chat/completions")
+        async def c():
+            app.state.calls += 1
+            if status != 200:
+                return JSONResponse({"error": {"message": f"{name} says {status}", "type": "server_error", "param": None,
+                                               "code": None}}, status_code=status)
+            return {"id": "x", "object": "chat.completion", "model": "m", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": name}, "finish_reason": "stop"}]}
+
+        return app
+
+    apps = {"busy": replica("busy", 200, 503), "broken": replica("broken", 200, 500), "ok": replica("ok", 200, 200),
+            "stalled": replica("stalled", 503, 200)}
+    served = {k: serve_app(a) for k, a in apps.items()}
+    try:
+        def gw(urls, **kw):
+            cfg = parse_config({"backends": [{"name": "m", "url": urls[0], "replicas": urls[1:]}], "cache": {"backend": "none"},
+                                "balance": "round_robin", "health_interval": 0.2, **kw})
+            return serve_app(create_router_app(cfg))
+
+        u = {k: v[0] + "/v1" for k, v in served.items()}
+        url, stop = gw([u["busy"], u["ok"]])
+        try:
+            r = _chat(url, "q", model="m")
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"  # the 503 was retried
+        finally:
+            stop()
+        url, stop = gw([u["broken"], u["ok"]])
+        try:
+            r = _chat(url, "q", model="m")
+            assert r.status_code == 500 and "broken says 500" in r.json()["error"]["message"]
+            assert apps["ok"].state.calls == 1  # only the retried 503 above reached it
+        finally:
+            stop()
+        url, stop = gw([u["stalled"], u["ok"]])
+        try:
+            assert _wait_for(lambda: 'replica="' + u["stalled"] + '"} 0.0' in httpx.get(url + "/metrics").text)
+        finally:
+            stop()
+    finally:
+        for _, stop in served.values():
+            stop()
+
+
+def test_the_response_cache_keeps_tenants_apart_and_compares_whole_conversations(backends, gateway):
+    """One tenant's cached answer is never another's hit (x-sieve-cache would tell who asked what); the semantic cache
+    matches whole conversations, so an answer written under one system prompt never serves another's."""
+    url, app = gateway(api_keys={"key-a": "alice", "key-b": "bob"}, cache={"semantic_threshold": 0.8})
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    body = {"model": "weak", "messages": [{"role": "user", "content": "what is the tallest mountain"}], "temperature": 0}
+    assert httpx.post(url + "/v1/chat/completions", json=body, headers=a).headers["x-sieve-cache"] == "miss"
+    assert httpx.post(url + "/v1/chat/completions", json=body, headers=a).headers["x-sieve-cache"] == "hit"
+    assert httpx.post(url + "/v1/chat/completions", json=body, headers=b).headers["x-sieve-cache"] == "miss"
+    pirate = {**body, "messages": [{"role": "system", "content": "You answer as a pirate."}, *body["messages"]]}
+    r = httpx.post(url + "/v1/chat/completions", json=pirate, headers=a)
+    assert r.headers["x-sieve-cache"] == "miss"  # same last message, another conversation: no semantic hit
+    again = {**pirate, "messages": [pirate["messages"][0], {"role": "user", "content": "what is the tallest mountain?"}]}
+    assert httpx.post(url + "/v1/chat/completions", json=again, headers=a).headers["x-sieve-cache"] == "semantic_hit"
+
+
+def test_the_gateway_cli_refuses_to_listen_beyond_loopback_without_client_keys(backends):
+    from sieve.cli import main
+
+    assert main(["router", "serve", "--backend", f"weak={backends['weak'][0]}", "--host", "0.0.0.0"]) == 2

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -32,6 +33,8 @@ from sieve.router.cache import Entry, MemoryStore, RedisStore, ResponseCache, Se
 from sieve.router.classifier import Classifier
 from sieve.router.config import Backend, RouterConfig
 from sieve.router.stream import assemble, replay
+from sieve.server.app import BodyLimit
+from sieve.server.auth import APIKeys
 
 log = logging.getLogger("sieve.router")
 
@@ -158,9 +161,9 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         while True:
             for b in backends.values():
                 for url in (*b.urls, *b.prefill):
-                    try:
-                        r = await client.get(url + "/models", headers=_auth(b), timeout=min(5.0, config.health_interval))
-                        up = r.status_code < 500
+                    try:  # the server's own /health: /v1/models answers 200 while its engine is stalled or dead
+                        r = await client.get(_root(url) + "/health", headers=_auth(b), timeout=min(5.0, config.health_interval))
+                        up = r.status_code == 200
                     except httpx.HTTPError:
                         up = False
                     if up != health[url]:
@@ -181,20 +184,41 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             await cache.store.close()
 
     app = FastAPI(title="sieve router", version=sieve.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.state.cache = cache
     app.state.health = health
     app.state.balancers = balancers
+    keys = APIKeys(config.api_keys)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, e: GatewayError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):  # a bug must still answer in the OpenAI shape
+        log.exception("unhandled error in the gateway")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+    def tenant_of(request: Request) -> str:
+        """The client's tenant (its key's); every route but /health calls this. Open gateways have one tenant."""
+        if not keys.enabled:
+            return ""
+        tenant = keys.tenant(request.headers.get("authorization"))
+        if tenant is None:
+            raise GatewayError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return tenant
 
     # ---- calls to backends -------------------------------------------------------------------
     async def on_replicas(backend: Backend, body: dict, send):
         """`send(url)` on the replica the balancer picks; a replica that cannot be reached (or answers 5xx) is
         marked down and the next one is tried, so a dead replica costs its requests nothing but a retry."""
         bal = balancers[backend.name]
-        blocks = prompt_blocks(body) if bal.policy == "cache_aware" else []
+        blocks = await asyncio.to_thread(prompt_blocks, body) if bal.policy == "cache_aware" else []  # off the event loop
         tried: list[str] = []
         errors = []
         while len(tried) < len(backend.urls):
@@ -226,10 +250,10 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         async def send(url: str) -> httpx.Response:
             try:
                 r = await state["client"].post(f"{url}/{_path(kind)}", json=body, headers=_auth(backend))
-            except httpx.HTTPError as e:
+            except httpx.TransportError as e:
                 raise _ReplicaDown(f"{type(e).__name__}: {e}") from e
-            if r.status_code >= 500:
-                raise _ReplicaDown(f"HTTP {r.status_code}: {r.text[:200]}")
+            if r.status_code == 503:  # unavailable: another replica may answer. A 500 (a step that failed) is not
+                raise _ReplicaDown(f"HTTP {r.status_code}: {r.text[:200]}")  # retried: it would fail its batch there too
             return r
 
         url, r = await on_replicas(backend, body, send)
@@ -240,6 +264,8 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             upstream_errors.labels(backend.name).inc()
             raise BackendDown(backend, f"{url}: the response is not JSON") from None
         if r.status_code != 200:
+            if r.status_code >= 500:
+                upstream_errors.labels(backend.name).inc()
             raise GatewayError(r.status_code, "", body=payload if isinstance(payload, dict) and "error" in payload else
                                error_body(str(payload), "upstream_error"))
         payload["model"] = backend.name
@@ -299,9 +325,9 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             req = state["client"].build_request("POST", f"{url}/{_path(kind)}", json=body, headers=_auth(backend))
             try:
                 r = await state["client"].send(req, stream=True)
-            except httpx.HTTPError as e:
+            except httpx.TransportError as e:
                 raise _ReplicaDown(f"{type(e).__name__}: {e}") from e
-            if r.status_code >= 500:
+            if r.status_code == 503:
                 text = (await r.aread()).decode(errors="replace")
                 await r.aclose()
                 raise _ReplicaDown(f"HTTP {r.status_code}: {text[:200]}")
@@ -392,12 +418,15 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
     # ---- one request ---------------------------------------------------------------------------
     async def handle(kind: str, request: Request) -> Response:
         started = time.perf_counter()
-        try:
-            body = await request.json()
-        except ValueError:
+        tenant = tenant_of(request)
+        raw = await request.body()
+        try:  # parsed and hashed off the event loop: a 16 MB body stalls no other client
+            body = await asyncio.to_thread(json.loads, raw)
+        except (ValueError, RecursionError):
             raise GatewayError(400, "the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object")
+        check_body(kind, body)
         if "kv_transfer_params" in body:
             raise GatewayError(400, "kv_transfer_params pass between the gateway's prefill and decode servers; clients do not "
                                     "set them", param="kv_transfer_params")
@@ -421,13 +450,14 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                 reach = [(b.name, b.version) for b in _reachable(config, route)]
                 route_id = aliases_resolved(model)
                 extra = classifier.id if route.policy == "learned" and classifier else ""
-                key = cache_key(kind, route_id, reach, body, extra)
+                # the tenant is part of the key: a hit must not tell one tenant what another asked
+                key = await asyncio.to_thread(cache_key, kind, route_id, reach, body, f"{extra}|tenant:{tenant}")
                 if "no-cache" in cc:
                     cache.stats["bypass"] += 1
                 else:
                     outcome, entry = await cache.lookup(key)
                     if entry is None and cache.semantic is not None:
-                        found = cache.semantic.lookup(_semantic_group(kind, route_id, reach, body), P.prompt_text(body))
+                        found = cache.semantic.lookup(_semantic_group(kind, route_id, reach, body, tenant), P.conversation_text(body))
                         if found is not None:
                             outcome, entry = (await cache.lookup(found[0]))
                             outcome = "semantic_hit" if entry is not None else "miss"
@@ -453,7 +483,7 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
                                         f"fallback: {decision.backend.name} unavailable")
                     answer = probe
             if answer is not None:
-                await store(key, kind, route, body, answer, decision)
+                await store(key, tenant, kind, route, body, answer, decision)
                 requests_total.labels("cascade", decision.backend.name).inc()
                 latency.labels("miss").observe(time.perf_counter() - started)
                 return _deliver(answer, kind, body, stream, dict(decision.headers(), **_cache_header(key)))
@@ -463,22 +493,22 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         if decision.backend.prefill:
             sent, issued = await prefill_first(decision.backend, kind, sent)
         try:
-            return await answer_from(decision, route, kind, key, body, sent, stream, started)
+            return await answer_from(decision, route, kind, key, tenant, body, sent, stream, started)
         except (GatewayError, BackendDown):
             await release_exported(decision.backend, issued)
             raise
 
-    async def answer_from(decision: Decision, route: P.Route, kind: str, key: str | None, body: dict, sent: dict,
+    async def answer_from(decision: Decision, route: P.Route, kind: str, key: str | None, tenant: str, body: dict, sent: dict,
                           stream: bool, started: float) -> Response:
         if stream:
             (r, release), decision = await with_fallback(decision, route, lambda b: open_stream(b, kind, sent))
             requests_total.labels(decision.policy, decision.backend.name).inc()
             latency.labels("miss").observe(time.perf_counter() - started)
-            return StreamingResponse(proxy_stream(r, release, kind, decision, key, route, body), media_type="text/event-stream",
+            return StreamingResponse(proxy_stream(r, release, kind, decision, key, tenant, route, body), media_type="text/event-stream",
                                      headers=dict(decision.headers(), **_cache_header(key)))
         answer, decision = await with_fallback(decision, route, lambda b: call(b, kind, sent))
         requests_total.labels(decision.policy, decision.backend.name).inc()
-        await store(key, kind, route, body, answer, decision)
+        await store(key, tenant, kind, route, body, answer, decision)
         latency.labels("miss").observe(time.perf_counter() - started)
         return JSONResponse(answer, headers=dict(decision.headers(), **_cache_header(key)))
 
@@ -510,15 +540,15 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             answer, decision = await with_fallback(decision, route, lambda b: call(b, kind, sent))
         return Entry(answer, decision.headers(), cache.clock())
 
-    async def store(key: str | None, kind: str, route: P.Route, body: dict, answer: dict, decision: Decision) -> None:
+    async def store(key: str | None, tenant: str, kind: str, route: P.Route, body: dict, answer: dict, decision: Decision) -> None:
         if key is None or cache is None or not _complete(answer):
             return
         await cache.put(key, Entry(answer, decision.headers(), cache.clock()))
         if cache.semantic is not None:
             reach = [(b.name, b.version) for b in _reachable(config, route)]
-            cache.semantic.add(_semantic_group(kind, aliases_resolved(body["model"]), reach, body), P.prompt_text(body), key)
+            cache.semantic.add(_semantic_group(kind, aliases_resolved(body["model"]), reach, body, tenant), P.conversation_text(body), key)
 
-    async def proxy_stream(r: httpx.Response, release, kind: str, decision: Decision, key: str | None, route: P.Route,
+    async def proxy_stream(r: httpx.Response, release, kind: str, decision: Decision, key: str | None, tenant: str, route: P.Route,
                            body: dict) -> AsyncIterator[str]:
         chunks: list[dict] = []
         try:
@@ -549,13 +579,14 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
             await r.aclose()
         answer = assemble(chunks, kind) if key is not None else None
         if answer is not None:
-            await store(key, kind, route, body, answer, decision)
+            await store(key, tenant, kind, route, body, answer, decision)
 
     for path, kind in ENDPOINTS.items():
         app.add_api_route(path, _endpoint(handle, kind), methods=["POST"])
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        tenant_of(request)
         data = [{"id": b.name, "object": "model", "owned_by": "sieve-router", "version": b.version,
                  "cost_per_token": b.cost_per_token, "replicas": len(b.urls)} for b in backends.values()]
         data += [{"id": alias, "object": "model", "owned_by": "sieve-router", "route": target} for alias, target in config.aliases.items()]
@@ -564,13 +595,17 @@ def create_router_app(config: RouterConfig, classifier: Classifier | None = None
         return {"object": "list", "data": data}
 
     @app.get("/health")
-    async def health_check():
+    async def health_check(request: Request):
+        """Open to anyone: up or not. The backends' URLs only to a client with a key (or on an open gateway)."""
         status = 200 if any(health.values()) else 503
-        return JSONResponse({"backends": {name: {url: health[url] for url in b.urls} for name, b in backends.items()}},
-                            status_code=status)
+        answer = {"status": "ok" if status == 200 else "unavailable"}
+        if not keys.enabled or keys.tenant(request.headers.get("authorization")) is not None:
+            answer["backends"] = {name: {url: health[url] for url in b.urls} for name, b in backends.items()}
+        return JSONResponse(answer, status_code=status)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        tenant_of(request)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -580,6 +615,50 @@ def _endpoint(handle, kind: str):
     async def endpoint(request: Request):
         return await handle(kind, request)
     return endpoint
+
+
+def _root(url: str) -> str:
+    """A backend's server root, from its base URL (http://host:port/v1 -> http://host:port)."""
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_logprobs")
+
+
+def check_body(kind: str, body: dict) -> None:
+    """The fields the gateway itself reads (to route, cache, cascade, budget, balance) have the types OpenAI gives them;
+    any other is a 400 naming the field here, not a crash further in. The backend checks the rest."""
+    def bad(field: str, what: str):
+        raise GatewayError(400, f"`{field}` must be {what}", param=field)
+
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            bad("messages", "a non-empty list of message objects")
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if not (content is None or isinstance(content, str) or (isinstance(content, list) and all(isinstance(p, dict) for p in content))):
+                bad(f"messages.{i}.content", "a string or a list of content parts")
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(x, (str, int, list)) for x in prompt))):
+            bad("prompt", "a string, a list of strings or token ids")
+    for field in _INT_FIELDS:
+        v = body.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            bad(field, "an integer")
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], (bool, int)):
+        bad("logprobs", "a boolean (chat) or an integer (completions)")
+    for field in ("temperature", "top_p"):
+        v = body.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            bad(field, "a number")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        bad("stream", "a boolean")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        bad("stream_options", "an object")
+    if body.get("reasoning_effort") is not None and not isinstance(body["reasoning_effort"], str):
+        bad("reasoning_effort", "a string")
 
 
 def _path(kind: str) -> str:
@@ -605,9 +684,9 @@ def _reachable(config: RouterConfig, route: P.Route) -> list[Backend]:
     return list(_pair(config))
 
 
-def _semantic_group(kind: str, route_id: str, reach, body: dict) -> str:
+def _semantic_group(kind: str, route_id: str, reach, body: dict, tenant: str) -> str:
     rest = {k: v for k, v in body.items() if k not in ("messages", "prompt", "model", "stream", "stream_options")}
-    return cache_key(kind, route_id, reach, rest)
+    return cache_key(kind, route_id, reach, rest, f"tenant:{tenant}")
 
 
 def _cache_header(key: str | None) -> dict:

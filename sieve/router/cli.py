@@ -23,7 +23,10 @@ def _config(args: argparse.Namespace, **cache):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
+
+    from sieve.server.auth import APIKeys
 
     import uvicorn
 
@@ -38,6 +41,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         classifier = Classifier.load(config.classifier) if config.classifier else None
     except (RouterConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        keys = APIKeys.load(args.api_key, args.api_keys_file)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if keys.enabled:
+        config = dataclasses.replace(config, api_keys={**config.api_keys, **keys.by_key})
+    if args.max_request_body_bytes is not None:
+        config = dataclasses.replace(config, max_body_bytes=args.max_request_body_bytes)
+    if not config.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"error: a gateway on {args.host} is reachable from other hosts, and it attaches the backends' API keys: give "
+              "it client keys (--api-key or --api-keys-file, or api_keys in its config)", file=sys.stderr)
         return 2
     app = create_router_app(config, classifier)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream call and health check
@@ -93,6 +109,9 @@ def add_router_parser(sub) -> None:
     _add_backend_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", action="append", default=None, help="a client key (repeat for several); every route but /health needs one")
+    s.add_argument("--api-keys-file", default=None, help="client keys, a line each: TENANT:KEY or KEY")
+    s.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
     s.add_argument("--cache", default=None, choices=["memory", "redis", "none"], help="response cache store (default memory)")
     s.add_argument("--redis-url", default=None, help="default redis://127.0.0.1:6379/0")
     s.add_argument("--cache-ttl", type=float, default=None, help="seconds an answer stays fresh (default 600)")

@@ -60,6 +60,8 @@ class RouterConfig:
     health_interval: float = 5.0
     balance: str = "cache_aware"  # how a backend's replicas share requests: cache_aware | round_robin | least_load
     balance_abs: int = 4  # cache_aware: in-flight requests a replica may run above the least loaded and keep its affinity
+    api_keys: dict[str, str] = field(default_factory=dict)  # client key -> tenant; none: open (the CLI then binds loopback only)
+    max_body_bytes: int = 16 << 20
 
     def pair(self) -> tuple[Backend, Backend]:
         if self.weak is None or self.strong is None:
@@ -69,7 +71,8 @@ class RouterConfig:
 
 
 _BACKEND_FIELDS = {"name", "url", "model", "version", "cost_per_token", "api_key", "replicas", "prefill"}
-_TOP_FIELDS = {"backends", "weak", "strong", "aliases", "classifier", "cache", "timeout", "health_interval", "balance", "balance_abs"}
+_TOP_FIELDS = {"backends", "weak", "strong", "aliases", "classifier", "cache", "timeout", "health_interval", "balance", "balance_abs",
+               "api_keys", "max_body_bytes"}
 _CACHE_FIELDS = {"backend", "redis_url", "ttl", "stale_while_revalidate", "max_entries", "cache_sampled", "semantic_threshold"}
 
 
@@ -164,10 +167,20 @@ def parse_config(d: dict) -> RouterConfig:
         raise RouterConfigError(f"config: `balance` is one of {', '.join(POLICIES)}, not {d['balance']!r}")
     if not isinstance(d.get("balance_abs", 4), int) or d.get("balance_abs", 4) < 0:
         raise RouterConfigError("config: `balance_abs` is an integer >= 0")
+    keys = d.get("api_keys") or {}
+    if isinstance(keys, list):  # bare keys: each its own tenant
+        from sieve.server.auth import default_tenant
+
+        keys = {k: default_tenant(k) for k in keys if isinstance(k, str)} if all(isinstance(k, str) for k in keys) else None
+    if not isinstance(keys, dict) or not all(isinstance(k, str) and k and isinstance(t, str) and t for k, t in keys.items()):
+        raise RouterConfigError("config: `api_keys` maps client keys to tenant names, or lists keys")
+    body_limit = d.get("max_body_bytes", 16 << 20)
+    if isinstance(body_limit, bool) or not isinstance(body_limit, int) or body_limit < 1:
+        raise RouterConfigError("config: `max_body_bytes` is a positive integer")
     config = RouterConfig(backends=backends, weak=d.get("weak"), strong=d.get("strong"), aliases=aliases,
                           classifier=d.get("classifier"), cache=cc, timeout=float(d.get("timeout", 600.0)),
                           health_interval=float(d.get("health_interval", 5.0)), balance=d.get("balance", "cache_aware"),
-                          balance_abs=d.get("balance_abs", 4))
+                          balance_abs=d.get("balance_abs", 4), api_keys=dict(keys), max_body_bytes=body_limit)
     if config.classifier is not None and not Path(config.classifier).is_file():
         raise RouterConfigError(f"config: `classifier` {config.classifier!r} is not a file (write one with `sieve router train`)")
     return config

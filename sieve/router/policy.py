@@ -112,6 +112,20 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+def conversation_text(body: dict) -> str:
+    """Everything a request's answer depends on in text: every message with its role (the system prompt too), or the
+    prompt. What the semantic cache compares, so that an answer given under one conversation never serves another."""
+    if "messages" not in body:
+        return prompt_text(body)
+    parts = []
+    for m in body.get("messages") or []:
+        if isinstance(m, dict):
+            content = m.get("content")
+            text = " ".join(p.get("text", "") for p in content if isinstance(p, dict)) if isinstance(content, list) else str(content or "")
+            parts.append(f"<{m.get('role')}> {text}")
+    return "\n".join(parts)
+
+
 # ---- cascade -------------------------------------------------------------------------------
 def token_logprobs(choice: dict) -> tuple[list[float], list[list[float]]]:
     """Per generated token: its logprob, and the logprobs of the top alternatives (chat or completions shape)."""
