@@ -155,11 +155,13 @@ def _structured_from_args(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.engine import LLMEngine
     from sieve.server.app import ServerLimits, create_app
+    from sieve.server.auth import APIKeys
     from sieve.server.serve import serve
 
     if _torchrun_worker(args):
         return 0
     try:
+        keys = APIKeys.load(args.api_key, args.api_keys_file)
         limits = ServerLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                               max_logit_bias=args.max_logit_bias, max_prompt_bytes=args.max_prompt_bytes,
                               max_stream_backlog=args.max_stream_backlog, grammar_workers=args.structured_outputs_compile_workers)
@@ -167,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = config_from_args(args)
-    app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=args.api_key,
+    app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=keys,
+                     shared_prefix_cache=args.shared_prefix_cache,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,
                      metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds, max_n=args.max_n,
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
@@ -338,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--api-key", action="append", default=None, help="a client key (repeat for several)")
+    sv.add_argument("--api-keys-file", default=None, help="client keys, a line each: TENANT:KEY or KEY (each tenant's prefix "
+                    "cache is kept apart from the others')")
+    sv.add_argument("--shared-prefix-cache", action="store_true",
+                    help="let several tenants' requests share prefix-cache blocks (then no response reports cached_tokens)")
     sv.add_argument("--allow-client-priority", action="store_true",
                     help="honour the `priority` field of requests (otherwise setting it is a 400)")
     sv.add_argument("--metrics-public", action="store_true", help="serve /metrics without the --api-key")

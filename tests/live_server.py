@@ -13,7 +13,8 @@ def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):
     `served_model_name` None: the engine's own name."""
     from sieve.server.app import create_app
 
-    return serve_app(create_app(engine, served_model_name=served_model_name, api_key=API_KEY, **app_kwargs))
+    app_kwargs.setdefault("api_key", API_KEY)
+    return serve_app(create_app(engine, served_model_name=served_model_name, **app_kwargs))
 
 
 def serve_app(app):

@@ -1008,3 +1008,41 @@ def test_tool_calls_only_to_offered_functions_and_one_when_parallel_is_off():
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"] and "rm_rf" in content
     content, calls = parse_tool_calls(text, {"get_weather", "get_time"}, parallel=False)
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and "get_time" in content
+
+
+def test_tenants_and_cache_salts_keep_prefix_cache_hits_apart(llama_dir):
+    """cache_salt (vLLM's) names a request's blocks under its salt: a hit needs the same salt. A server with several
+    tenants' keys salts each tenant apart, so cached_tokens never tells one tenant what another sent; one that shares
+    its cache across tenants reports no cached_tokens at all (a hit may be another's)."""
+    from sieve import EngineConfig, LLMEngine, LLM, SamplingParams
+    from sieve.server.auth import APIKeys
+
+    llm = LLM(str(llama_dir), dtype="float32", num_gpu_blocks_override=128)
+    prompt = {"prompt_token_ids": list(range(40, 100))}
+
+    def cached(salt):
+        return llm.generate([prompt], SamplingParams(max_tokens=2, cache_salt=salt), use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("alice") == 0 and cached("bob") == 0 and cached(None) == 0
+    assert cached("alice") > 0 and cached("bob") > 0 and cached(None) > 0
+
+    keys = APIKeys({"key-a": "alice", "key-b": "bob"})
+    long = "the same long system prompt, word after word, " * 8
+
+    def usage(url, key):
+        r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"prompt": long, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for shared in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=256))
+        url, stop = start_server(engine, api_key=keys, shared_prefix_cache=shared)
+        try:
+            assert usage(url, "key-a") == 0
+            hits_before = engine.block_manager.num_hit_tokens
+            assert usage(url, "key-b") == 0  # bob's first request: never alice's hit, whatever the cache did
+            assert (engine.block_manager.num_hit_tokens > hits_before) == shared
+            assert (usage(url, "key-a") > 0) == (not shared)  # alice's own hit, reported where the cache is hers alone
+        finally:
+            stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import html
 import json
 import logging
@@ -26,6 +25,7 @@ import sieve
 from sieve.engine import LLMEngine, RequestError, ServerBusy
 from sieve.outputs import RequestOutput
 from sieve.server.async_engine import AsyncEngine, EngineError
+from sieve.server.auth import APIKeys
 from sieve.server.metrics import Metrics
 from sieve.server.openapi import document
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -123,11 +123,12 @@ def longest_token_bytes(tokenizer) -> int:
     return max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1))
 
 
-def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: str | None = None, api_key: str | APIKeys | None = None,
                max_waiting: int | None = None, allow_client_priority: bool = False, metrics_public: bool = False,
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
-               grammar_timeout: float = 10.0, webui: bool = True, limits: "ServerLimits | None" = None) -> FastAPI:
+               grammar_timeout: float = 10.0, webui: bool = True, limits: "ServerLimits | None" = None,
+               shared_prefix_cache: bool = False) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -138,7 +139,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     threads, never on the event loop or the engine thread (a long prompt stalls neither other clients nor steps);
     one by default, as vLLM's: a fast tokenizer used from two threads at once can fail ("Already borrowed").
     `limits`: what one request may ask for (ServerLimits: stop strings, logit_bias, prompt bytes, stream backlog,
-    grammar compiles)."""
+    grammar compiles). `api_key`: one key, or several (APIKeys), each a tenant's: with more than one tenant each
+    tenant's requests are salted apart in the prefix cache (a hit never crosses tenants) unless `shared_prefix_cache`,
+    and then no response reports cached_tokens (a hit may be another tenant's)."""
     limits = limits or ServerLimits()
     aengine = AsyncEngine(engine, max_backlog=limits.max_stream_backlog)
     engine = aengine.engine
@@ -189,11 +192,19 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, which would
     # hide client disconnects from the handlers (and disconnects must abort requests).
-    expected = f"Bearer {api_key}".encode() if api_key else b""
+    keys = api_key if isinstance(api_key, APIKeys) else APIKeys({api_key: "default"} if api_key else {})
+    salted = keys.num_tenants > 1 and not shared_prefix_cache  # each tenant's prefix cache apart
+    report_cached = keys.num_tenants <= 1 or salted  # a shared cache's hit may be another tenant's: not reported
 
     async def require_api_key(request: Request) -> None:  # constant-time comparison: no timing oracle on the key
-        if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+        request.state.tenant = keys.tenant(request.headers.get("authorization")) if keys.enabled else ""
+        if request.state.tenant is None:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    def tenant_salt(request: Request, params) -> None:
+        """With several tenants, a request's blocks are named under its tenant (and its own cache_salt, if any)."""
+        if salted:
+            params.cache_salt = f"tenant:{request.state.tenant}" + (f"|{params.cache_salt}" if params.cache_salt else "")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -218,7 +229,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         @app.get("/", include_in_schema=False)
         async def playground():
             """The chat playground: one self-contained page (no build step, no external assets)."""
-            return HTMLResponse(page.replace("__MODEL__", html.escape(model_name)).replace("__NEEDS_KEY__", "true" if api_key else "false"))
+            return HTMLResponse(page.replace("__MODEL__", html.escape(model_name)).replace("__NEEDS_KEY__", "true" if keys.enabled else "false"))
 
     @app.get("/version")
     async def version():
@@ -237,6 +248,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if body.echo and body.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, body.logprobs)
         params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
+        tenant_salt(raw, params)
         await _compile_grammar(params)
         prompts = body.prompts()
         if len(prompts) > max_prompts:
@@ -258,6 +270,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         _check_bytes([m.text() for m in body.messages], "messages")
         params = _params(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
                          n_logprobs, body.prompt_logprobs)
+        tenant_salt(raw, params)
         await _compile_grammar(params, "tool_choice" if body.tool_mode and body.tool_choice not in (None, "auto") else None)
         prompt = await off_loop(_render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt,
                                 body.tools if body.tool_mode else None)
@@ -374,7 +387,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
     keyed = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv_transfer/release"} | (set() if metrics_public else {"/metrics"})
-    document(app, protected=keyed if api_key else set())
+    document(app, protected=keyed if keys.enabled else set())
 
     def _params(body, max_tokens, logprobs, prompt_logprobs):
         field = body.unsupported()
@@ -544,7 +557,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                     return
             if body.stream_options and body.stream_options.include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+                usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens if report_cached else 0}
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -588,7 +601,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name,
                 "choices": choices, **extra,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                          "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}}
+                          "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals) if report_cached else 0}}}
 
     def _decode(ids: list[int]) -> str:
         return tokenizer.decode(ids) if tokenizer is not None else ""
