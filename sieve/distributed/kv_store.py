@@ -65,21 +65,26 @@ class BlockStore:
         return self.bytes_held + nbytes <= self.cfg.max_store_bytes
 
     def put(self, block_hash: str, payload: bytes) -> None:
+        self.release([block_hash])  # a block exported again replaces the old copy
         with self._lock:
-            old = self._blocks.get(block_hash)
-            grow = len(payload) - (old[2] if old else 0)
-            if self.bytes_held + grow > self.cfg.max_store_bytes:
+            if self.bytes_held + len(payload) > self.cfg.max_store_bytes:
                 self.refused["store_full"] += 1
                 raise StoreFull(f"the KV store holds {self.bytes_held} bytes, its cap (max_store_bytes) is "
                                 f"{self.cfg.max_store_bytes}")
-            self.bytes_held += grow
+            self.bytes_held += len(payload)  # reserved before the file exists; entered once it does (a sweep drops
+        try:  # an shm entry whose file is gone)
+            if self.shm_dir is not None:
+                tmp = self.shm_dir / f".{block_hash}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(payload)
+                os.replace(tmp, self.shm_dir / f"{block_hash}.kv")  # a reader sees the whole block or none
+        except BaseException:
+            with self._lock:
+                self.bytes_held -= len(payload)
+            raise
+        with self._lock:
             self._blocks[block_hash] = (b"" if self.shm_dir is not None else payload, time.monotonic() + self.cfg.lease_s, len(payload))
-        if self.shm_dir is not None:
-            tmp = self.shm_dir / f".{block_hash}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, self.shm_dir / f"{block_hash}.kv")  # a reader sees the whole block or none
 
     def get(self, block_hash: str) -> bytes | None:
         with self._lock:
@@ -99,10 +104,11 @@ class BlockStore:
                 (self.shm_dir / f"{h}.kv").unlink(missing_ok=True)
 
     def sweep(self) -> None:
-        """Drop blocks whose lease expired."""
+        """Drop blocks whose lease expired, and (shm) those a consumer has taken: it removes their files."""
         now = time.monotonic()
         with self._lock:
-            expired = [h for h, item in self._blocks.items() if item[1] < now]
+            expired = [h for h, item in self._blocks.items() if item[1] < now
+                       or (self.shm_dir is not None and not (self.shm_dir / f"{h}.kv").exists())]
         if expired:
             self.release(expired)
 

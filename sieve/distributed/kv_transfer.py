@@ -230,7 +230,9 @@ class KVConnector:
         started = time.perf_counter()
         bs = self.blocks.block_size
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        hashes = self.blocks.prompt_hashes(prompt, seq.request.params.cache_salt)
+        # the blocks a consumer can take: never the one holding the prompt's last token, which it computes itself for
+        # the logits of its first sample (exported, that block was never fetched, and held for the whole lease)
+        hashes = self.blocks.prompt_hashes(prompt[: len(prompt) - 1], seq.request.params.cache_salt)
         saved = []
         for j, h in enumerate(hashes[: self.cfg.max_blocks_per_request]):
             block = self.blocks.cached_block(h)
