@@ -82,7 +82,6 @@ def test_hostile_clients_against_a_disaggregated_pair_behind_the_gateway(llama_d
     server. None may get a 5xx or hang; afterwards no KV block is held by a request and the prefill's export store
     holds nothing."""
     import asyncio
-    import json
     import os
     import random
 
