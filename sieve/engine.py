@@ -412,8 +412,9 @@ class LLMEngine:
         scheduler finds them as a prefix-cache hit (a failed transfer leaves them to compute here)."""
         from sieve.distributed.kv_transfer import StoreFull
 
-        if not self.check_kv_transfer(params) and not (params and params.get("do_remote_decode")):
+        if params is None:
             return
+        self.check_kv_transfer(params)
         if params.get("do_remote_decode"):
             try:
                 self.kv_connector.check_export()
