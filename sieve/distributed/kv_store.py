@@ -208,7 +208,7 @@ class Deadline:
 
 
 def _recv_exactly(sock: socket.socket, n: int, deadline: Deadline) -> bytes:
-    buf, view, got = bytearray(n), None, 0
+    buf, got = bytearray(n), 0
     view = memoryview(buf)
     while got < n:
         sock.settimeout(deadline.left())

@@ -480,7 +480,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         if isinstance(e, ServerBusy):
             return APIError(503, str(e), "server_error", code="server_busy", headers={"Retry-After": "1"})
         message = str(e)
-        param = message.split(":")[0].split(".")[0] if message.startswith("kv_transfer_params") else \
+        param = "kv_transfer_params" if message.startswith("kv_transfer_params") else \
             "prompt" if "prompt" in message or "context" in message else None
         return APIError(400, message, param=param)
 

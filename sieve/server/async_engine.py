@@ -93,7 +93,7 @@ class AsyncEngine:
             if self.error is not None:
                 raise EngineError(f"the engine has stopped after an internal error: {self.error}")
             for rid, prompt, params, priority in requests:
-                queue: asyncio.Queue = asyncio.Queue()
+                queue = StreamQueue()
                 done = loop.create_future()
                 self._queues[rid] = (loop, queue)
                 self._inbox.append(("add", rid, prompt, params, priority, done, fetched.get(rid)))
@@ -237,11 +237,11 @@ class AsyncEngine:
         for loop, queued in by_loop.items():
             loop.call_soon_threadsafe(self._put_all, queued)
 
-    def _put_all(self, items: list[tuple[str, asyncio.Queue, object]]) -> None:
+    def _put_all(self, items: list[tuple[str, "StreamQueue", object]]) -> None:
         """On the event loop: each item into its stream's queue, unless that stream's reader has let `max_backlog`
         outputs pile up: then its queue is emptied, it gets an error instead, and its request is aborted."""
         for rid, queue, item in items:
-            if getattr(queue, "cut", False):
+            if queue.cut:
                 continue
             if queue.qsize() >= self.max_backlog:
                 while not queue.empty():
@@ -280,6 +280,12 @@ class AsyncEngine:
                 done.get_loop().call_soon_threadsafe(_settle, done, failure)
         for loop, queue in queues.values():
             loop.call_soon_threadsafe(queue.put_nowait, failure)
+
+
+class StreamQueue(asyncio.Queue):
+    """One request's outputs on their way to its reader; `cut` once the reader fell `max_backlog` behind."""
+
+    cut = False
 
 
 class RequestStream:
