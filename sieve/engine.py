@@ -15,14 +15,13 @@ import gc
 import itertools
 import logging
 import os
-import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from sieve.block_manager import BlockManager, HybridBlockManager, RecurrentBlockManager, SlidingWindowBlockManager
+from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
@@ -35,7 +34,8 @@ from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence
-from sieve.spec import Speculator, build_proposer
+from sieve.spec_decode.build import build_speculator, calibrate_step_cost
+from sieve.stats import EngineStats, KVTransferStats, SpecDecodeStats, StructuredStats
 from sieve.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("sieve")
@@ -77,7 +77,7 @@ class StepFailed(RuntimeError):
         self.request_ids = request_ids
 
 
-class StructuredStats:
+class StructuredCounters:
     """Structured-output counters (the server's /metrics reads them): token-mask time and rows, steps that masked."""
 
     def __init__(self) -> None:
@@ -136,7 +136,7 @@ class LLMEngine:
                                quantize_lm_head=config.quantize_lm_head, greedy_head=config.greedy_head_sketch,
                                tp=self.tp_workers.group if self.tp_workers else None)
             self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-            self.structured_stats = StructuredStats()
+            self.structured_stats = StructuredCounters()
             self.runner = ModelRunner(config, local_arch, model, self.dtype, self.device, self.eos_token_ids, self.grammars)
             if self.tp_workers is not None:
                 self.tp_workers.ready((self.runner.num_blocks, self.runner.num_window_blocks))
@@ -146,14 +146,8 @@ class LLMEngine:
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
-        if self.arch.has_recurrent_state:  # Mamba-2 layers: a state slot per running sequence beside the KV blocks
-            self.block_manager = RecurrentBlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs, namespace)
-        elif self.runner.num_window_blocks:  # sliding-window layers keep their own pool, freed as blocks leave the window
-            window = SlidingWindowBlockManager(self.runner.num_window_blocks, config.block_size, self.arch.max_window,
-                                               config.enable_prefix_caching, namespace)
-            self.block_manager = HybridBlockManager(self.runner.num_blocks, window, config.enable_prefix_caching, namespace)
-        else:
-            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, namespace)
+        self.block_manager = build_block_manager(self.arch, self.runner.num_blocks, self.runner.num_window_blocks, config.block_size,
+                                                 config.max_num_seqs, config.enable_prefix_caching, namespace)
         capacity = self.runner.num_blocks * config.block_size
         if max_len > capacity:  # never advertise a context the KV pool cannot hold for even one sequence
             log.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d tokens (give it more memory "
@@ -167,31 +161,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.speculator = None
         if config.speculative_config is not None:
-            sc = config.speculative_config
-            if sc.num_branches > 1 and (self.arch.has_sliding_layers or self.arch.mamba_layers):
-                raise ConfigError("speculative_config.num_branches > 1 takes a model whose layers all attend to the full "
-                                  "context: a draft branch copies its sequence's partial block of one KV-cache group, and a "
-                                  "recurrent state cannot branch")
-            try:
-                proposer = build_proposer(sc, make_engine=self._draft_engine, hidden_size=self.arch.hidden_size,
-                                          vocab_size=self.arch.vocab_size, device=self.device, dtype=self.dtype,
-                                          embed=self.runner.model.embed)
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
-            self.speculator = Speculator(sc, proposer, max_len, config.max_num_batched_tokens)
-            self.runner.keep_hidden = self.speculator.needs_hidden
-            aux = self.speculator.aux_hidden_layers
-            if not all(0 <= l < self.arch.num_layers for l in aux):
-                raise ConfigError(f"the EAGLE layer at {sc.model} reads the target's layers {list(aux)}, and the target "
-                                  f"has {self.arch.num_layers}")
-            if aux and self.runner.model.tp is not None:
-                raise ConfigError("an EAGLE-3 layer reads the target's inner layers, which tensor parallelism does not gather")
-            self.runner.aux_hidden_layers = aux
-            if sc.auto:
-                self._calibrate_step_cost()
-            log.info("speculative decoding: %s, %s draft tokens%s", sc.method,
-                     f"auto (up to {sc.max_k})" if sc.auto else sc.num_speculative_tokens,
-                     f", draft trees of {sc.num_branches} chains" if sc.num_branches > 1 else "")
+            self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype, max_len,
+                                               config.max_num_batched_tokens, self._draft_engine)
+            if config.speculative_config.auto:
+                calibrate_step_cost(self.speculator, self.runner, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
+                                    self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -259,43 +233,6 @@ class LLMEngine:
             raise ConfigError(f"draft model {model!r} has a vocabulary of {draft.arch.vocab_size} tokens, the target "
                               f"{self.arch.vocab_size}: a draft model must share the target's tokenizer")
         return draft
-
-    def _calibrate_step_cost(self, reps: int = 5) -> None:
-        """Seed the step-cost model of adaptive speculation: time decode steps of every row count up to the
-        model's exact range (where kernels that take rows in groups make the cost a staircase), then of 64, 128,
-        256 rows, on this machine, before any request. Every real step refines it afterwards.
-
-        Untimed steps first (first calls allocate, compile and fill caches), then `reps` rounds over every count,
-        the median of each: a machine that speeds up or slows down while it runs shifts every count alike, where
-        timing one count's repeats after another's would give the first counts the slow start."""
-        from sieve.model_runner import time_decode_rows
-
-        cap = min(self.config.max_num_batched_tokens, 4 * self.config.max_num_seqs, 256)
-        rows = self.speculator.calibration_rows(cap)
-        with self._borrowed_blocks(1) as tables:
-            for n in (rows[0], rows[-1], rows[0]):
-                time_decode_rows(self.runner, n, tables)
-            times = {n: [] for n in rows}
-            for _ in range(reps):
-                for n in rows:
-                    times[n].append(time_decode_rows(self.runner, n, tables))
-            for n in rows:
-                self.speculator.observe_step(n, statistics.median(times[n]), n)
-        # Then the same rows over a long context: what a drafted row's attention to its sequence adds. Models
-        # whose layers keep windows or recurrent state have no single context to time here: their keys cost 0.
-        if len(self.runner.layer_groups) > 1 or self.arch.mamba_layers:
-            return
-        counts = sorted({min(r, cap) for r in (8, 16, 32)})  # one sequence's engine (cap 4) too
-        free = self.block_manager.num_free_blocks * self.config.block_size
-        # the rows' positions run to context + the most rows: within the model's length and the free blocks
-        context = min(512, self.config.max_model_len // 2, free // 2, self.config.max_model_len - counts[-1], free - counts[-1])
-        if context < 2 * self.config.block_size:
-            return
-        with self._borrowed_blocks(context + counts[-1]) as tables:  # each long step beside a short one: their difference
-            for n in counts:  # one sequence's n rows from `context`, against n rows at position 0
-                extra = [time_decode_rows(self.runner, n, tables, context) - time_decode_rows(self.runner, n, tables)
-                         for _ in range(reps)]
-                self.speculator.observe_keys(n, n * context + n * (n - 1) // 2, statistics.median(extra))
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):
@@ -450,6 +387,21 @@ class LLMEngine:
                 if self.speculator is not None:
                     self.speculator.finish(seq)
         return self.output_processor.make_output(req)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (what /metrics reports)."""
+        bm, st, g = self.block_manager, self.structured_stats, self.grammars
+        spec = kv = None
+        if self.speculator is not None:
+            s = self.speculator.stats
+            spec = SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+        if self.kv_connector is not None:
+            t = self.kv_connector.stats
+            kv = KVTransferStats(dict(t.bytes), dict(t.blocks), dict(t.seconds), dict(t.fallbacks), dict(t.refused))
+        return EngineStats(self.num_running, self.num_waiting, bm.usage, bm.num_queried_tokens, bm.num_hit_tokens, bm.hit_rate,
+                           bm.num_cached_blocks,
+                           StructuredStats(st.mask_seconds, st.num_masked_steps, st.num_masked_rows, g.num_compiled, g.num_cache_hits,
+                                           g.compile_seconds), spec, kv)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -21,7 +21,7 @@ from sieve.config import EngineConfig
 from sieve.engine import LLMEngine
 
 
-def _engine(model: str, dtype: str, window: int, **options) -> LLMEngine:
+def load_engine(model: str, dtype: str, window: int, **options) -> LLMEngine:
     blocks = -(-window // 16) + 1
     return LLMEngine(EngineConfig(model=model, dtype=dtype, enable_prefix_caching=False, num_gpu_blocks_override=blocks,
                                   max_model_len=max(window, 16), **options))
@@ -34,8 +34,8 @@ def evaluate(model: str, data: str | Path, dtype: str = "auto", window: int = 25
     dequantize, ...). `reference`: the unquantized checkpoint when `model` is itself quantized (an AWQ
     checkpoint); `reference_dtype` (default `dtype`) and `reference_dequantize` (widen a GGUF file's
     quantized weights) say how the reference runs."""
-    ref = _engine(reference or model, reference_dtype or dtype, window, dequantize=reference_dequantize)
-    cand = _engine(model, dtype, window, **options)
+    ref = load_engine(reference or model, reference_dtype or dtype, window, dequantize=reference_dequantize)
+    cand = load_engine(model, dtype, window, **options)
     ids = ref.tokenizer(Path(data).read_text(), add_special_tokens=True).input_ids
     windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) > 1]
     if max_windows:

@@ -29,7 +29,7 @@ from sieve.outputs import Logprob
 from sieve.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample, sample_greedy
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
 from sieve.sequence import Sequence
-from sieve.spec.rejection import verify_deterministic, verify_with_q
+from sieve.spec_decode.rejection import verify_deterministic, verify_with_q
 from sieve.structured import GrammarCompiler, apply_bitmask
 
 log = logging.getLogger("sieve")
@@ -252,6 +252,14 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
+    def keep_hidden_states(self, mode: str | None, aux_layers: tuple[int, ...] = ()) -> None:
+        """What a speculative proposer drafts from: the hidden state of each sequence's "last" row, or of "all" its rows
+        (StepResult.hidden), with EAGLE-3's `aux_layers` (the residual stream after them beside the last hidden state);
+        None: nothing kept."""
+        if mode not in (None, "last", "all"):
+            raise ValueError(f"keep_hidden_states: {mode!r} is not None, 'last' or 'all'")
+        self.keep_hidden, self.aux_hidden_layers = mode, tuple(aux_layers)
+
     def execute(self, sched: SchedulerOutput) -> StepResult:
         # Decode rows first (a decode and its drafts), then prefill chunks.
         items = sorted(sched.scheduled, key=lambda s: not s.is_decode)

@@ -181,7 +181,7 @@ def test_a_wrong_model_name_is_an_error_per_request(live):
 
 
 def test_ratio_table_divides_sieve_by_the_peer():
-    from sieve.bench.peers import format_table, ratio_table
+    from sieve.bench.llama_cpp import format_table, ratio_table
 
     def run(c, thr, ttft, tpot, good):
         return {"concurrency": c, "output_token_throughput": thr, "goodput": good,

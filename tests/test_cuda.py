@@ -170,7 +170,7 @@ def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, mo
     GPU), learns as on the CPU (the bounds of test_eagle's CPU run), and saves a layer that serves losslessly; with
     `--aux-hidden-layers`, EAGLE-3's fused features come from the GPU's layer loop, in training and served."""
     from sieve import LLM, SamplingParams
-    from sieve.spec import distill
+    from sieve.train import distill
     from test_medusa import STORIES, distill_args, workload
 
     devices = set()

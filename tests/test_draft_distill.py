@@ -10,8 +10,8 @@ import pytest
 
 from sieve import SamplingParams
 from sieve.config import ConfigError
-from sieve.spec.distill import run_distill
-from sieve.spec.draft_train import spaced_layers
+from sieve.train.distill import run_distill
+from sieve.train.draft import spaced_layers
 
 from test_medusa import STORIES, distill_args, stories, workload
 from test_spec import assert_pool_clean, ids
@@ -37,7 +37,7 @@ def test_a_cut_of_every_layer_is_the_target():
     sieve's logits."""
     import torch
 
-    from sieve.spec.draft_train import cut_from_target
+    from sieve.train.draft import cut_from_target
 
     model, _, layers = cut_from_target(str(STORIES), 99)
     assert layers == [0, 1, 2, 3, 4]
@@ -99,7 +99,7 @@ def test_the_targets_answers_are_kept_and_reused(draft, tmp_path, capsys, monkey
     run_distill(distill_args(STORIES, tmp_path / "m2", epochs=1, max_tokens=32, answers=str(answers)))
     assert "answers read from" not in capsys.readouterr().out
     assert json.loads(answers.read_text())["key"]["max_tokens"] == 32
-    from sieve.spec import distill  # the same settings and number of prompts, other prompts: generated again
+    from sieve.train import distill  # the same settings and number of prompts, other prompts: generated again
 
     monkeypatch.setattr(distill, "TEMPLATES", [t + " Please." for t in distill.TEMPLATES])
     run_distill(distill_args(STORIES, tmp_path / "m3", epochs=1, max_tokens=32, answers=str(answers)))
@@ -141,7 +141,7 @@ def test_magpie_questions_come_from_the_targets_own_user_turn():
     cut, short, special-token, repeated and benchmark questions are dropped, and sampling goes on until n are kept,
     each request with its own seed."""
     from sieve.bench.spec import CHAT_PROMPTS
-    from sieve.spec.distill import magpie_messages, prompt_messages
+    from sieve.train.distill import magpie_messages, prompt_messages
 
     first = [("How do tides work?", "stop"), ("Explain recursion with an example, please.", "length"),  # cut: dropped
              ("Hi there", "stop"), ("  how do  TIDES work? ", "stop"), (CHAT_PROMPTS[0], "stop"),
@@ -168,7 +168,7 @@ def test_the_held_out_tenth_is_whole_prompt_families():
     differ only in their topic, Magpie's questions repeat their openings, and a
     draft that memorised a family's answers overstated served acceptance 1.7x when a held-out prompt's family was
     also trained on (docs/benchmarks.md, issue 15, fifteenth part)."""
-    from sieve.spec.distill import TEMPLATES, distill_messages, held_out_split, prompt_family
+    from sieve.train.distill import TEMPLATES, distill_messages, held_out_split, prompt_family
 
     texts = [m[0]["content"] for m in distill_messages(600, seed=0)]
     families = [prompt_family(t) for t in texts]
@@ -210,8 +210,8 @@ def test_answers_files_record_which_prompts_they_answer(draft):
     assert report["held_out_by"] == "family" and report["held_out_families"]
     assert report["target"].rstrip("/").endswith("stories260K")  # the model trained against, not the flag's text
     assert 0 < report["held_out_answers"] < len(saved["answers"]) // 2
-    from sieve.bench.spec import _simulated_acceptance  # what `sieve bench spec` prints next to the served figure
+    from sieve.bench.spec import simulated_acceptance  # what `sieve bench spec` prints next to the served figure
 
     out = draft[0]
-    assert _simulated_acceptance({"method": "draft_model", "model": str(out), "num_speculative_tokens": 3}) == \
+    assert simulated_acceptance({"method": "draft_model", "model": str(out), "num_speculative_tokens": 3}) == \
         (report["simulated_mean_acceptance_length"]["3"], "family")

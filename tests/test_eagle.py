@@ -15,8 +15,8 @@ import torch
 
 from sieve import SamplingParams
 from sieve.config import ConfigError
-from sieve.spec.distill import add_distill_args, eagle_batch_loss, eagle_loss, pack_answers, run_distill
-from sieve.spec.eagle import EagleLayer, EagleProposer, unroll_mask
+from sieve.train.distill import add_distill_args, eagle_batch_loss, eagle_loss, pack_answers, run_distill
+from sieve.spec_decode.eagle import EagleLayer, EagleProposer, unroll_mask
 
 from test_medusa import STORIES, distill_args, stories, workload
 from test_spec import assert_pool_clean, count_chosen_branches, fixed_step_cost, ids
@@ -254,15 +254,15 @@ def test_each_chain_of_a_draft_tree_is_what_training_unrolls_after_its_first_tok
     unrolled pass predicts after that token (so it attends to its own draft entries, never another chain's); the first
     chain is the draft without branches; a sequence asked for one chain beside it drafts as alone. The draft cache's
     unwritten memory is NaN here, as uninitialised memory may be: no chain reads it."""
-    from sieve.spec.eagle import _SeqState
+    from sieve.spec_decode.eagle import SeqState
 
-    reserve = _SeqState.reserve
+    reserve = SeqState.reserve
 
     def poisoned(self, size, like):
         reserve(self, size, like)
         self.k[self.n:], self.v[self.n:] = float("nan"), float("nan")
 
-    monkeypatch.setattr(_SeqState, "reserve", poisoned)
+    monkeypatch.setattr(SeqState, "reserve", poisoned)
     torch.manual_seed(2)
     H, V, table = _random_layer(tmp_path)
     make = lambda: EagleProposer(str(tmp_path), H, V, torch.device("cpu"), torch.float64, embed=lambda t: table[t])
@@ -310,7 +310,7 @@ def test_a_context_left_far_behind_restarts_at_its_last_positions(tmp_path):
     """A sequence not drafted for over MAX_CATCH_UP positions ("auto" chose k = 0) is not caught up position by
     position at its next probe: its context restarts at its last MAX_CATCH_UP positions, and the drafts are then
     exactly those of a proposer that only ever saw those positions, before and after the rows that follow."""
-    from sieve.spec.eagle import MAX_CATCH_UP
+    from sieve.spec_decode.eagle import MAX_CATCH_UP
 
     torch.manual_seed(1)
     H, V, table = _random_layer(tmp_path)
@@ -506,7 +506,7 @@ def test_a_resumed_layer_starts_as_the_layer_it_was(tmp_path):
     """`sieve distill --init DIR --aux-hidden-layers ...`: the fused projection a plain layer lacks starts at zero, so
     the layer it resumes drafts exactly as the trained one did on any inner features; a layer fusing other layers, or
     trained for another target, is refused."""
-    from sieve.spec.distill import _resumed_layer
+    from sieve.train.distill import resumed_layer
 
     torch.manual_seed(3)
     H, V, table = _random_layer(tmp_path / "plain")
@@ -514,7 +514,7 @@ def test_a_resumed_layer_starts_as_the_layer_it_was(tmp_path):
                            rms_norm_eps=1e-6, vocab_size=V)
     engine = SimpleNamespace(arch=arch)
     feats = torch.randn(20, 3 * H)
-    resumed = _resumed_layer(engine, str(tmp_path / "plain"), (1, 3), feats, "cpu").eval()
+    resumed = resumed_layer(engine, str(tmp_path / "plain"), (1, 3), feats, "cpu").eval()
     old, _ = EagleLayer.load(tmp_path / "plain")
     assert resumed.aux_hidden_layers == (1, 3) and not resumed.fuse.weight.any()
     assert torch.allclose(resumed.aux_scale, feats[:, H:].pow(2).mean(0).sqrt())
@@ -524,9 +524,9 @@ def test_a_resumed_layer_starts_as_the_layer_it_was(tmp_path):
             assert torch.equal(a, b)
     _random_layer(tmp_path / "fused", aux=(0, 2))
     with pytest.raises(ConfigError, match="fuses layers"):
-        _resumed_layer(engine, str(tmp_path / "fused"), (1, 3), feats, "cpu")
+        resumed_layer(engine, str(tmp_path / "fused"), (1, 3), feats, "cpu")
     with pytest.raises(ConfigError, match="another target"):
-        _resumed_layer(SimpleNamespace(arch=SimpleNamespace(**{**vars(arch), "hidden_size": 64})), str(tmp_path / "plain"),
+        resumed_layer(SimpleNamespace(arch=SimpleNamespace(**{**vars(arch), "hidden_size": 64})), str(tmp_path / "plain"),
                        (1, 3), feats, "cpu")
 
 

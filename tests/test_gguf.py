@@ -49,11 +49,11 @@ def test_quantized_tensors_keep_their_format_and_the_files_exact_values(checkpoi
     reader = gguf.GGUFReader(str(path))
     nbytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     ckpt = GGUFCheckpoint(path)
-    from sieve.bench.gguf_export import _gguf_name
+    from sieve.bench.gguf_export import gguf_name
 
     seen = 0
     for hf_name, value in ckpt.tensors():
-        name = _gguf_name(hf_name)
+        name = gguf_name(hf_name)
         if want[name].ndim == 1:
             assert isinstance(value, torch.Tensor) and torch.equal(value, torch.from_numpy(want[name]))
             continue
@@ -106,10 +106,10 @@ def test_plain_types_load_as_they_are_and_k_quants_are_dequantized_and_logged(tm
     path = reencode_gguf(base, tmp_path / "mixed.gguf", "q8_0", encode=encode, **QUIET)
     want = file_values(path)
     values = {name: v for name, v in GGUFCheckpoint(path).tensors()}
-    from sieve.bench.gguf_export import _gguf_name
+    from sieve.bench.gguf_export import gguf_name
 
     for hf_name, v in values.items():
-        name = _gguf_name(hf_name)
+        name = gguf_name(hf_name)
         if name in kinds:
             assert isinstance(v, torch.Tensor) and torch.equal(v, torch.from_numpy(want[name])), name
     caplog.set_level("WARNING", logger="sieve")

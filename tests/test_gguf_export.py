@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")  # in the `test` extra; the guard only spares a partial install
 
-from sieve.bench.gguf_export import _unpermute_rope, export_gguf  # noqa: E402
+from sieve.bench.gguf_export import unpermute_rope, export_gguf  # noqa: E402
 
 from reference import CLEAR, TOL, top2_margins  # noqa: E402
 
@@ -52,7 +52,7 @@ def test_f16_export_holds_the_same_weights(checkpoints, tmp_path, arch):
     check("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")
     check("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight")
     if arch == "llama":  # rotate-half rows become interleaved pairs for llama.cpp's rope
-        check("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", lambda w: _unpermute_rope(w, cfg["num_attention_heads"]))
+        check("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", lambda w: unpermute_rope(w, cfg["num_attention_heads"]))
         check("output.weight", "lm_head.weight")
     else:
         check("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight")
@@ -65,7 +65,7 @@ def test_f16_export_holds_the_same_weights(checkpoints, tmp_path, arch):
 def test_unpermute_pairs_rotate_half_rows():
     d, heads = 8, 2
     w = np.arange(heads * d, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
-    out = _unpermute_rope(w, heads)
+    out = unpermute_rope(w, heads)
     for h in range(heads):
         for j in range(d // 2):  # HF rows j and j + d/2 of a head rotate together -> adjacent rows
             assert out[h * d + 2 * j, 0] == w[h * d + j, 0]

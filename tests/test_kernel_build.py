@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from sieve.kernels import _DIR, build_key, build_lock
+from sieve.kernels import KERNEL_SOURCES, build_key, build_lock
 
 HOLD = """
 import fcntl, os, sys, time
@@ -51,6 +51,6 @@ def test_a_builder_killed_midway_blocks_no_later_build(tmp_path, caplog):
 
 
 def test_two_installs_build_in_folders_of_their_own(tmp_path):
-    copy = shutil.copytree(_DIR, tmp_path / "kernels")
-    assert build_key("avx2", copy) != build_key("avx2", _DIR)
-    assert build_key("avx2", copy).split("-")[0] == build_key("avx2", _DIR).split("-")[0]  # the same sources
+    copy = shutil.copytree(KERNEL_SOURCES, tmp_path / "kernels")
+    assert build_key("avx2", copy) != build_key("avx2", KERNEL_SOURCES)
+    assert build_key("avx2", copy).split("-")[0] == build_key("avx2", KERNEL_SOURCES).split("-")[0]  # the same sources

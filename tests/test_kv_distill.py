@@ -17,7 +17,7 @@ STORIES = SHARED / "models" / "stories260K"
 
 
 def test_fake_fp8_rounds_like_the_cache_and_passes_gradients():
-    from sieve.quant.kv_distill import fake_fp8
+    from sieve.train.kv_distill import fake_fp8
 
     x = torch.randn(64, requires_grad=True)
     scale = torch.tensor(0.01)
@@ -33,13 +33,13 @@ def test_a_padded_batch_gives_each_sequences_own_loss_and_gradients():
     gradients are those of one sequence at a time (padding on the left would change both)."""
     import random
 
-    from sieve.quant.kv_distill import _set_kv_mode, batch_kl_loss, calibrate_scales, kl_loss, load_hf_model
+    from sieve.train.kv_distill import set_kv_mode, batch_kl_loss, calibrate_scales, kl_loss, load_hf_model
 
     teacher, student = load_hf_model(str(STORIES), torch.float32).eval(), load_hf_model(str(STORIES), torch.float32)
     rng = random.Random(0)
     batch = [[rng.randrange(1, 500) for _ in range(n)] for n in (150, 37, 96, 120)]
-    _set_kv_mode(student, calibrate_scales(student, batch))
-    _set_kv_mode(teacher, None)
+    set_kv_mode(student, calibrate_scales(student, batch))
+    set_kv_mode(teacher, None)
     batch_kl_loss(teacher, student, batch).backward()
     padded = {n: p.grad.clone() for n, p in student.named_parameters()}
     loss_padded = batch_kl_loss(teacher, student, batch).item()

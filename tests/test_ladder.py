@@ -207,9 +207,9 @@ def test_naive_server_streams_one_request_at_a_time_and_refuses_what_it_does_not
 
     import openai
 
-    from sieve.bench.peers import Server, _free_port
+    from sieve.bench.llama_cpp import Server, free_port
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sieve.bench.naive_server", "--model", str(demo_dir), "--port", str(port),
            "--served-model-name", "bench"]
     with Server(cmd, port, tmp_path / "naive.log", timeout=300) as server:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sieve import SamplingParams
-from sieve.spec.distill import add_distill_args, run_distill
+from sieve.train.distill import add_distill_args, run_distill
 
 from conftest import SHARED
 from test_spec import assert_pool_clean, count_chosen_branches, ids
@@ -85,7 +85,7 @@ def test_medusa_draft_tree_is_lossless(heads):
     """num_branches = 3: the first head's three likeliest tokens, each followed by the later heads' guesses (a
     sequential head's after that chain's own tokens). The first chain is what the heads draft alone; greedy output
     equals the plain engine's, and the other chains are kept where the first is wrong."""
-    from sieve.spec.medusa import MedusaHeads
+    from sieve.spec_decode.medusa import MedusaHeads
 
     out, _ = heads
     layer, _ = MedusaHeads.load(out)
@@ -124,7 +124,7 @@ def test_bad_medusa_configs_are_refused(heads, tmp_path):
         stories(speculative_config={"method": "medusa", "model": str(tmp_path)})
     with pytest.raises(ValueError, match="3 heads"):
         stories(speculative_config={"method": "medusa", "model": str(out), "num_speculative_tokens": 5})
-    from sieve.spec.medusa import MedusaProposer
+    from sieve.spec_decode.medusa import MedusaProposer
 
     with pytest.raises(ValueError, match="hidden size"):
         MedusaProposer(str(out), hidden_size=999, vocab_size=512, device="cpu", dtype=torch.float32)

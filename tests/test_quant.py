@@ -181,13 +181,13 @@ def test_awq_beats_plain_rounding_and_its_checkpoint_reloads(stories, tmp_path):
 def test_quantized_kv_cache_attention_is_close(stories, kv):
     """Logits read through a quantized cache (prefill in chunks, so later chunks read it back) against
     the model-dtype cache, on the real checkpoint; and greedy decoding through the decode path."""
-    from sieve.evaluate import _engine
+    from sieve.evaluate import load_engine
 
-    plain = _engine(str(stories), "float32", 128)
+    plain = load_engine(str(stories), "float32", 128)
     text = (stories.parents[1] / "data" / "tinystories_valid_sample.txt").read_text()
     ids = plain.tokenizer(text).input_ids[:120]
     ref = plain.score(ids, chunk=16)
-    got = _engine(str(stories), "float32", 128, kv_cache_dtype=kv).score(ids, chunk=16)
+    got = load_engine(str(stories), "float32", 128, kv_cache_dtype=kv).score(ids, chunk=16)
     lr, lg = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lr.exp() * (lr - lg)).sum(-1).mean().item()
     # e4m3 keeps 3 mantissa bits; int8 per token-head ~7; bfloat16 8; float16 11

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from sieve import LLM, SamplingParams
-from sieve.spec.config import SpeculativeConfig
-from sieve.spec.controller import DepthController, StepCostModel
-from sieve.spec.proposer import Draft
-from sieve.spec.rejection import verify_with_q
-from sieve.spec.speculator import PROBE_SHARE, Speculator
+from sieve.spec_decode.config import SpeculativeConfig
+from sieve.spec_decode.controller import DepthController, StepCostModel
+from sieve.spec_decode.proposer import Draft
+from sieve.spec_decode.rejection import verify_with_q
+from sieve.spec_decode.speculator import PROBE_SHARE, Speculator
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 VOCAB = 4096
@@ -277,7 +277,7 @@ def test_ngram_draft_trees_take_the_continuations_of_other_matches(llama_engine_
     of shorter n's; the first is the one-chain draft. Served, the greedy tokens are the plain engine's, with a fixed
     depth and under "auto" (which drafts every chain each step, the proposer costing nothing, and chooses which to
     verify: here with a nearly flat step cost, so trees)."""
-    from sieve.spec.ngram import TokenBuffer, lookup, lookup_many
+    from sieve.spec_decode.ngram import TokenBuffer, lookup, lookup_many
 
     tokens = [5, 6, 7, 1, 9, 9, 5, 6, 7, 2, 8, 5, 6, 7, 1, 4, 3, 6, 7, 3, 0, 5, 6, 7]
     buf = TokenBuffer()
@@ -832,7 +832,7 @@ def test_probing_a_proposer_that_catches_up_never_stops_and_its_drafting_cost_is
     the interval, which by the share alone would lengthen the interval without end: it is capped
     (MAX_PROBE_INTERVAL), so drafts that turn right are still found; and the cost the depth choice charges is that
     of drafting calls (caught up every step), not the probes' catch-up."""
-    from sieve.spec.speculator import MAX_PROBE_INTERVAL
+    from sieve.spec_decode.speculator import MAX_PROBE_INTERVAL
 
     steps = 3 * MAX_PROBE_INTERVAL
     ((wrong_verified, _, _), (right_verified, _, _)), spec = _run_costly_auto(None, steps, catch_up=0.00005)
@@ -906,13 +906,13 @@ def test_cli_refuses_a_bad_speculative_config_in_one_line(llama_dir):
 def test_bench_spec_gives_a_base_model_its_prompts_as_text():
     """A model without a chat template (stories260K, a base model) gets the workload's messages as plain text, as
     `sieve distill` does; `bench spec` stopped on transformers' "chat_template is not set" before."""
-    from sieve.bench.spec import _prompt_ids, chat_messages
+    from sieve.bench.spec import prompt_ids, chat_messages
 
     llm = LLM(str(STORIES), dtype="float32", num_gpu_blocks_override=64, device="cpu")
     tok = llm.get_tokenizer()
     assert not getattr(tok, "chat_template", None)
     messages = chat_messages(2)
-    prompts = _prompt_ids(llm, messages)
+    prompts = prompt_ids(llm, messages)
     assert [p["prompt_token_ids"] for p in prompts] == [tok.encode(m[0]["content"]) for m in messages]
 
 

@@ -26,7 +26,7 @@ ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCau
 QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
-def _gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str) -> str | None:
     if hf in TOP_NAMES:
         return TOP_NAMES[hf]
     parts = hf.split(".")
@@ -37,7 +37,7 @@ def _gguf_name(hf: str) -> str | None:
     return None
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF Llama stores q/k rows for rotate-half rope; llama.cpp's "llama" arch wants interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -203,14 +203,14 @@ def export_gguf(path: str | Path, out: str | Path, qtype: str = "f16", log=print
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, theta, head_dim))
 
     for hf_name, t in _tensors(path):
-        name = _gguf_name(hf_name)
+        name = gguf_name(hf_name)
         if name is None:
             if "rotary_emb" in hf_name:
                 continue
             raise ValueError(f"{path}: no GGUF name for tensor {hf_name}")
         data = t.to(torch.float32).numpy()
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            data = _unpermute_rope(data, n_head if "attn_q" in name else n_kv)
+            data = unpermute_rope(data, n_head if "attn_q" in name else n_kv)
         _encode(writer, name, data, qtype)
     _finish(writer, tmp, out)
     log(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {qtype})")

@@ -125,12 +125,11 @@ FOLLOW_UPS = ["Can you explain that more simply?", "Thanks! Can you give me one 
 def chat_sessions(n: int, seed: int, max_tokens: int, turns: int = 2, grounded: bool = False):
     """`n` conversations of `turns` turns opening with the shared system prompt; the first question from the
     distillation templates' topics (grounded: a wikitext passage to summarise), then follow-ups."""
-    from sieve.bench.spec import _passages
     from sieve.bench.workloads import Session, Turn
-    from sieve.spec.distill import TEMPLATES, TOPICS
+    from sieve.prompts import TEMPLATES, TOPICS, passages as wikitext_passages
 
     rng = random.Random(seed)
-    passages = _passages(64) if grounded else []
+    passages = wikitext_passages(64) if grounded else []
     out = []
     for i in range(n):
         if grounded:
@@ -395,7 +394,7 @@ def check_args(args, rungs: list[RungSpec]) -> None:
 def run_ladder(args) -> dict:
     import httpx
 
-    from sieve.bench.peers import Server, _free_port
+    from sieve.bench.llama_cpp import Server, free_port
     from sieve.bench.serve_command import quiet_http_logs
     from sieve.bench.serving import Target
     from sieve.bench.serving_stats import SLO
@@ -436,7 +435,7 @@ def run_ladder(args) -> dict:
                 raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes[rung.key] / 1e9:.2f} GB")
         else:
             kv_gb = args.kv_cache_memory_gb
-        port = _free_port()
+        port = free_port()
         cmd = _server_cmd(args, served_model, rung, o, port, kv_gb)
         probes: list[Probe] = []
         t_rung = time.perf_counter()
@@ -479,9 +478,10 @@ def run_ladder(args) -> dict:
         print(f"{rung.name}: {users} users ({time.perf_counter() - t_rung:.0f} s)", flush=True)
 
     # quality per lossy rung: sieve eval against the bf16 model, on held-out text
+    from sieve.data import shared_data
     from sieve.evaluate import evaluate
 
-    eval_data = Path(args.eval_data) if args.eval_data else Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2_test.txt"
+    eval_data = Path(args.eval_data) if args.eval_data else shared_data("wikitext2_test.txt")
     ref = {"reference": model, "reference_dtype": "bfloat16", "reference_dequantize": True}
     for res in results:
         rung = next(r for r in RUNGS if r.key == res["key"])

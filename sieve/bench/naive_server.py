@@ -27,7 +27,7 @@ def create_app(model_path: str, served_name: str, dtype: str = "float32", thread
     from fastapi.responses import JSONResponse, StreamingResponse
     from transformers import TextIteratorStreamer
 
-    from sieve.quant.kv_distill import load_hf_model
+    from sieve.train.kv_distill import load_hf_model
 
     if threads:
         torch.set_num_threads(threads)

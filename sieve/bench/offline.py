@@ -156,7 +156,7 @@ def profile_batch1(llm, tokens: int = 32) -> dict:
 
 
 def run_offline_benchmark(args) -> dict:
-    from sieve.cli import config_from_args
+    from sieve.engine_args import config_from_args
     from sieve.llm import LLM
 
     if args.model is None:

@@ -51,7 +51,7 @@ def _sessions(tokenizer, args):
 
 
 def _serve(model: str, cores: str, threads: int, port: int, log: Path, extra: list[str]):
-    from sieve.bench.peers import SERVED_NAME, Server
+    from sieve.bench.llama_cpp import SERVED_NAME, Server
 
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "sieve.cli", "serve", "--model", model, "--port", str(port),
            "--served-model-name", SERVED_NAME, "--num-threads", str(threads), "--no-webui", "--max-waiting", "100000", *extra]
@@ -69,7 +69,7 @@ def _summaries(records, kinds, duration, slo) -> dict:
 
 
 def run_bench_pd(args) -> int:
-    from sieve.bench.peers import SERVED_NAME, _free_port
+    from sieve.bench.llama_cpp import SERVED_NAME, free_port
     from sieve.bench.serve_command import RemoteTokenizer, quiet_http_logs
     from sieve.bench.serving import Load, Target, run_load
     from sieve.bench.serving_stats import SLO
@@ -100,10 +100,10 @@ def run_bench_pd(args) -> int:
 
     print(f"bench pd: {model}, {args.requests} requests ({args.requests // args.long_every} of {args.long_len} tokens), "
           f"{args.users} users, SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms; logs in {logs}")
-    port = _free_port()
+    port = free_port()
     with _serve(model, args.cores, 2, port, logs / "colocated.log", []) as s:
         run("colocated (2 cores)", s.base_url)
-    pp, dp, kv_port = _free_port(), _free_port(), _free_port()
+    pp, dp, kv_port = free_port(), free_port(), free_port()
     secret = logs / "kv.key"  # the secret both servers share (sieve/distributed/kv_auth.py)
     secret.write_bytes(os.urandom(32))
     secret.chmod(0o600)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from sieve.bench.bandwidth import measure_bandwidth
-from sieve.bench.peers import LLAMA_FLAGS, SERVED_NAME, Server, _free_port, find_llama_server, format_table, llama_cmd, ratio_table
+from sieve.bench.llama_cpp import LLAMA_FLAGS, SERVED_NAME, Server, find_llama_server, format_table, free_port, llama_cmd, ratio_table
 from sieve.bench.serve_command import quiet_http_logs, workload_from_args
 from sieve.bench.serving import Target, parse_loads, sweep
 from sieve.bench.serving_stats import SLO
@@ -151,7 +151,7 @@ def run_gguf_peers(args) -> int:
     out["serving"], out["failed"] = {}, {}
     for label, path in files.items():
         floor = GGUFCheckpoint(path).decode_bytes() / (bw.best_gbps * 1e9)
-        port = _free_port()
+        port = free_port()
         sieve_cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", str(path), "--port", str(port), "--num-threads", str(threads),
                      "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max(64, parallel)), *args.sieve_arg]
         lcmd, desc = llama_cmd(binary, path, port, threads, parallel, args.ctx_per_slot, LLAMA_FLAGS.get(label, []))

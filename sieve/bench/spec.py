@@ -29,9 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from sieve.prompts import CHAT_PROMPTS, passages
 from sieve.sampling_params import SamplingParams
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext2_test.txt"
 
 GROUNDED_TASKS = [
     "Summarise the following passage in a few sentences.\n\n{passage}",
@@ -40,32 +39,6 @@ GROUNDED_TASKS = [
     "Add type hints and a docstring to this Python function. Answer with the whole function.\n\n```python\n{code}\n```",
     "Rename the function's parameters to longer, descriptive names and answer with the whole updated function.\n\n```python\n{code}\n```",
 ]
-CHAT_PROMPTS = [
-    "What are three good habits for staying healthy?",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Write a short poem about the sea.",
-    "Give me some tips for learning a new language.",
-    "What is the difference between a virus and a bacterium?",
-    "Describe a perfect weekend in the mountains.",
-    "How does a refrigerator keep food cold?",
-    "Suggest a name for a friendly robot and say why.",
-]
-
-
-def _passages(n: int, min_words: int = 120, max_words: int = 220) -> list[str]:
-    paras = []
-    for line in DATA.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line.startswith("=") or not line:
-            continue
-        words = line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").split()
-        if len(words) >= min_words:
-            paras.append(" ".join(words[:max_words]))
-        if len(paras) == n:
-            break
-    return paras
-
-
 def _functions(n: int) -> list[str]:
     import heapq
     import shlex
@@ -76,11 +49,11 @@ def _functions(n: int) -> list[str]:
 
 
 def grounded_messages(n: int) -> list[list[dict]]:
-    passages, code = _passages(n), _functions(n)
+    texts, code = passages(n), _functions(n)
     out = []
     for i in range(n):
         task = GROUNDED_TASKS[i % len(GROUNDED_TASKS)]
-        text = task.format(passage=passages[i % len(passages)], code=code[i % len(code)])
+        text = task.format(passage=texts[i % len(texts)], code=code[i % len(code)])
         out.append([{"role": "user", "content": text}])
     return out
 
@@ -130,7 +103,7 @@ def _engine(args, spec: dict | None, max_num_seqs: int):
     return LLM(args.model, dtype=args.dtype, speculative_config=spec, **kw)
 
 
-def _prompt_ids(llm, messages: list[list[dict]]) -> list[dict]:
+def prompt_ids(llm, messages: list[list[dict]]) -> list[dict]:
     """Token ids of each conversation through the model's chat template; a model without one (a base model) gets
     its messages' text joined, with the tokenizer's own special tokens, as `sieve distill` does."""
     tok = llm.get_tokenizer()
@@ -199,7 +172,7 @@ def _concurrent(llm, prompts, users: int, args) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def _simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
+def simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
     """Trained drafts (`sieve distill`: medusa and eagle heads, draft models) record the mean acceptance length they
     reached on held-out answers, and how those were held out (whole prompt families, or single answers: drafts
     trained before families were held out)."""
@@ -217,7 +190,7 @@ def _simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
 
 def run_bench_spec(args: argparse.Namespace) -> dict:
     from sieve.config import ConfigError
-    from sieve.spec.config import SpeculativeConfig
+    from sieve.spec_decode.config import SpeculativeConfig
 
     configs: list = [None]
     for text in (c for c in args.configs.split(";") if c.strip()):
@@ -237,7 +210,7 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     max_users = max(users)
     engines = [_engine(args, c, max_users) for c in configs]
     make = WORKLOADS[args.workload]
-    prompts = _prompt_ids(engines[0], make(max(args.prompts, max_users)))
+    prompts = prompt_ids(engines[0], make(max(args.prompts, max_users)))
     names = ["off"] + [json.dumps(c, separators=(",", ":")) for c in configs[1:]]
     print(f"bench spec: {args.workload}, {args.prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
           f"model {engines[0].llm_engine.model_name}, {args.repeats} repeats"
@@ -289,7 +262,7 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
             if u == 1 and name != "off":
                 mal = e["mean_acceptance_length"]
                 extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
-                simulated = _simulated_acceptance(configs[names.index(name)])
+                simulated = simulated_acceptance(configs[names.index(name)])
                 if simulated is not None:  # what training measured on held-out answers, against what was served
                     e["simulated_mean_acceptance_length"], e["simulated_held_out_by"] = simulated
                     extra += f" (simulated in training: {simulated[0]:.2f}, held out by {simulated[1]})"

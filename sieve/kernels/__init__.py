@@ -37,7 +37,7 @@ from pathlib import Path
 from sieve.config import ConfigError  # a bad SIEVE_* setting: the command line reports it in one line
 
 log = logging.getLogger("sieve")
-_DIR = Path(__file__).parent
+KERNEL_SOURCES = Path(__file__).parent
 _LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
 _SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "gemv_avx2.cpp", "gemm_bf16.cpp", "qmatmul.cpp", "qmatmul_avx2.cpp",
             "qmatmul_q8act.cpp", "linear.cpp", "greedy_head.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
@@ -99,7 +99,7 @@ def _apply_settings(ops, dot: str | None):
 def build_key(isa: str, sources: Path | None = None) -> str:
     """The kernel folder's name: the sources, where they live (two installs would otherwise share a folder, and torch
     rebuilds a module whose source paths changed: they rebuilt each other's kernels in turn), this CPU and the ISA."""
-    sources = sources or _DIR
+    sources = sources or KERNEL_SOURCES
     text = b"".join((sources / name).read_bytes() for name in (*_SOURCES, "kernels.h"))
     return (hashlib.sha256(text).hexdigest()[:10] + "-" + hashlib.sha256(str(sources.resolve()).encode()).hexdigest()[:6] + "-"
             + _cpu_signature() + ("" if isa == "avx512" else "-" + isa))
@@ -169,7 +169,7 @@ def cpu_ops():
                 log.info("building sieve's native CPU kernels (%s) in %s (once per install and machine: about a minute; "
                          "make install does it ahead)", isa, build)
             _LOADED[name] = load(
-                name=name, sources=[str(_DIR / name) for name in _SOURCES], build_directory=str(build),
+                name=name, sources=[str(KERNEL_SOURCES / name) for name in _SOURCES], build_directory=str(build),
                 extra_cflags=["-O3", _MARCH[isa], "-fopenmp", "-ffast-math", "-std=c++20"], extra_ldflags=["-fopenmp"], verbose=False,
             )
         return _apply_settings(_LOADED[name], dot)

@@ -14,6 +14,8 @@ import random
 import re
 from pathlib import Path
 
+from sieve.data import shared_data
+
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon", "Japan": "Tokyo",
     "China": "Beijing", "Russia": "Moscow", "Egypt": "Cairo", "Greece": "Athens", "Ireland": "Dublin", "Austria": "Vienna",
@@ -46,7 +48,7 @@ def builtin_tasks(data_dir: Path | None = None, seed: int = 0, arithmetic: int =
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         tasks.append({"prompt": f"What is {a} + {b}? Explain your reasoning step by step.", "answer": str(a + b),
                       "kind": "steps", "match": "stated", "budget": True})
-    data_dir = data_dir or Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    data_dir = data_dir or shared_data()
     stories = data_dir / "tinystories_valid_sample.txt"
     if stories.is_file() and recall:
         sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", stories.read_text()) if 6 <= len(s.split()) <= 14]

@@ -5,7 +5,7 @@ Timestamps come from the engine (monotonic, per request); the arithmetic happens
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sieve.outputs import RequestOutput
@@ -29,20 +29,7 @@ class Metrics:
         limits = Counter("sieve:limit_refusals", "Requests refused (400) and streams cut by a server limit, by limit",
                          ["model_name", "limit"], registry=r)
         self.limit_refused = lambda limit: limits.labels(model_name=model_name, limit=limit).inc()
-        gauges = {
-            "sieve:num_requests_running": ("Sequences running", lambda: engine.num_running),
-            "sieve:num_requests_waiting": ("Requests waiting", lambda: engine.num_waiting),
-            "sieve:kv_cache_usage_perc": ("KV-cache usage, 0 to 1", lambda: engine.block_manager.usage),
-        }
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, ["model_name"], registry=r).labels(**label).set_function(fn)
-        r.register(_PrefixCacheCollector(engine.block_manager, model_name))
-        if getattr(engine, "structured_stats", None) is not None:
-            r.register(_StructuredCollector(engine, model_name))
-        if getattr(engine, "speculator", None) is not None:
-            r.register(_SpecDecodeCollector(engine.speculator.stats, model_name))
-        if getattr(engine, "kv_connector", None) is not None:
-            r.register(_KVTransferCollector(engine.kv_connector.stats, model_name))
+        r.register(EngineCollector(engine, model_name))
         self.model_name = model_name
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -64,34 +51,45 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _PrefixCacheCollector:
-    """Prefix-cache counters read from the block manager at scrape time (tokens, as vLLM counts them)."""
+class EngineCollector:
+    """Everything the engine counts, read from one `engine.stats()` snapshot per scrape: queue gauges, KV usage, the
+    prefix cache (tokens, as vLLM counts them), structured outputs, speculative decoding and KV transfer (vLLM's names)."""
 
-    def __init__(self, blocks, model_name: str):
-        self.blocks, self.model_name = blocks, model_name
-
-    def collect(self):
-        b, label = self.blocks, [self.model_name]
-        queries = CounterMetricFamily("sieve:prefix_cache_queries", "Tokens looked up in the prefix cache", labels=["model_name"])
-        queries.add_metric(label, b.num_queried_tokens)
-        hits = CounterMetricFamily("sieve:prefix_cache_hits", "Tokens found in the prefix cache", labels=["model_name"])
-        hits.add_metric(label, b.num_hit_tokens)
-        rate = GaugeMetricFamily("sieve:prefix_cache_hit_rate", "Prefix-cache hits / queries since start, 0 to 1", labels=["model_name"])
-        rate.add_metric(label, b.hit_rate)
-        cached = GaugeMetricFamily("sieve:prefix_cache_blocks", "KV blocks held by the prefix cache", labels=["model_name"])
-        cached.add_metric(label, b.num_cached_blocks)
-        yield from (queries, hits, rate, cached)
-
-
-class _SpecDecodeCollector:
-    """Speculative-decoding counters (vLLM's names): drafts verified, tokens drafted, tokens accepted, and
-    accepted tokens per draft position."""
-
-    def __init__(self, stats, model_name: str):
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        s = self.stats
+        s, label = self.engine.stats(), [self.model_name]
+        yield from _family(GaugeMetricFamily, "sieve:num_requests_running", "Sequences running", label, s.num_running)
+        yield from _family(GaugeMetricFamily, "sieve:num_requests_waiting", "Requests waiting", label, s.num_waiting)
+        yield from _family(GaugeMetricFamily, "sieve:kv_cache_usage_perc", "KV-cache usage, 0 to 1", label, s.kv_cache_usage)
+        yield from _family(CounterMetricFamily, "sieve:prefix_cache_queries", "Tokens looked up in the prefix cache", label,
+                           s.prefix_cache_queried_tokens)
+        yield from _family(CounterMetricFamily, "sieve:prefix_cache_hits", "Tokens found in the prefix cache", label,
+                           s.prefix_cache_hit_tokens)
+        yield from _family(GaugeMetricFamily, "sieve:prefix_cache_hit_rate", "Prefix-cache hits / queries since start, 0 to 1", label,
+                           s.prefix_cache_hit_rate)
+        yield from _family(GaugeMetricFamily, "sieve:prefix_cache_blocks", "KV blocks held by the prefix cache", label,
+                           s.prefix_cache_blocks)
+        yield from self.structured(s.structured)
+        if s.spec_decode is not None:
+            yield from self.spec_decode(s.spec_decode)
+        if s.kv_transfer is not None:
+            yield from self.kv_transfer(s.kv_transfer)
+
+    def structured(self, st):
+        """Time spent on token masks (computing and applying them), per step and per row, and grammar compilation."""
+        yield from _counters("sieve:structured_output_", self.model_name, (
+            ("mask_seconds", "Seconds spent computing and applying grammar token masks", st.mask_seconds),
+            ("mask_steps", "Steps that masked at least one row", st.num_masked_steps),
+            ("mask_rows", "Rows (sampled positions) masked", st.num_masked_rows),
+            ("grammars_compiled", "Grammars compiled (cache misses)", st.grammars_compiled),
+            ("grammar_cache_hits", "Requests whose grammar was already compiled", st.grammar_cache_hits),
+            ("compile_seconds", "Seconds spent compiling grammars", st.compile_seconds),
+        ))
+
+    def spec_decode(self, s):
+        """Drafts verified, tokens drafted, tokens accepted, and accepted tokens per draft position."""
         yield from _counters("sieve:spec_decode_", self.model_name, (
             ("num_drafts", "Drafts verified", s.num_drafts),
             ("num_draft_tokens", "Tokens drafted", s.num_draft_tokens),
@@ -103,22 +101,14 @@ class _SpecDecodeCollector:
             per_pos.add_metric([self.model_name, str(pos)], value)
         yield per_pos
 
-
-class _KVTransferCollector:
-    """Prefill/decode disaggregation: KV bytes, blocks and seconds moved, by direction (save: a prefill server's
-    blocks for a decode server; load: a decode server's from a prefill server), and transfers that fell back to
-    computing locally, by reason."""
-
-    def __init__(self, stats, model_name: str):
-        self.stats, self.model_name = stats, model_name
-
-    def collect(self):
-        s = self.stats
+    def kv_transfer(self, s):
+        """KV bytes, blocks and seconds moved, by direction (save: a prefill server's blocks for a decode server; load: a
+        decode server's from a prefill server), and transfers that fell back to computing locally, by reason."""
         for name, doc, counts in (("bytes", "KV bytes transferred", s.bytes), ("blocks", "KV blocks transferred", s.blocks),
                                   ("seconds", "Seconds spent transferring KV", s.seconds)):
             family = CounterMetricFamily(f"sieve:kv_transfer_{name}", doc, labels=["model_name", "direction"])
             for direction in ("save", "load"):
-                family.add_metric([self.model_name, direction], counts[direction])
+                family.add_metric([self.model_name, direction], counts.get(direction, 0))
             yield family
         for name, doc, counts in (("fallbacks", "Transfers cut short (the rest computed locally), by reason", s.fallbacks),
                                   ("refused", "Remote-prefill params and exports refused, by reason", s.refused)):
@@ -128,23 +118,10 @@ class _KVTransferCollector:
             yield family
 
 
-class _StructuredCollector:
-    """Structured outputs: time spent on token masks (computing and applying them), per step and per row, and
-    grammar compilation (compiled, cache hits, seconds)."""
-
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
-
-    def collect(self):
-        st, g = self.engine.structured_stats, self.engine.grammars
-        yield from _counters("sieve:structured_output_", self.model_name, (
-            ("mask_seconds", "Seconds spent computing and applying grammar token masks", st.mask_seconds),
-            ("mask_steps", "Steps that masked at least one row", st.num_masked_steps),
-            ("mask_rows", "Rows (sampled positions) masked", st.num_masked_rows),
-            ("grammars_compiled", "Grammars compiled (cache misses)", g.num_compiled),
-            ("grammar_cache_hits", "Requests whose grammar was already compiled", g.num_cache_hits),
-            ("compile_seconds", "Seconds spent compiling grammars", g.compile_seconds),
-        ))
+def _family(kind, name: str, doc: str, label: list[str], value):
+    family = kind(name, doc, labels=["model_name"])
+    family.add_metric(label, value)
+    yield family
 
 
 def _counters(prefix: str, model_name: str, rows):

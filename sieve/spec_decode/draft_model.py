@@ -13,10 +13,10 @@ import itertools
 
 from sieve.sampling_params import SamplingParams
 from sieve.sequence import Sequence
-from sieve.spec.proposer import Draft
+from sieve.spec_decode.proposer import Draft, ProposerBase
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     free = False  # every token drafted costs a draft-model step
 
     def __init__(self, engine):

@@ -2,7 +2,7 @@
 next a draft (or none); after verification, `record` counts what was accepted; `finish` when a sequence leaves.
 
 Drafts ride in the ordinary batch: the scheduler budgets 1 + k tokens for a drafting sequence and reserves
-their KV slots, the runner verifies every sequence in one target pass (sieve/spec/rejection.py), and the
+their KV slots, the runner verifies every sequence in one target pass (sieve/spec_decode/rejection.py), and the
 scheduler rolls back the slots of rejected tokens (they never enter the prefix cache).
 """
 
@@ -12,10 +12,10 @@ import math
 import time
 
 from sieve.sequence import Sequence
-from sieve.spec.config import SpeculativeConfig
-from sieve.spec.controller import DepthController, DraftCostModel, StepCostModel
-from sieve.spec.proposer import Proposer
-from sieve.spec.rejection import accepted_prefix
+from sieve.spec_decode.config import SpeculativeConfig
+from sieve.spec_decode.controller import DepthController, DraftCostModel, StepCostModel
+from sieve.spec_decode.proposer import Proposer
+from sieve.spec_decode.rejection import accepted_prefix
 
 
 PROBE_SHARE = 0.01  # at most this share of the time goes to probing a proposer that costs something to ask
@@ -25,16 +25,16 @@ MAX_PROBE_INTERVAL = 256  # steps: a sequence's evidence is never older
 def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
     """The proposer of `config.method`. `context`: what model-based proposers need (the target engine's pieces)."""
     if config.method == "ngram":
-        from sieve.spec.ngram import NgramProposer
+        from sieve.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
-        from sieve.spec.suffix import SuffixProposer
+        from sieve.spec_decode.suffix import SuffixProposer
 
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_min_token_prob)
     if config.method in ("eagle", "eagle3"):
-        from sieve.spec.eagle import EagleProposer
+        from sieve.spec_decode.eagle import EagleProposer
 
         proposer = EagleProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"],
                                  context["dtype"], context["embed"])
@@ -43,7 +43,7 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
                              f"train one with `sieve distill --method eagle --aux-hidden-layers eagle3`, or serve it as 'eagle'")
         return proposer
     if config.method == "medusa":
-        from sieve.spec.medusa import MedusaProposer
+        from sieve.spec_decode.medusa import MedusaProposer
 
         proposer = MedusaProposer(config.model, context["hidden_size"], context["vocab_size"], context["device"], context["dtype"],
                                   context.get("embed"))
@@ -52,7 +52,7 @@ def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
                              f"{proposer.max_k} heads (one draft token each)")
         return proposer
     assert config.method == "draft_model", config.method  # SpeculativeConfig.validate refuses the rest
-    from sieve.spec.draft_model import DraftModelProposer
+    from sieve.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(context["make_engine"](config.model, config.quantization))
 
@@ -78,7 +78,7 @@ class Speculator:
         self.branches = config.num_branches  # chains per draft tree (1: a chain)
         # "auto" with a proposer that costs nothing to ask: draft full depth every step (a probe), verify the
         # chosen prefix, and learn acceptance from the whole probe once the tokens it guessed are known.
-        self.probing = config.auto and getattr(proposer, "free", False)
+        self.probing = config.auto and proposer.free
         self.probes: dict[int, tuple[int, list[int]]] = {}  # id(seq) -> (index of the first guessed token, guess)
         # "auto" with a proposer that costs something to ask: its cost per drafted token enters the choice of
         # depth, and a sequence given k = 0 is probed (drafted for, not verified) once its evidence is older than
@@ -228,13 +228,13 @@ class Speculator:
     def needs_hidden(self) -> str | None:
         """Which of the target's last hidden states the proposer drafts from, handed over by the runner each step:
         "last" (Medusa: the row that produced each sequence's last token), "all" (EAGLE: every row computed), None."""
-        return getattr(self.proposer, "needs_hidden", None)
+        return self.proposer.needs_hidden
 
     @property
     def aux_hidden_layers(self) -> tuple[int, ...]:
         """Inner layers whose residual stream the proposer reads beside the last hidden state (EAGLE-3's fused
         features; rows handed over as [rows, (1 + len) * hidden])."""
-        return tuple(getattr(self.proposer, "aux_hidden_layers", ()))
+        return tuple(self.proposer.aux_hidden_layers)
 
     def observe_hidden(self, hidden: list[tuple[Sequence, int, "torch.Tensor"]]) -> None:
         """(sequence, position of the first row, hidden states [rows, H]) from the step just run."""

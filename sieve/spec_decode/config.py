@@ -16,7 +16,7 @@ MAX_BRANCHES = 64
 class SpeculativeConfig:
     method: str
     # Draft tokens per sequence per step, or "auto": chosen each step per sequence from acceptance and
-    # the measured cost of the step (sieve/spec/controller.py), up to `max_num_speculative_tokens`.
+    # the measured cost of the step (sieve/spec_decode/controller.py), up to `max_num_speculative_tokens`.
     num_speculative_tokens: int | str = 4
     max_num_speculative_tokens: int = 8  # the ceiling of "auto"
     # A draft tree of `num_branches` chains, all verified in the same target pass, the chain with the longest accepted
@@ -24,7 +24,7 @@ class SpeculativeConfig:
     # its first head's likeliest tokens, each followed by the later heads' guesses; ngram the different continuations
     # of its matches, most recent first. Greedy requests without a grammar (others draft one chain). With "auto" it is
     # the widest: each sequence's width is chosen each step with its depth, from what further chains were measured to
-    # add and what their rows cost (sieve/spec/controller.py).
+    # add and what their rows cost (sieve/spec_decode/controller.py).
     num_branches: int = 1
     model: str | None = None  # draft_model / eagle / medusa: the checkpoint of the draft or heads
     quantization: str | None = None  # draft_model: the draft's weight format (as --quantization: int8, fp8, int4)

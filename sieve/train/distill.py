@@ -11,9 +11,9 @@
    heads 1..k-1 were right), reported as a mean acceptance length.
    `sieve bench spec` then reports the acceptance actually served, next to the simulated one.
 
-`--method draft` (sieve/spec/draft_train.py): a draft model cut from the target's layers, trained on its greedy
-tokens. `--method medusa`: Medusa heads (sieve/spec/medusa.py), independent (Medusa-1) or sequential (Hydra, the default),
-trained on (hidden state at t, token t + 1 + k) pairs. `--method eagle`: an EAGLE draft layer (sieve/spec/eagle.py)
+`--method draft` (sieve/train/draft.py): a draft model cut from the target's layers, trained on its greedy
+tokens. `--method medusa`: Medusa heads (sieve/spec_decode/medusa.py), independent (Medusa-1) or sequential (Hydra, the default),
+trained on (hidden state at t, token t + 1 + k) pairs. `--method eagle`: an EAGLE draft layer (sieve/spec_decode/eagle.py)
 trained on whole sequences, unrolled `--depth` drafting steps (its own predicted features fed back, as served), on
 the target's next feature and its greedy next token at every position.
 """
@@ -35,24 +35,11 @@ from collections import Counter
 import torch
 from torch.nn import functional as F
 
+from sieve.prompts import CHAT_PROMPTS, TEMPLATES, TOPICS, passages
+from sieve.train.common import acceptance_summary, warmup_decay
+
 log = logging.getLogger("sieve")
 
-TEMPLATES = [
-    "Explain {t} in simple terms.", "What are the main advantages and disadvantages of {t}?", "Write a short story about {t}.",
-    "Give me five facts about {t}.", "How would you teach a beginner about {t}?", "Write a friendly email inviting a colleague to talk about {t}.",
-    "What is the history of {t}?", "Describe {t} to someone who has never seen it.", "List some common mistakes people make with {t}.",
-    "Write a limerick about {t}.", "Compare {t} with something similar and explain the differences.", "Why do people care about {t}?",
-    "Tell me a fun fact about {t} and explain it.", "Write a short dialogue between two friends about {t}.",
-    "What questions do children often ask about {t}? Answer two of them.", "Summarise what an encyclopedia would say about {t}.",
-    "Give step-by-step advice for someone starting with {t}.", "What would the world be like without {t}?",
-    "Write a product description related to {t}.", "Explain {t} using an analogy.",
-]
-TOPICS = [
-    "photosynthesis", "the water cycle", "volcanoes", "the moon", "bicycles", "coffee", "chess", "the internet", "gardening",
-    "electric cars", "the Roman Empire", "honey bees", "rainbows", "cooking pasta", "public libraries", "jazz music", "sleep",
-    "recycling", "the human heart", "airplanes", "friendship", "saving money", "deserts", "penguins", "solar panels",
-    "the printing press", "yoga", "earthquakes", "chocolate", "trains",
-]
 PASSAGE_TASKS = ["Summarise this passage in two sentences.\n\n{p}", "Continue this text for a paragraph.\n\n{p}",
                  "What is this passage about? Answer briefly.\n\n{p}"]
 CODE_TASK = "Explain what this Python function does, step by step.\n\n```python\n{c}\n```"
@@ -60,19 +47,17 @@ CODE_TASK = "Explain what this Python function does, step by step.\n\n```python\
 
 def distill_messages(n: int, seed: int = 0) -> list[list[dict]]:
     """`n` chat prompts of three kinds (instructions, passages, code), shuffled; none is the benchmark's."""
-    from sieve.bench.spec import CHAT_PROMPTS, _passages
-
     rng = random.Random(seed)
     texts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
     rng.shuffle(texts)
     n_instr = max(1, n * 3 // 4)
     prompts = texts[:n_instr]
-    passages = _passages(max(8, n // 8), min_words=60, max_words=140)
+    texts = passages(max(8, n // 8), min_words=60, max_words=140)
     rest = n - len(prompts)
     funcs = _stdlib_functions(rest // 2 + 1)
     for i in range(rest):
-        if i % 2 == 0 and passages:
-            prompts.append(PASSAGE_TASKS[i % len(PASSAGE_TASKS)].format(p=passages[(i // 2) % len(passages)]))
+        if i % 2 == 0 and texts:
+            prompts.append(PASSAGE_TASKS[i % len(PASSAGE_TASKS)].format(p=texts[(i // 2) % len(texts)]))
         else:
             prompts.append(CODE_TASK.format(c=funcs[(i // 2) % len(funcs)]))
     assert not set(prompts) & set(CHAT_PROMPTS), "distillation prompts must not be the benchmark's"
@@ -87,7 +72,6 @@ def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[li
     that served open chat no better than the templates: docs/benchmarks.md, issue 15, fourteenth part.) Turns cut by
     `max_tokens`, shorter than 3 words, holding one of the tokenizer's special tokens, repeated or equal to a benchmark
     prompt are left out; each request has its own seed, so the list is the same on every run."""
-    from sieve.bench.spec import CHAT_PROMPTS
     from sieve.config import ConfigError
     from sieve.sampling_params import SamplingParams
 
@@ -337,7 +321,7 @@ def measure(heads, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Ten
 
 def train_medusa(engine, train: tuple, held: tuple, num_heads: int, draft_vocab_size: int, epochs: int, lr: float,
                  batch: int, seed: int, sequential: bool = True) -> tuple:
-    from sieve.spec.medusa import MedusaHeads
+    from sieve.spec_decode.medusa import MedusaHeads
 
     torch.manual_seed(seed)
     hidden, inputs, labels = train
@@ -377,14 +361,6 @@ def train_medusa(engine, train: tuple, held: tuple, num_heads: int, draft_vocab_
         _end_epoch(history, epoch, total / max(1, seen), measure(heads.eval(), *held, table), "head accuracy")
         heads.train()
     return heads.eval(), history, covered
-
-
-def acceptance_summary(right: torch.Tensor, chain: torch.Tensor, states: int) -> dict:
-    """Per draft position s: the share of `states` whose token s was right (`right`), and whose tokens 1..s all were
-    (`chain`); the simulated mean acceptance length at each depth k is 1 + the chained shares up to k."""
-    acc, chained = (right / max(1, states)).tolist(), (chain / max(1, states)).tolist()
-    return {"head_accuracy": acc, "chain_acceptance": chained,
-            "simulated_mean_acceptance_length": {str(k): 1 + sum(chained[:k]) for k in range(1, len(chained) + 1)}}
 
 
 def _end_epoch(history: list, epoch: int, loss: float, held: dict, what: str) -> None:
@@ -515,19 +491,11 @@ def measure_eagle(layer, seqs: list[tuple], table: torch.Tensor, depth: int) -> 
     return acceptance_summary(right.cpu(), chain.cpu(), states)
 
 
-def warmup_decay(opt, steps: int):
-    """The learning rate rises over the first tenth of `steps`, then falls linearly to a tenth of it (any step count,
-    one included; steps past the end stay at the floor)."""
-    warm = max(1, steps // 10)
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: (i + 1) / warm if i < warm else max(0.1, 1 - 0.9 * (i - warm) / max(1, steps - warm)))
-
-
 def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu", draft_vocab: int | None = None) -> "EagleLayer":
     """The trained layer `--init` names, checked against this target, `--aux-hidden-layers` and `--draft-vocab` (which
     it keeps: given, it must be its size)."""
     from sieve.config import ConfigError
-    from sieve.spec.eagle import EagleLayer
+    from sieve.spec_decode.eagle import EagleLayer
 
     try:
         old, config = EagleLayer.load(init, dev, torch.float32)
@@ -542,10 +510,10 @@ def _init_layer(engine, init: str, aux_layers: tuple[int, ...], dev="cpu", draft
     return old
 
 
-def _resumed_layer(engine, init: str, aux_layers: tuple[int, ...], sample: torch.Tensor, dev) -> "EagleLayer":
+def resumed_layer(engine, init: str, aux_layers: tuple[int, ...], sample: torch.Tensor, dev) -> "EagleLayer":
     """A trained layer to go on from, with `aux_layers` fused: its own weights and scales kept, a fused part it lacks
     starting at zero (scaled from `sample`, the training features), so it starts as the layer it was."""
-    from sieve.spec.eagle import EagleLayer
+    from sieve.spec_decode.eagle import EagleLayer
 
     old = _init_layer(engine, init, aux_layers, dev)
     layer = EagleLayer.for_target(engine.arch, old.draft_vocab.tolist(), aux_layers).to(dev)
@@ -562,7 +530,7 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
                 pack_tokens: int = 0, aux_layers: tuple[int, ...] = (), init: str | None = None) -> tuple:
     """Train an EAGLE layer (with `aux_layers`, EAGLE-3's fused features); with `init`, go on from a trained layer's
     weights and draft vocabulary (a fused part it lacks starts at zero: where it started)."""
-    from sieve.spec.eagle import EagleLayer
+    from sieve.spec_decode.eagle import EagleLayer
 
     torch.manual_seed(seed)
     counts = Counter(t for _, p, _, nxt in train for t in nxt[p - 1:].tolist())  # what the target writes in its answers
@@ -580,7 +548,7 @@ def train_eagle(engine, train: list[tuple], held: list[tuple], depth: int, draft
         with torch.no_grad():
             layer.head.weight.copy_(lm_head_rows(engine, vocab).to(dev))
     else:
-        layer = _resumed_layer(engine, init, aux_layers, sample, dev)
+        layer = resumed_layer(engine, init, aux_layers, sample, dev)
         vocab = layer.draft_vocab.tolist()
         log.info("from %s: held-out draft accuracy %s", init, measure_eagle(layer.eval(), held, table, depth)["head_accuracy"])
         layer.train()
@@ -736,7 +704,7 @@ def _finish_eagle(args, engine, seqs, n_held: int, num_prompts: int, started: fl
 
 
 def _finish_draft(args, engine, seqs, n_held: int, num_prompts: int, started: float, generated: float, split: dict) -> dict:
-    from sieve.spec.draft_train import cut_from_target, save_draft, train_draft
+    from sieve.train.draft import cut_from_target, save_draft, train_draft
 
     held = eagle_examples(engine, seqs[:n_held], features=False)
     train = eagle_examples(engine, seqs[n_held:], features=False)

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sieve.data import shared_data
+
 log = logging.getLogger("sieve")
 
 FP8_MAX = 448.0
 FP8_MARGIN = 2.0  # as QuantizedKVCacheLayer.FP8_MARGIN: values up to twice the calibration amax stay in range
 ATTENTION = "sieve_fp8_kv"
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def fake_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def _attention_modules(model) -> list:
     return [layer.self_attn for layer in layers]
 
 
-def _set_kv_mode(model, mode) -> None:
+def set_kv_mode(model, mode) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _attention)
@@ -108,7 +109,7 @@ def own_generations(engine_llm, tokenizer, train_text: str, n: int, prompt_token
     from sieve.sampling_params import SamplingParams
 
     if getattr(tokenizer, "chat_template", None):
-        from sieve.spec.distill import distill_messages
+        from sieve.train.distill import distill_messages
 
         prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in distill_messages(n, seed)]
         prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -123,7 +124,7 @@ def own_generations(engine_llm, tokenizer, train_text: str, n: int, prompt_token
 
 
 def calibrate_scales(model, seqs: list[list[int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    _set_kv_mode(model, "calibrate")
+    set_kv_mode(model, "calibrate")
     with torch.no_grad():
         for ids in seqs:
             model(torch.tensor([ids]))
@@ -157,8 +158,8 @@ def batch_kl_loss(teacher, student, batch: list[list[int]]) -> torch.Tensor:
 def train(student, teacher, seqs: list[list[int]], scales, steps: int, lr: float, batch_size: int, seed: int,
           log_every: int = 10, train_params: str = "all") -> list[float]:
     """`steps` AdamW steps of KL(teacher || student with fake-FP8 K/V) over batches of `seqs`."""
-    _set_kv_mode(student, scales)
-    _set_kv_mode(teacher, None)
+    set_kv_mode(student, scales)
+    set_kv_mode(teacher, None)
     student.train()
     if train_params == "attention":  # the projections that make and read K/V; the rest stays as it was
         for name, p in student.named_parameters():
@@ -182,7 +183,7 @@ def train(student, teacher, seqs: list[list[int]], scales, steps: int, lr: float
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"  step {step + 1}/{steps}: KL {total:.5f}", flush=True)
     student.eval()
-    _set_kv_mode(student, None)
+    set_kv_mode(student, None)
     return losses
 
 
@@ -234,7 +235,7 @@ def run_kv_distill(args: argparse.Namespace) -> dict:
 
     if args.kv != "fp8":
         raise ConfigError(f"sieve distill --kv {args.kv}: only fp8 is built")
-    data = Path(args.data) if args.data else SHARED_DATA / "wikitext2_test.txt"
+    data = Path(args.data) if args.data else shared_data("wikitext2_test.txt")
     if not data.is_file():
         raise FileNotFoundError(f"--data {data}: no such file")
     if not 0 < args.held_out_fraction < 1:

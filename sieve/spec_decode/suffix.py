@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from sieve.sequence import Sequence
-from sieve.spec.proposer import Draft
+from sieve.spec_decode.proposer import Draft, ProposerBase
 
 MAX_OCCURRENCES = 64
 
@@ -50,7 +50,7 @@ class BigramIndex:
         return self.where.get(key, ())
 
 
-class SuffixProposer:
+class SuffixProposer(ProposerBase):
     free = True  # asking costs next to nothing: "auto" may probe it at full depth every step
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, min_token_prob: float = 0.1):

@@ -19,7 +19,7 @@ per second of the next step, from two measured things:
   method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every
   step from a full-depth probe, whatever depth was verified, so a sequence given k = 0 still shows when its
   drafts start to be right. Proposers that cost something to ask (EAGLE, Medusa, a draft model) are probed
-  unverified now and then, at a rate that keeps probing under `PROBE_SHARE` of the time (sieve/spec/speculator.py).
+  unverified now and then, at a rate that keeps probing under `PROBE_SHARE` of the time (sieve/spec_decode/speculator.py).
 - `DraftCostModel`: seconds per drafted token of the proposer itself, measured on every call (zero for the free
   ones: they are asked every step anyway).
 
@@ -45,7 +45,7 @@ import itertools
 import math
 
 from sieve.sequence import Sequence
-from sieve.spec.config import SpeculativeConfig
+from sieve.spec_decode.config import SpeculativeConfig
 
 MARGIN = 0.03  # speculation must promise at least this much more throughput than none
 PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate

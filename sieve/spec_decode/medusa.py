@@ -3,7 +3,7 @@ k + 1 places after the one the target samples from that state. One head is a res
 every head then projects onto a draft vocabulary (the tokens the target actually writes most, EAGLE-3's trick,
 so a draft costs a fraction of the target's LM head), initialised from the target's own LM-head rows.
 
-The heads are trained by `sieve distill --method medusa` on the target's own generations (sieve/spec/distill.py)
+The heads are trained by `sieve distill --method medusa` on the target's own generations (sieve/train/distill.py)
 and saved as a folder: `config.json` (sizes, the draft vocabulary, the target, what training measured) and
 `heads.safetensors`.
 
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from sieve.sequence import Sequence
-from sieve.spec.folder import read_config, save_folder
-from sieve.spec.proposer import Draft
+from sieve.spec_decode.folder import read_config, save_folder
+from sieve.spec_decode.proposer import Draft, ProposerBase
 
 WEIGHTS = "heads.safetensors"
 
@@ -111,7 +111,7 @@ class MedusaHeads(nn.Module):
         return heads.to(device=device, dtype=dtype).eval(), config
 
 
-class MedusaProposer:
+class MedusaProposer(ProposerBase):
     """Drafts k tokens per sequence from its last hidden state: one batched pass of the heads per step."""
 
     free = False  # drafting costs a little compute: the depth controller decides before asking

@@ -7,7 +7,7 @@
     controller          the adaptive depth ("auto") and the measured step-cost model
 """
 
-from sieve.spec.config import SpeculativeConfig
-from sieve.spec.speculator import Speculator, SpecStats, build_proposer
+from sieve.spec_decode.config import SpeculativeConfig
+from sieve.spec_decode.speculator import Speculator, SpecStats, build_proposer
 
 __all__ = ["SpeculativeConfig", "Speculator", "SpecStats", "build_proposer"]

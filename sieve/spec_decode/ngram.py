@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 
 from sieve.sequence import Sequence
-from sieve.spec.proposer import Draft
+from sieve.spec_decode.proposer import Draft, ProposerBase
 
 
 class TokenBuffer:
@@ -68,7 +68,7 @@ def lookup_many(buf: TokenBuffer, tokens: list[int], k: int, n_min: int, n_max: 
     return out
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     free = True  # asking costs next to nothing: "auto" may probe it at full depth every step
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):

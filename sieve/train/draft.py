@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from sieve.train.common import acceptance_summary, warmup_decay
+
 log = logging.getLogger("sieve")
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -100,8 +102,6 @@ def measure_draft(model, seqs: list[tuple], depth: int) -> dict:
                 alive &= hit
                 chain[s] += alive.sum()
             states += len(ns)
-    from sieve.spec.distill import acceptance_summary
-
     return acceptance_summary(right, chain, states)
 
 
@@ -109,8 +109,6 @@ def train_draft(model, train: list[tuple], held: list[tuple], depth: int, epochs
                 seed: int) -> list[dict]:
     """Cross-entropy on the target's greedy next token at every answer position (and the last prompt one), the
     embeddings and head frozen. Returns the history: loss and held-out measurements per epoch."""
-    from sieve.spec.distill import warmup_decay
-
     torch.manual_seed(seed)
     model.get_input_embeddings().weight.requires_grad_(False)
     model.get_output_embeddings().weight.requires_grad_(False)

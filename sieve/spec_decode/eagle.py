@@ -6,7 +6,7 @@ reads) and the embedding of the token x_{t+1} sampled from it, and predicts the 
 vocabulary head (the most written tokens, initialised from the target's LM-head rows, EAGLE-3's reduced vocabulary)
 turns that into a guess of x_{t+2}. Drafting the next token feeds the layer its own predicted feature and guess.
 
-- Training (`sieve distill --method eagle`, sieve/spec/distill.py) runs the layer on whole sequences of the
+- Training (`sieve distill --method eagle`, sieve/train/distill.py) runs the layer on whole sequences of the
   target's own answers, unrolled for `depth` drafting steps at once (EAGLE-3's "training-time test"): level s
   sees the target's features up to s positions back and its own predictions after them, exactly what draft
   token s + 1 sees when served. The mask that says so is `unroll_mask`.
@@ -32,8 +32,8 @@ from torch.nn import functional as F
 
 from sieve.layers.rotary import rotate_half_form
 from sieve.sequence import Sequence
-from sieve.spec.folder import read_config, save_folder
-from sieve.spec.proposer import Draft
+from sieve.spec_decode.folder import read_config, save_folder
+from sieve.spec_decode.proposer import Draft, ProposerBase
 
 WEIGHTS = "eagle.safetensors"
 MAX_CATCH_UP = 64  # positions: a context left this far behind restarts at its last ones (the prompt is always whole)
@@ -220,7 +220,7 @@ class EagleLayer(nn.Module):
         return layer.to(device=device, dtype=dtype).eval(), config
 
 
-class _SeqState:
+class SeqState:
     """One sequence's draft context: the layer's K/V for positions base .. base + n - 1 (entered from the target's
     features), and features at positions pend_start .. not entered yet."""
 
@@ -256,7 +256,7 @@ class _SeqState:
         self.pend_n = need
 
 
-class EagleProposer:
+class EagleProposer(ProposerBase):
     """Drafts k tokens per sequence with the EAGLE layer: the committed positions' features enter each sequence's
     draft cache in one batched pass, then each further draft token is one batched pass of the layer."""
 
@@ -275,7 +275,7 @@ class EagleProposer:
         if device.type == "cpu" and dtype == torch.float32:
             self._int8_linears()
         self.embed, self.dtype, self.device = embed, dtype, device
-        self.states: dict[int, _SeqState] = {}
+        self.states: dict[int, SeqState] = {}
         self._chain_masks: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _int8_linears(self) -> None:
@@ -299,14 +299,14 @@ class EagleProposer:
         will be rejected: only positions below the sequence's computed tokens are ever entered)."""
         st = self.states.get(id(seq))
         if st is None:
-            st = self.states[id(seq)] = _SeqState(start)
+            st = self.states[id(seq)] = SeqState(start)
         if start < st.entered:  # recomputed after preemption: those positions are in the cache already
             rows, start = rows[st.entered - start:], st.entered
             if not len(rows):
                 return
         have = st.pend_start + st.pend_n
         if start > have:  # positions nobody computed (cannot follow entered ones): start the context again here
-            st = self.states[id(seq)] = _SeqState(start)
+            st = self.states[id(seq)] = SeqState(start)
             have = start
         if not st.pend_n:
             st.pend_start = start
@@ -326,7 +326,7 @@ class EagleProposer:
                 # Not asked for a long while ("auto" chose k = 0; now a probe): restart the context at the last
                 # MAX_CATCH_UP positions rather than enter every one missed, so what a probe costs stays bounded.
                 start = upto - MAX_CATCH_UP
-                fresh = _SeqState(start)
+                fresh = SeqState(start)
                 fresh.hold(start, st.pend[start - st.pend_start: st.pend_n])
                 self.states[id(seq)] = st = fresh
             batch.append((i, st, upto - st.entered))

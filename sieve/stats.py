@@ -1,0 +1,49 @@
+"""A snapshot of the engine's counters, handed out by `LLMEngine.stats()` (as vLLM's SchedulerStats): what /metrics
+and benchmarks read, so that none of them reaches into the scheduler, the block manager or the speculator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """Per direction (save, load) and per reason (fallbacks, refused)."""
+
+    bytes: dict = field(default_factory=dict)
+    blocks: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    fallbacks: dict = field(default_factory=dict)
+    refused: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StructuredStats:
+    mask_seconds: float = 0.0
+    num_masked_steps: int = 0
+    num_masked_rows: int = 0
+    grammars_compiled: int = 0
+    grammar_cache_hits: int = 0
+    compile_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0 to 1
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    prefix_cache_blocks: int
+    structured: StructuredStats
+    spec_decode: SpecDecodeStats | None = None  # None: speculation off
+    kv_transfer: KVTransferStats | None = None  # None: no KV transfer
