@@ -48,7 +48,7 @@ bench-peers: $(STAMP)
 		--input-len 64:256 --output-len 64:128 --output-json bench-out/peers.json --plot bench-out/peers.png
 
 # the default model's GGUF file (Q4_1) and its f16/bf16/q8_0 re-encodings on sieve and llama.cpp: batch-1 decode
-# against llama-bench, then the serving sweep against llama-server (docs/benchmarks.md, issue 13)
+# against llama-bench, then the serving sweep against llama-server (docs/design-notes.md, issue 13)
 SMOL_GGUF = $$($(BIN)/python -c "from sieve.models.default import default_model_path as p; print(p())")
 bench-smollm2: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[peers]"

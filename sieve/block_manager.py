@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from sieve.sequence import Sequence
 
@@ -28,6 +29,27 @@ PAD = -1  # a table entry whose block was given back (it left every sliding laye
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class BlockFork:
+    """A copy-on-write fork of `source`'s blocks at position `start`: it shares the source's blocks before the one
+    holding `start` (`shared`) and owns `blocks` from there on; `copies` (group, source block, destination) give its
+    first own block the source's positions before `start` in that block. A fork is adopted, by its source (a draft
+    tree's chain that verification kept) or by a new sequence (a choice forked after its sibling's prompt; a beam),
+    or released. `inner`: the fork of another KV-cache group's pool; `state_slot`: a recurrent state slot of its own."""
+
+    source: Sequence
+    start: int
+    shared: list[int]
+    blocks: list[int]
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    inner: BlockFork | None = None
+    state_slot: int = -1
+
+    @property
+    def table(self) -> list[int]:
+        return self.shared + self.blocks
 
 
 class BlockManager:
@@ -172,58 +194,44 @@ class BlockManager:
         getattr(seq, self.TABLE).extend(self._new_blocks(need))
         return True
 
-    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
-        """When `child` is to be forked from `parent`, whose first `num_tokens` tokens this step computes: the
-        block copies (group, source, destination) that give it its own copy of their partial last block after
-        the step (none when they end on a block boundary), or False (nothing changed) when no block is free."""
-        assert not getattr(child, self.TABLE)
-        if num_tokens % self.block_size == 0:
-            return []
-        if not self.num_free_blocks:
-            return False
-        setattr(child, self.TABLE, self._new_blocks(1))
-        return [(self.GROUP, getattr(parent, self.TABLE)[num_tokens // self.block_size], getattr(child, self.TABLE)[0])]
-
-    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        """After that step: `child` shares `parent`'s full blocks of those tokens (before its reserved one),
-        so no block is shared while it is being written."""
-        full = num_tokens // self.block_size
-        shared = getattr(parent, self.TABLE)[:full]
-        for block in shared:
-            if block != PAD:
-                self.ref_counts[block] += 1
-        setattr(child, self.TABLE, shared + getattr(child, self.TABLE))
-        child.block_hashes = list(parent.block_hashes[:full])
-        setattr(child, self.REGISTERED, min(getattr(parent, self.REGISTERED), full))
-        child.num_computed_tokens = num_tokens
-
-    def reserve_branch(self, seq: Sequence, start: int, end: int) -> tuple[list[int], list[int], list[tuple[int, int, int]]] | bool:
-        """Blocks for another chain of `seq`'s draft tree, whose rows are positions start .. end - 1 (`start` the
-        sequence's next position to compute): its table (the sequence's blocks before the one holding `start`, then
-        fresh ones), the fresh blocks, and the copy (group, source, destination) that gives the first of them the
-        sequence's positions before `start` in that block, to be done before the step. False (nothing changed) when
-        the pool is short."""
+    def fork(self, seq: Sequence, start: int, end: int) -> BlockFork | None:
+        """A copy-on-write fork of `seq`'s table at position `start` with room up to position `end` (exclusive): the
+        blocks before the one holding `start` shared, fresh blocks from there, and the copy of `seq`'s positions
+        before `start` in that block (done by the runner in the step that writes them: before the forward pass for a
+        draft chain, after it for a choice whose sibling's prompt that step computes). None (nothing changed) when the
+        pool is short."""
         first = start // self.block_size
-        need = self.blocks_needed(end) - first
+        need = max(self.blocks_needed(end), first + (1 if start % self.block_size else 0)) - first
         if need > self.num_free_blocks:
-            return False
+            return None
         blocks = self._new_blocks(need)
         table = getattr(seq, self.TABLE)
         copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
-        return table[:first] + blocks, blocks, copies
+        return BlockFork(seq, start, table[:first], blocks, copies)
 
-    def release_branch(self, blocks: list[int]) -> None:
-        """A draft branch's blocks, not kept."""
-        self._release(blocks)
+    def adopt(self, seq: Sequence, f: BlockFork) -> None:
+        """`seq` continues on the fork `f`. Its source: its own blocks from the one holding `start` (private to it, being
+        written) give way to the fork's. Another sequence (with no blocks yet): it shares the source's blocks before
+        `start` and takes the fork's, and with them the source's first `start` tokens as computed."""
+        first = f.start // self.block_size
+        if seq is f.source:
+            table = getattr(seq, self.TABLE)
+            self._forget_own(table[first:], "a draft branch replaces")
+            self._release(table[first:])
+            table[first:] = f.blocks
+            return
+        assert not getattr(seq, self.TABLE)
+        for block in f.shared:
+            if block != PAD:
+                self.ref_counts[block] += 1
+        setattr(seq, self.TABLE, f.shared + f.blocks)
+        seq.block_hashes = list(f.source.block_hashes[:first])
+        setattr(seq, self.REGISTERED, min(getattr(f.source, self.REGISTERED), first))
+        seq.num_computed_tokens = f.start
 
-    def adopt_branch(self, seq: Sequence, start: int, blocks: list[int]) -> None:
-        """`seq` continues with the chain of a draft branch reserved at `start`: its blocks from the one holding `start`
-        (its own, being written, are private to it) give way to the branch's."""
-        first = start // self.block_size
-        table = getattr(seq, self.TABLE)
-        self._forget_own(table[first:], "a draft branch replaces")
-        self._release(table[first:])
-        table[first:] = blocks
+    def release(self, f: BlockFork) -> None:
+        """A fork not adopted: its own blocks go back."""
+        self._release(f.blocks)
 
     def commit(self, seq: Sequence) -> None:
         """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
@@ -392,14 +400,24 @@ class HybridBlockManager(BlockManager):
         # all or nothing per group; blocks a group took stay with the sequence (used on the next try, freed with it)
         return super().allocate(seq, num_tokens) and self.window.allocate(seq, num_tokens)
 
-    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
-        if num_tokens % self.block_size and (not super().num_free_blocks or not self.window.num_free_blocks):
-            return False
-        return super().reserve_fork(parent, child, num_tokens) + self.window.reserve_fork(parent, child, num_tokens)
+    def fork(self, seq: Sequence, start: int, end: int) -> BlockFork | None:
+        f = super().fork(seq, start, end)
+        if f is None:
+            return None
+        f.inner = self.window.fork(seq, start, end)
+        if f.inner is None:
+            super().release(f)
+            return None
+        f.copies = f.copies + f.inner.copies
+        return f
 
-    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        super().fork(parent, child, num_tokens)
-        self.window.fork(parent, child, num_tokens)
+    def adopt(self, seq: Sequence, f: BlockFork) -> None:
+        super().adopt(seq, f)
+        self.window.adopt(seq, f.inner)
+
+    def release(self, f: BlockFork) -> None:
+        super().release(f)
+        self.window.release(f.inner)
 
     def commit(self, seq: Sequence) -> None:
         super().commit(seq)
@@ -446,12 +464,26 @@ class RecurrentBlockManager(BlockManager):
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1
 
-    def reserve_fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int, int]] | bool:
-        if not self.free_slots or (num_tokens % self.block_size and not self.num_free_blocks):
-            return False
-        copies = super().reserve_fork(parent, child, num_tokens)
-        child.state_slot = self.free_slots.popleft()
-        return copies + [(STATE_GROUP, parent.state_slot, child.state_slot)]
+    def fork(self, seq: Sequence, start: int, end: int) -> BlockFork | None:
+        """A forked choice's blocks and a state slot of its own, given a copy of its sibling's state after the prompt."""
+        if not self.free_slots:
+            return None
+        f = super().fork(seq, start, end)
+        if f is None:
+            return None
+        f.state_slot = self.free_slots.popleft()
+        f.copies = f.copies + [(STATE_GROUP, seq.state_slot, f.state_slot)]
+        return f
+
+    def adopt(self, seq: Sequence, f: BlockFork) -> None:
+        super().adopt(seq, f)
+        if seq is not f.source:
+            seq.state_slot = f.state_slot
+
+    def release(self, f: BlockFork) -> None:
+        super().release(f)
+        if f.state_slot >= 0:
+            self.free_slots.append(f.state_slot)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         raise RuntimeError("a recurrent state cannot be rolled back: speculative decoding is off for this model")

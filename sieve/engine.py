@@ -95,8 +95,31 @@ class LLMEngine:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
             torch.set_num_threads(config.num_threads or max(1, default_num_threads() // max(1, local_ranks)))
         torch.manual_seed(config.seed)
+        ckpt = self._open(config)
+        self._fit_config(config)
+        self._load(ckpt, config)
+        self._build_cache(ckpt.path, config)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.kv_connector = self._kv_connector(ckpt) if config.kv_role is not None or config.kv_transfer_config is not None else None
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype,
+                                               config.max_model_len, config.max_num_batched_tokens, self._draft_engine)
+            if config.speculative_config.auto:
+                calibrate_step_cost(self.speculator, self.runner, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
+                                    self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        # Everything loaded so far lives as long as the engine: keep it out of the cyclic collector's passes,
+        # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
+        gc.collect()
+        gc.freeze()
+
+    def _open(self, config: EngineConfig):
+        """The checkpoint, and what its config says: the architecture, the dtype, the tokenizer, the EOS ids."""
         ckpt = open_checkpoint(config.model, config.revision, dequantize=config.dequantize)
-        path = ckpt.path
         overrides = config.parsed_hf_overrides()
         if overrides:
             log.info("config fields overridden (hf_overrides): %s", overrides)
@@ -110,9 +133,11 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(eos)
+        return ckpt
 
-        max_len = config.max_model_len or self.arch.max_position_embeddings
-        config.max_model_len = max_len
+    def _fit_config(self, config: EngineConfig) -> None:
+        """The context length, checked; what a model with recurrent layers cannot do, refused or turned off."""
+        config.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         config.validate()
         if self.arch.has_recurrent_state:
             if config.speculative_config is not None:
@@ -122,7 +147,9 @@ class LLMEngine:
                 log.info("prefix caching is off for this model: its Mamba-2 layers' state is not kept per block")
                 config.enable_prefix_caching = False
 
-        self.tp_workers = None  # tensor parallelism: the other ranks (sieve/distributed); this process is rank 0
+    def _load(self, ckpt, config: EngineConfig) -> None:
+        """The tensor-parallel ranks (this process is rank 0), the model (this rank's shard) and its runner."""
+        self.tp_workers = None
         local_arch = self.arch
         if config.tensor_parallel_size > 1:
             from sieve.distributed import TensorParallelWorkers, check_shardable, shard_arch
@@ -131,7 +158,7 @@ class LLMEngine:
             self.tp_workers = TensorParallelWorkers.start(config, self.device)
             local_arch = shard_arch(self.arch, config.tensor_parallel_size)
         try:
-            model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=max_len,
+            model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=config.max_model_len,
                                quantization=config.quantization, group_size=config.quantization_group_size,
                                quantize_lm_head=config.quantize_lm_head, greedy_head=config.greedy_head_sketch,
                                tp=self.tp_workers.group if self.tp_workers else None)
@@ -143,36 +170,23 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _build_cache(self, path, config: EngineConfig) -> None:
+        """The block manager over the runner's pool; the context length capped to what the pool holds for one
+        sequence; FP8 KV scales calibrated where the checkpoint gives none."""
         # Blocks are only shared within one engine's pool, but the namespace still names what their
         # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
         namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
         self.block_manager = build_block_manager(self.arch, self.runner.num_blocks, self.runner.num_window_blocks, config.block_size,
                                                  config.max_num_seqs, config.enable_prefix_caching, namespace)
         capacity = self.runner.num_blocks * config.block_size
-        if max_len > capacity:  # never advertise a context the KV pool cannot hold for even one sequence
+        if config.max_model_len > capacity:  # never advertise a context the KV pool cannot hold for even one sequence
             log.warning("max_model_len %d capped to %d: the KV cache holds %d blocks of %d tokens (give it more memory "
                         "with --kv-cache-memory-gb for longer contexts)",
-                        max_len, capacity, self.runner.num_blocks, config.block_size)
-            max_len = config.max_model_len = capacity
+                        config.max_model_len, capacity, self.runner.num_blocks, config.block_size)
+            config.max_model_len = capacity
         if self.runner.kv_needs_calibration:
             self._calibrate_kv()
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.kv_connector = self._kv_connector(ckpt) if config.kv_role is not None or config.kv_transfer_config is not None else None
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
-        self.speculator = None
-        if config.speculative_config is not None:
-            self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype, max_len,
-                                               config.max_num_batched_tokens, self._draft_engine)
-            if config.speculative_config.auto:
-                calibrate_step_cost(self.speculator, self.runner, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
-                                    self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
-        self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
-        self.num_steps = 0
-        # Everything loaded so far lives as long as the engine: keep it out of the cyclic collector's passes,
-        # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
-        gc.collect()
-        gc.freeze()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the KV-transfer server, where there are any. The engine cannot step
@@ -413,7 +427,7 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         """Requests with a sequence waiting (a request of n choices counts once, as vLLM's metric does)."""
-        return len({id(seq.request) for seq in self.scheduler.waiting})
+        return len({seq.request.request_id for seq in self.scheduler.waiting})
 
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32) at every position of `token_ids`, for evaluation. Runs between
@@ -447,12 +461,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        auto = self.speculator is not None and self.speculator.config.auto  # the adaptive depth times every step
-        keys = sched.decode_keys() if auto else 0
+        keys = self.speculator.step_keys(sched) if self.speculator is not None else None
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # the requests of this step are lost; the rest of the engine is intact...
-            self.scheduler.discard_branches(sched)
+            self.scheduler.discard_forks(sched)
             failed = list(dict.fromkeys(item.seq.request.request_id for item in sched.scheduled))
             for rid in failed:
                 self.abort(rid)
@@ -466,7 +479,7 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         finished: list[Sequence] = []
-        drafted = {id(item.seq): item for item in sched.scheduled if item.draft}
+        drafted = {item.seq: item for item in sched.scheduled if item.draft}
         for seq, tokens, logprobs in result.sampled:
             req = seq.request
             if req.metrics.first_token_time is None:
@@ -482,7 +495,7 @@ class LLMEngine:
                         self._advance_grammar(seq, token_id)
                     if seq.finish_reason is not None:
                         break
-                item = drafted.get(id(seq))
+                item = drafted.get(seq)
                 if item is not None:
                     # Drafts accepted by verification (the metric), and those now part of the sequence (their K/V stays).
                     self.speculator.record(seq, len(item.draft), len(tokens) - 1, sum(len(b.draft) for b in item.branches),
@@ -509,10 +522,8 @@ class LLMEngine:
             if out.finished and req.kv_export and self.kv_connector is not None:  # its blocks are still cached
                 out.kv_transfer_params = self._export(req)
             outputs.append(out)
-        if self.speculator is not None:  # only the adaptive depth uses step times and the coming prefill
-            if auto:  # the target's step alone: the speculator times its proposer's drafting separately
-                self.speculator.observe_step(sched.num_batched_tokens, time.perf_counter() - started, keys)
-            self.speculator.prepare(self.scheduler.running, self._prefill_tokens_next() if auto else 0)
+        if self.speculator is not None:
+            self.speculator.after_step(sched, time.perf_counter() - started, keys, self.scheduler.running, self._prefill_tokens_next)
         for out in outputs:  # unregistered last: whatever raised above, a failure still finds every request it must fail
             if out.finished:
                 del self.requests[out.request_id]

@@ -26,10 +26,10 @@ from sieve.layers.mamba import RecurrentMetadata, RecurrentState
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
-from sieve.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample, sample_greedy
+from sieve.sampler import SamplerOutput, SamplingMetadata, logprob_dicts, logprobs_of, sample, sample_greedy
 from sieve.scheduler import ScheduledSeq, SchedulerOutput
 from sieve.sequence import Sequence
-from sieve.spec_decode.rejection import verify_deterministic, verify_with_q
+from sieve.spec_decode.step import SampleGroup, SamplePlan, verify
 from sieve.structured import GrammarCompiler, apply_bitmask
 
 log = logging.getLogger("sieve")
@@ -251,7 +251,6 @@ class ModelRunner:
         return meta
 
     # ---- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def keep_hidden_states(self, mode: str | None, aux_layers: tuple[int, ...] = ()) -> None:
         """What a speculative proposer drafts from: the hidden state of each sequence's "last" row, or of "all" its rows
         (StepResult.hidden), with EAGLE-3's `aux_layers` (the residual stream after them beside the last hidden state);
@@ -260,30 +259,12 @@ class ModelRunner:
             raise ValueError(f"keep_hidden_states: {mode!r} is not None, 'last' or 'all'")
         self.keep_hidden, self.aux_hidden_layers = mode, tuple(aux_layers)
 
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        # Decode rows first (a decode and its drafts), then prefill chunks.
+        """One step: lay the scheduled sequences out as one flat batch (decode rows first, a decode and its drafts
+        together, then prefill chunks), run the model, sample, and verify whatever was drafted."""
         items = sorted(sched.scheduled, key=lambda s: not s.is_decode)
-        input_ids, positions, writes, decodes, prefills = [], [], [], [], []
-        bs = self.block_size
-        for item in items:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            row = len(input_ids)
-            input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
-            positions += range(start, end)
-            writes.append((seq, start, end))
-            if item.is_decode:  # a decode and its drafts: rows of one table (the kernel walks it once for them all)
-                decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
-                for branch in item.branches:  # a draft tree's other chains: the last token again, then the chain
-                    b_end = start + branch.num_rows
-                    input_ids += seq.token_ids[start : start + 1] + branch.draft
-                    positions += range(start, b_end)
-                    writes.append((branch, start, b_end))
-                    decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
-            else:
-                prefills.append((row, item.num_new_tokens, end, seq))
-        meta = self.metadata(writes, decodes, prefills)
-
+        input_ids, positions, meta = self._layout(items)
         if sched.branch_copies:  # draft branches start from a copy of their sequence's partial last block
             self.copy_blocks(sched.branch_copies)
         aux_layers = self.aux_hidden_layers if self.keep_hidden == "all" else ()
@@ -295,93 +276,72 @@ class ModelRunner:
             features = torch.cat([hidden, aux], dim=1)
         if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
             self.copy_blocks(sched.block_copies)
-        # Rows to sample: the last token of each item that reaches its sequence's end (once more for each choice
-        # forked from it, which samples from the same logits), and each drafted position after it, sampled as
-        # if the drafts before it were already generated (`pending`).
-        # A draft tree's other chains sample their drafted rows only (their first row is the sequence's own last
-        # token again): `chains[id(item)]` lists, per chain, the sampled rows of its positions 0 .. len(draft).
-        seqs, pending, sample_rows, groups, row, prompt_lps = [], [], [], [], 0, []
-        chains, first_rows = {}, []  # first_rows: (item, its first row, each branch's first row)
-        for item in items:
-            if item.seq.needs_prompt_logprobs:
-                prompt_lps += self._prompt_logprobs(item, hidden, row)
-            last = row + item.num_real_tokens - 1
-            branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens)) \
-                if item.branches else []
-            first_rows.append((item, row, branch_rows))
-            row += item.num_rows
-            if not item.samples:
-                continue
-            own = len(seqs)
-            for seq in [item.seq, *item.forks]:
-                first = len(seqs)
-                for j in range(len(item.draft) + 1 if seq is item.seq else 1):
-                    seqs.append(seq)
-                    pending.append(item.draft[:j])
-                    sample_rows.append(last + j)
-                groups.append((seq, item if seq is item.seq else None, first))
-            if item.branches:  # (drafts, so a decode: no forks)
-                chains[id(item)] = [range(own, own + len(item.draft) + 1)]
-                for branch, b_row in zip(item.branches, branch_rows):
-                    b_first = len(seqs)
-                    for j in range(1, branch.num_rows):
-                        seqs.append(item.seq)
-                        pending.append(branch.draft[:j])
-                        sample_rows.append(b_row + j)
-                    chains[id(item)].append([chains[id(item)][0][0], *range(b_first, len(seqs))])
-        if not seqs:
+        plan, prompt_lps, first_rows = self._plan_samples(items, hidden)
+        if not plan.seqs:
             return StepResult([], prompt_lps, hidden=self._kept_hidden(first_rows, features))
-        sampled_hidden = hidden[sample_rows]
-        mask_seconds, masked, meta_s = 0.0, 0, None
-        with_q = any(item is not None and item.draft_probs is not None and not seq.params.greedy for seq, item, _ in groups)
-        grammars, plain = any(s.grammar is not None for s in seqs), SamplingMetadata.plain_greedy(seqs, pending)
-        if plain and not grammars:  # the raw argmax: the logits themselves are not needed
-            out = SamplerOutput(self.model.greedy_tokens(sampled_hidden), None, None, None, None)
-        else:
-            logits = self.model.compute_logits(sampled_hidden)
-            if grammars:
-                mask_seconds, masked = self._apply_grammars(logits, groups)
-            if plain:
-                out = sample_greedy(logits)
-            else:
-                meta_s = SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device, pending)
-                out = sample(logits, meta_s, self.generator, keep_probs=with_q)
-        targets = out.token_ids.tolist()
-        wanted = [s.params.logprobs for s in seqs]
-        lp_dicts = _logprob_dicts(out, wanted)
-        result, last_rows = [], []
-        for seq, item, first in groups:
-            if item is None or not item.draft:
-                result.append((seq, [targets[first]], [lp_dicts[first]]))
-                last_rows.append(first)
-                continue
-            k, target = len(item.draft), targets[first : first + len(item.draft) + 1]
-            if item.draft_probs is not None and not seq.params.greedy:
-                emitted = verify_with_q(item.draft, item.draft_probs, out.probs[first : first + k + 1], target,
-                                        meta_s.seeds[first : first + k + 1], self.generator)
-                n = seq.params.logprobs
-                if emitted[-1] != target[len(emitted) - 1] and n is not None:  # a residual draw: report it, not the target's
-                    i = first + len(emitted) - 1
-                    chosen = torch.tensor([emitted[-1]], device=self.device)
-                    lp_dicts[i] = _logprob_dicts(logprobs_of(out.raw_logprobs[i : i + 1], chosen, n), [n])[0]
-            elif item.branches:  # a draft tree: the chain with the longest accepted prefix goes on (the first of equals)
-                drafts = [item.draft] + [b.draft for b in item.branches]
-                verified = [verify_deterministic(d, [targets[i] for i in rows]) for d, rows in zip(drafts, chains[id(item)])]
-                item.chain_accepted = [len(v) - 1 for v in verified]
-                item.chosen_branch = max(range(len(drafts)), key=lambda c: (len(verified[c]), -c))
-                emitted, rows = verified[item.chosen_branch], chains[id(item)][item.chosen_branch]
-                result.append((seq, emitted, [lp_dicts[i] for i in rows[: len(emitted)]]))
-                last_rows.append(rows[len(emitted) - 1])
-                continue
-            else:
-                emitted = verify_deterministic(item.draft, target)
-            result.append((seq, emitted, lp_dicts[first : first + len(emitted)]))
-            last_rows.append(first + len(emitted) - 1)
+        sampled_hidden = hidden[plan.rows]
+        out, meta_s, mask_seconds, masked = self._sample(plan, sampled_hidden)
+        result, last_rows = verify(plan, out, meta_s.seeds if meta_s is not None else None, self.generator)
         kept = self._kept_hidden(first_rows, features)
         if self.keep_hidden == "last":  # the row that sampled each sequence's last emitted token, at its position
             rows = sampled_hidden.index_select(0, torch.tensor(last_rows, device=self.device))
             kept = [(seq, seq.num_tokens + len(emitted) - 2, rows[i: i + 1]) for i, (seq, emitted, _) in enumerate(result)]
         return StepResult(result, prompt_lps, mask_seconds, masked, kept)
+
+    def _layout(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], AttentionMetadata]:
+        """The step's token ids, positions and attention metadata. A decode and its drafts are rows of one table
+        (the kernel walks it once for them all); a draft tree's other chains follow as the last token again, then
+        the chain, each in blocks of its own."""
+        input_ids, positions, writes, decodes, prefills = [], [], [], [], []
+        bs = self.block_size
+        for item in items:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            row = len(input_ids)
+            input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
+            positions += range(start, end)
+            writes.append((seq, start, end))
+            if not item.is_decode:
+                prefills.append((row, item.num_new_tokens, end, seq))
+                continue
+            decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
+            for branch in item.branches:
+                b_end = start + branch.num_rows
+                input_ids += seq.token_ids[start : start + 1] + branch.draft
+                positions += range(start, b_end)
+                writes.append((branch, start, b_end))
+                decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
+        return input_ids, positions, self.metadata(writes, decodes, prefills)
+
+    def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:
+        """The rows to sample (the last token of each item that reaches its sequence's end, and its drafted
+        positions: SamplePlan), the prompt logprobs asked for, and each item's first row (and its chains')."""
+        plan, prompt_lps, first_rows, row = SamplePlan(), [], [], 0
+        for item in items:
+            if item.seq.needs_prompt_logprobs:
+                prompt_lps += self._prompt_logprobs(item, hidden, row)
+            branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens)) \
+                if item.branches else []
+            first_rows.append((item, row, branch_rows))
+            if item.samples:
+                plan.add(item, row + item.num_real_tokens - 1, branch_rows)
+            row += item.num_rows
+        return plan, prompt_lps, first_rows
+
+    def _sample(self, plan: SamplePlan, sampled_hidden: torch.Tensor):
+        """(SamplerOutput, its SamplingMetadata or None, grammar mask seconds, rows masked). Plain greedy rows without
+        a grammar take the raw argmax: their logits are never needed."""
+        seqs, mask_seconds, masked, meta_s = plan.seqs, 0.0, 0, None
+        grammars, plain = any(s.grammar is not None for s in seqs), SamplingMetadata.plain_greedy(seqs, plan.pending)
+        if plain and not grammars:
+            return SamplerOutput(self.model.greedy_tokens(sampled_hidden), None, None, None, None), None, 0.0, 0
+        logits = self.model.compute_logits(sampled_hidden)
+        if grammars:
+            mask_seconds, masked = self._apply_grammars(logits, plan.groups)
+        if plain:
+            return sample_greedy(logits), None, mask_seconds, masked
+        meta_s = SamplingMetadata.from_seqs(seqs, self.eos_token_ids, logits.shape[-1], self.device, plan.pending)
+        return sample(logits, meta_s, self.generator, keep_probs=plan.with_draft_probs()), meta_s, mask_seconds, masked
 
     def _kept_hidden(self, first_rows: list, hidden: torch.Tensor) -> list:
         """keep_hidden "all": each scheduled sequence's rows (those of the draft chain verification kept)."""
@@ -396,16 +356,16 @@ class ModelRunner:
             kept += [(seq, item.seq.num_computed_tokens, hidden[row: row + n]) for seq in [item.seq, *item.forks]]
         return kept
 
-    def _apply_grammars(self, logits: torch.Tensor, groups: list) -> tuple[float, int]:
+    def _apply_grammars(self, logits: torch.Tensor, groups: list[SampleGroup]) -> tuple[float, int]:
         """Structured outputs: forbid, in each constrained row, every token its grammar does not allow next (a
         drafted row: after the drafts before it). Returns the time it took and the rows masked."""
         started = time.perf_counter()
         fills, rows = [], []
-        for seq, item, first in groups:
-            if seq.grammar is not None:
-                draft = item.draft if item is not None else []
-                fills.append((seq.grammar, first, draft))
-                rows += range(first, first + len(draft) + 1)
+        for g in groups:
+            if g.seq.grammar is not None:
+                draft = g.item.draft if g.item is not None else []
+                fills.append((g.seq.grammar, g.first, draft))
+                rows += range(g.first, g.first + len(draft) + 1)
         mask = self.grammars.fill_bitmask(fills, logits.shape[0])
         apply_bitmask(logits, mask, rows)
         return time.perf_counter() - started, len(rows)
@@ -459,7 +419,7 @@ class ModelRunner:
             b = min(a + rows_per_pass, hi)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + a - start : row + b - start]), dim=-1)
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
-            dicts += _logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
+            dicts += logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
         return [(seq, lo + 1, dicts)] if dicts else []
 
 
@@ -511,21 +471,3 @@ def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 
     hidden = runner.model(torch.zeros(num_rows, dtype=torch.int64, device=dev), positions, runner.caches, meta)
     runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
     return time.perf_counter() - t0
-
-
-def _logprob_dicts(out: SamplerOutput, wanted: list[int | None]) -> list[dict[int, Logprob] | None]:
-    if out.logprobs is None:
-        return [None] * len(wanted)
-    chosen_ids, chosen_lp, ranks = out.token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    result: list[dict[int, Logprob] | None] = []
-    for i, n in enumerate(wanted):
-        if n is None:
-            result.append(None)
-            continue
-        d = {chosen_ids[i]: Logprob(chosen_lp[i], ranks[i])}
-        for r in range(n):
-            d.setdefault(top_ids[i][r], Logprob(top_lp[i][r], r + 1))
-        result.append(d)
-    return result

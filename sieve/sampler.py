@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sieve.outputs import Logprob
 from sieve.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -233,3 +234,22 @@ def draw_seed(seed: int, choice: int, position: int) -> int:
     (choice i of seed s was once choice 0 of seed s + i)."""
     key = b"".join(int(x).to_bytes(16, "little", signed=True) for x in (seed, choice, position))
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def logprob_dicts(out: SamplerOutput, wanted: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """Per row, the chosen token's Logprob and the top `wanted[i]` (None where a row wants none)."""
+    if out.logprobs is None:
+        return [None] * len(wanted)
+    chosen_ids, chosen_lp, ranks = out.token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result: list[dict[int, Logprob] | None] = []
+    for i, n in enumerate(wanted):
+        if n is None:
+            result.append(None)
+            continue
+        d = {chosen_ids[i]: Logprob(chosen_lp[i], ranks[i])}
+        for r in range(n):
+            d.setdefault(top_ids[i][r], Logprob(top_lp[i][r], r + 1))
+        result.append(d)
+    return result

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sieve.block_manager import BlockManager
+from sieve.block_manager import BlockFork, BlockManager
 from sieve.config import EngineConfig
 from sieve.sequence import Sequence, SequenceStatus
 
@@ -25,13 +25,16 @@ from sieve.sequence import Sequence, SequenceStatus
 @dataclass
 class DraftBranch:
     """Another chain of a draft tree, verified beside the sequence's own: rows of the sequence's last token and
-    `draft` after it, written to blocks of its own (`blocks`, after the sequence's full blocks in `block_table`), the
-    first a copy of the sequence's partial last block. If it is the chain verification keeps, the sequence adopts its
-    blocks; otherwise they are given back."""
+    `draft` after it, written to a copy-on-write fork of the sequence's blocks (`fork`: the sequence's full blocks,
+    then blocks of its own, the first a copy of its partial last block). If it is the chain verification keeps, the
+    sequence adopts the fork; otherwise it is released."""
 
     draft: list[int]
-    block_table: list[int]
-    blocks: list[int]
+    fork: BlockFork
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.fork.table
 
     @property
     def num_rows(self) -> int:
@@ -48,8 +51,9 @@ class ScheduledSeq:
     draft_probs: Any = None
     num_accepted: int = 0
     # Sibling choices forked from `seq` at the end of its prompt: they take its K/V and sample their first
-    # token from the same logits (n > 1 prefills the prompt once).
+    # token from the same logits (n > 1 prefills the prompt once); each adopts its BlockFork after the step.
     forks: list[Sequence] = field(default_factory=list)
+    choice_forks: list[BlockFork] = field(default_factory=list)
     # A draft tree's other chains (rows after the sequence's own), and which chain verification kept (0: the
     # sequence's own draft, b: branches[b - 1]), set by the model runner.
     branches: list[DraftBranch] = field(default_factory=list)
@@ -93,17 +97,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    def decode_keys(self) -> int:
-        """Keys the step's decode rows attend to (each row its context up to itself, drafted rows included);
-        prefill chunks are left out. Read before the step runs: it counts from the tokens computed so far."""
-        keys = 0
-        for s in self.scheduled:
-            c = s.seq.num_computed_tokens
-            if s.num_real_tokens == 1 and c == s.seq.num_tokens - 1:
-                for n in [s.num_new_tokens] + [b.num_rows for b in s.branches]:
-                    keys += n * c + n * (n + 1) // 2
-        return keys
 
 
 class Scheduler:
@@ -211,32 +204,32 @@ class Scheduler:
                 continue
             if 1 + len(alt) > budget - taken:
                 break
-            reserved = self.blocks.reserve_branch(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1 + len(alt))
-            if reserved is False:
+            fork = self.blocks.fork(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1 + len(alt))
+            if fork is None:
                 break
-            table, blocks, copies = reserved
             seen.add(tuple(alt))
-            item.branches.append(DraftBranch(alt, table, blocks))
-            out.branch_copies += copies
+            item.branches.append(DraftBranch(alt, fork))
+            out.branch_copies += fork.copies
             taken += 1 + len(alt)
         return taken
 
-    def discard_branches(self, out: SchedulerOutput) -> None:
-        """Give back every draft branch's blocks of a step that did not run to its end (it failed)."""
+    def discard_forks(self, out: SchedulerOutput) -> None:
+        """Give back every fork of a step that did not run to its end (it failed): draft branches' and forked choices'."""
         for item in out.scheduled:
-            for b in item.branches:
-                self.blocks.release_branch(b.blocks)
-            item.branches = []
+            for f in [b.fork for b in item.branches] + item.choice_forks:
+                self.blocks.release(f)
+            item.branches, item.choice_forks = [], []
 
     def _fork(self, item: ScheduledSeq, out: SchedulerOutput) -> None:
         parent, unforked = item.seq, item.seq.request.unforked
         end = parent.num_computed_tokens + item.num_real_tokens
         while unforked and len(self.running) < self.config.max_num_seqs:
-            copies = self.blocks.reserve_fork(parent, unforked[0], end)
-            if copies is False:
+            fork = self.blocks.fork(parent, end, end)
+            if fork is None:
                 break
             child = unforked.pop(0)
-            out.block_copies += copies
+            out.block_copies += fork.copies
+            item.choice_forks.append(fork)
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             bisect.insort(self.running, child, key=lambda s: s.schedule_key)
@@ -279,12 +272,12 @@ class Scheduler:
         for s in out.scheduled:
             for b, branch in enumerate(s.branches, start=1):
                 if b == s.chosen_branch:  # its blocks now hold the sequence's tokens from its last partial block on
-                    self.blocks.adopt_branch(s.seq, s.seq.num_computed_tokens, branch.blocks)
+                    self.blocks.adopt(s.seq, branch.fork)
                 else:
-                    self.blocks.release_branch(branch.blocks)
+                    self.blocks.release(branch.fork)
             s.seq.num_computed_tokens += s.num_real_tokens + s.num_accepted
             if s.draft:
                 self.blocks.truncate(s.seq, s.seq.num_tokens)
             self.blocks.commit(s.seq)
-            for child in s.forks:
-                self.blocks.fork(s.seq, child, s.seq.num_computed_tokens)
+            for child, fork in zip(s.forks, s.choice_forks):
+                self.blocks.adopt(child, fork)

@@ -167,7 +167,7 @@ def test_the_held_out_tenth_is_whole_prompt_families():
     """The held-out answers that measure a draft share no prompt family with the trained ones: the templates' prompts
     differ only in their topic, Magpie's questions repeat their openings, and a
     draft that memorised a family's answers overstated served acceptance 1.7x when a held-out prompt's family was
-    also trained on (docs/benchmarks.md, issue 15, fifteenth part)."""
+    also trained on (docs/design-notes.md, issue 15, fifteenth part)."""
     from sieve.train.distill import TEMPLATES, distill_messages, held_out_split, prompt_family
 
     texts = [m[0]["content"] for m in distill_messages(600, seed=0)]

@@ -218,7 +218,7 @@ def test_q8_head_sketch_on_amx_int8_tiles_is_vpdpbusds():
     Skipped on a CPU without the tiles, as the CUDA tests are without a GPU."""
     from sieve.layers.greedy_head import GreedyHeadQ8
 
-    assert ops.greedy_head_q8_amx_rows() == 9  # above vpdpbusd's 8-row tiles (docs/benchmarks.md)
+    assert ops.greedy_head_q8_amx_rows() == 9  # above vpdpbusd's 8-row tiles (docs/design-notes.md, issue 15)
     with pytest.raises(RuntimeError, match="1 to 65"):
         ops.set_greedy_head_q8_amx_rows(0)
     if not ({"amx_tile", "amx_int8"} <= cpu_flags() and ops.isa == "avx512-bf16"):

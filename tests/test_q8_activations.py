@@ -109,7 +109,7 @@ def amx_int8(ops):
         with pytest.raises(RuntimeError, match="not amx-int8|grant"):
             ops.set_q8act_kernel("amx-int8")
         pytest.skip("this CPU has no AMX-INT8 tiles")
-    assert ops.q8act_amx_rows() == 10  # the default: where the tiles overtake vpdpbusd (docs/benchmarks.md)
+    assert ops.q8act_amx_rows() == 10  # the default: where the tiles overtake vpdpbusd (docs/design-notes.md, issue 15)
     with pytest.raises(RuntimeError, match="at least 1"):
         ops.set_q8act_amx_rows(0)
     before, rows = ops.set_q8act_kernel("amx-int8"), ops.set_q8act_amx_rows(1)

@@ -621,8 +621,9 @@ def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engi
     # a prefill chunk is left out.
     seq = lambda computed, total: SimpleNamespace(num_computed_tokens=computed, num_tokens=total)
     from sieve.scheduler import ScheduledSeq, SchedulerOutput
+    from sieve.spec_decode.speculator import decode_keys
     out = SchedulerOutput([ScheduledSeq(seq(10, 11), 3, draft=[1, 2]), ScheduledSeq(seq(4, 5), 1), ScheduledSeq(seq(0, 40), 16)])
-    assert out.decode_keys() == 11 + 12 + 13 + 5
+    assert decode_keys(out) == 11 + 12 + 13 + 5
 
     import sieve.model_runner
 

@@ -392,23 +392,14 @@ def check_args(args, rungs: list[RungSpec]) -> None:
 
 
 def run_ladder(args) -> dict:
-    import httpx
-
-    from sieve.bench.llama_cpp import Server, free_port
+    """Every rung measured in turn (a fresh server each), then each lossy rung's quality and the planner's figures."""
     from sieve.bench.serve_command import quiet_http_logs
-    from sieve.bench.serving import Target
     from sieve.bench.serving_stats import SLO
-    from sieve.config import ConfigError
     from sieve.models.default import resolve_default
 
     quiet_http_logs()
     model, _ = resolve_default(args.model)
-    keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
-    unknown = sorted(set(keys) - {r.key for r in RUNGS})
-    if unknown:
-        raise ConfigError(f"--rungs: unknown {', '.join(unknown)} (known: {', '.join(r.key for r in RUNGS)})")
-    rungs = [r for r in RUNGS if r.key in keys]
-    check_args(args, rungs)
+    rungs = select_rungs(args)
     native_int4 = model.endswith(".gguf")
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sieve-ladder-"))
@@ -422,62 +413,109 @@ def run_ladder(args) -> dict:
         o = options[r.key]
         loaded.setdefault((o.get("dequantize"), o.get("quantization")), weight_bytes(model, o))
     wbytes = {r.key: loaded[(options[r.key].get("dequantize"), options[r.key].get("quantization"))] for r in rungs}
-    results = []
-    previous_users = 1
-    acceptance = None
+    results, previous_users, acceptance = [], 1, None
     means = {"prompt": [], "output": []}
     for i, rung in enumerate(rungs):
-        o = options[rung.key]
-        served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
-        if args.memory_gb:
-            kv_gb = (args.memory_gb * 1e9 - wbytes[rung.key]) / 2**30
-            if kv_gb <= 0:
-                raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes[rung.key] / 1e9:.2f} GB")
-        else:
-            kv_gb = args.kv_cache_memory_gb
-        port = free_port()
-        cmd = _server_cmd(args, served_model, rung, o, port, kv_gb)
-        probes: list[Probe] = []
-        t_rung = time.perf_counter()
-        with Server(cmd, port, log_dir / f"{i}-{rung.key}.log", timeout=600) as server:
-            target = Target(server.base_url, SERVED, ignore_eos=False, timeout_s=600.0)
-            _prime(target, args.max_tokens)
+        res = measure_rung(args, model, rung, i, options[rung.key], wbytes[rung.key], previous_users, log_dir, slo, means)
+        if rung.spec and res["spec_acceptance_rate"] is not None:
+            acceptance = res["spec_acceptance_rate"]
+        results.append(res)
+        previous_users = max(res["users"], 1)
+    eval_data = add_quality(args, model, options, results)
+    dev, workload = add_planner(args, model, results, wbytes, means, acceptance)
+    out = {"schema": SCHEMA_ID, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "threads": args.num_threads, "bandwidth_gbps": dev.bandwidth_gbps,
+                       "tflops": dev.tflops},
+           "slo": {"ttft_p99_ms": args.slo_ttft_ms, "tpot_p99_ms": args.slo_tpot_ms}, "workload": workload,
+           "memory_gb": args.memory_gb, "naive": args.naive, "kv_checkpoint": args.kv_checkpoint,
+           "eval_data": str(eval_data), "rungs": results}
+    validate_ladder(out)
+    print_ladder(out)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot_ladder(out, args.plot)
+    return out
 
-            def probe(users: int) -> Probe:
-                seed = args.seed + 7919 * (len(probes) + 1) + 104729 * i
-                sessions = chat_sessions(users * 60 + 64, seed, args.max_tokens, args.turns, args.workload == "grounded")
-                records, dur = asyncio.run(closed_loop(target, sessions, users, args.warmup, args.measure, args.ramp, seed))
-                s = point_summary(records, dur, slo)
-                c = compact(users, s)
-                print(f"  {rung.key:>12} {users:>4} users: {'within SLO' if c['within_slo'] else 'misses SLO':<10} "
-                      f"TTFT p99 {c['ttft_p99_ms']} ms, TPOT p99 {c['tpot_p99_ms']} ms, {c['output_tokens_per_s']:.0f} tok/s, "
-                      f"{c['requests']} requests" + (f", {c['errors']} errors: {s['error_examples'][0]}" if c["errors"] else ""),
-                      flush=True)
-                p = Probe(users, c["within_slo"], c)
-                probes.append(p)
-                return p
 
-            start = 1 if not rung.batching else max(1, previous_users)
-            users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users,
-                                     resolution=args.resolution)
-            metrics = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text if rung.batching or args.naive == "sieve" else ""
-        if rung.spec and metrics:
-            drafted = _metric(metrics, "sieve:spec_decode_num_draft_tokens_total")
-            accepted = _metric(metrics, "sieve:spec_decode_num_accepted_tokens_total")
-            acceptance = accepted / drafted if drafted else 0.0
-        at = next((p.summary for p in probes if p.users == users), None)
-        for p in probes:
-            if p.summary["requests"]:
-                means["prompt"].append(p.summary["mean_prompt_tokens"])
-                means["output"].append(p.summary["mean_output_tokens"])
-        results.append({"key": rung.key, "name": rung.name, "server": cmd[2:], "weights": rung.weights, "kv": rung.kv,
-                        "weight_bytes": wbytes[rung.key], "kv_pool_gb": round(kv_gb, 4), "users": users,
-                        "at_capacity": at, "probes": [p.summary for p in probes], "seconds": round(time.perf_counter() - t_rung, 1),
-                        "spec_acceptance_rate": acceptance if rung.spec else None, "served_model": served_model})
-        previous_users = max(users, 1)
-        print(f"{rung.name}: {users} users ({time.perf_counter() - t_rung:.0f} s)", flush=True)
+def select_rungs(args) -> list:
+    from sieve.config import ConfigError
 
-    # quality per lossy rung: sieve eval against the bf16 model, on held-out text
+    keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
+    unknown = sorted(set(keys) - {r.key for r in RUNGS})
+    if unknown:
+        raise ConfigError(f"--rungs: unknown {', '.join(unknown)} (known: {', '.join(r.key for r in RUNGS)})")
+    rungs = [r for r in RUNGS if r.key in keys]
+    check_args(args, rungs)
+    return rungs
+
+
+def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_users: int, log_dir: Path, slo, means: dict) -> dict:
+    """The most users `rung` keeps within the SLO: a fresh server, probed with closed-loop users (the probes'
+    mean prompt and answer go into `means`)."""
+    import httpx
+
+    from sieve.bench.llama_cpp import Server, free_port
+    from sieve.bench.serving import Target
+    from sieve.config import ConfigError
+
+    served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
+    if args.memory_gb:
+        kv_gb = (args.memory_gb * 1e9 - wbytes) / 2**30
+        if kv_gb <= 0:
+            raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes / 1e9:.2f} GB")
+    else:
+        kv_gb = args.kv_cache_memory_gb
+    port = free_port()
+    cmd = _server_cmd(args, served_model, rung, o, port, kv_gb)
+    probes: list[Probe] = []
+    t_rung = time.perf_counter()
+    with Server(cmd, port, log_dir / f"{i}-{rung.key}.log", timeout=600) as server:
+        target = Target(server.base_url, SERVED, ignore_eos=False, timeout_s=600.0)
+        _prime(target, args.max_tokens)
+
+        def probe(users: int) -> Probe:
+            seed = args.seed + 7919 * (len(probes) + 1) + 104729 * i
+            p = probe_users(args, target, rung, users, seed, slo)
+            probes.append(p)
+            return p
+
+        start = 1 if not rung.batching else max(1, previous_users)
+        users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users, resolution=args.resolution)
+        metrics = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text if rung.batching or args.naive == "sieve" else ""
+    acceptance = None
+    if rung.spec and metrics:
+        drafted = _metric(metrics, "sieve:spec_decode_num_draft_tokens_total")
+        accepted = _metric(metrics, "sieve:spec_decode_num_accepted_tokens_total")
+        acceptance = accepted / drafted if drafted else 0.0
+    for p in probes:
+        if p.summary["requests"]:
+            means["prompt"].append(p.summary["mean_prompt_tokens"])
+            means["output"].append(p.summary["mean_output_tokens"])
+    print(f"{rung.name}: {users} users ({time.perf_counter() - t_rung:.0f} s)", flush=True)
+    return {"key": rung.key, "name": rung.name, "server": cmd[2:], "weights": rung.weights, "kv": rung.kv,
+            "weight_bytes": wbytes, "kv_pool_gb": round(kv_gb, 4), "users": users,
+            "at_capacity": next((p.summary for p in probes if p.users == users), None), "probes": [p.summary for p in probes],
+            "seconds": round(time.perf_counter() - t_rung, 1), "spec_acceptance_rate": acceptance if rung.spec else None,
+            "served_model": served_model}
+
+
+def probe_users(args, target, rung, users: int, seed: int, slo) -> Probe:
+    """`users` closed-loop chat users against the rung's server: within the SLO or not, and the point's summary."""
+    sessions = chat_sessions(users * 60 + 64, seed, args.max_tokens, args.turns, args.workload == "grounded")
+    records, dur = asyncio.run(closed_loop(target, sessions, users, args.warmup, args.measure, args.ramp, seed))
+    s = point_summary(records, dur, slo)
+    c = compact(users, s)
+    print(f"  {rung.key:>12} {users:>4} users: {'within SLO' if c['within_slo'] else 'misses SLO':<10} "
+          f"TTFT p99 {c['ttft_p99_ms']} ms, TPOT p99 {c['tpot_p99_ms']} ms, {c['output_tokens_per_s']:.0f} tok/s, "
+          f"{c['requests']} requests" + (f", {c['errors']} errors: {s['error_examples'][0]}" if c["errors"] else ""),
+          flush=True)
+    return Probe(users, c["within_slo"], c)
+
+
+def add_quality(args, model: str, options: dict, results: list[dict]) -> Path:
+    """Each lossy rung's quality: `sieve eval` against the bf16 model on held-out text. Returns the text's path."""
     from sieve.data import shared_data
     from sieve.evaluate import evaluate
 
@@ -494,8 +532,12 @@ def run_ladder(args) -> dict:
                           "perplexity": q["perplexity"], "reference_perplexity": q["reference_perplexity"],
                           "tokens_scored": q["tokens_scored"]}
         print(f"quality of {rung.key}: KL {q['kl_divergence']:.4f}, top-1 {q['top1_agreement']:.3f}", flush=True)
+    return eval_data
 
-    # the planner, for the same rungs on this CPU with the memory budget, at the measured mean prompt and answer
+
+def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict, acceptance: float | None):
+    """The planner's users for the same rungs on this CPU with the memory budget, at the measured mean prompt and
+    answer, and each rung's factors against the first. Returns the device measured and the workload's summary."""
     from sieve.plan.devices import measure_cpu
     from sieve.plan.roofline import MEMORY_UTILIZATION
 
@@ -519,23 +561,10 @@ def run_ladder(args) -> dict:
         res["planner"] = {"users": pu, "factor": pu / pbase, "gain": (pu / prev_p) if prev_p else None,
                           "binding": plan[res["key"]]["binding"]}
         prev, prev_p = max(res["users"], 1), max(pu, 1)
-    out = {"schema": SCHEMA_ID, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "threads": args.num_threads, "bandwidth_gbps": dev.bandwidth_gbps,
-                       "tflops": dev.tflops},
-           "slo": {"ttft_p99_ms": args.slo_ttft_ms, "tpot_p99_ms": args.slo_tpot_ms},
-           "workload": {"kind": args.workload, "turns": args.turns, "max_tokens": args.max_tokens, "system_prompt_tokens": prefix_tokens,
-                        "mean_prompt_tokens": prompt_mean, "mean_output_tokens": output_mean, "warmup_s": args.warmup,
-                        "measure_s": args.measure, "ramp_s": args.ramp},
-           "memory_gb": args.memory_gb, "naive": args.naive, "kv_checkpoint": args.kv_checkpoint,
-           "eval_data": str(eval_data), "rungs": results}
-    validate_ladder(out)
-    print_ladder(out)
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(out, indent=2))
-    if args.plot:
-        plot_ladder(out, args.plot)
-    return out
+    workload = {"kind": args.workload, "turns": args.turns, "max_tokens": args.max_tokens, "system_prompt_tokens": prefix_tokens,
+                "mean_prompt_tokens": prompt_mean, "mean_output_tokens": output_mean, "warmup_s": args.warmup,
+                "measure_s": args.measure, "ramp_s": args.ramp}
+    return dev, workload
 
 
 def _system_tokens(model: str) -> int:

@@ -60,7 +60,6 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_peers(args) -> int:
-    from sieve.bench.gguf_export import export_gguf
     from sieve.bench.serve_command import load_tokenizer
 
     if args.gguf_file:
@@ -88,29 +87,8 @@ def run_peers(args) -> int:
     floor = floor_step_seconds(str(model), args.dtype)  # measured before any server runs
     sessions = workload_from_args(args).build_points(load_tokenizer(str(model)), len(loads))
     results: dict[str, dict] = {}
-    engines: list[tuple[str, list[str]]] = []
     port = free_port()
-    sieve_cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", str(model), "--dtype", args.dtype, "--port", str(port),
-                 "--num-threads", str(threads), "--served-model-name", SERVED_NAME,
-                 "--max-num-seqs", str(max(64, parallel)), *args.sieve_arg]
-    llama_names = {}
-    for name in args.engines.split(","):
-        if name == "sieve":
-            engines.append(("sieve", sieve_cmd))
-        elif name == "sieve-no-prefix-cache":
-            engines.append((name, [*sieve_cmd, "--no-prefix-caching"]))
-            llama_names[name] = "sieve serve --no-prefix-caching"
-        elif name == "llama.cpp":
-            binary = find_llama_server(args)
-            for qtype in args.gguf.split(","):
-                gguf = gguf_dir / f"{model.resolve().name}-{qtype}.gguf"
-                if not gguf.exists() or gguf.stat().st_mtime < (model / "config.json").stat().st_mtime:
-                    export_gguf(model, gguf, qtype)
-                cmd, desc = llama_cmd(binary, gguf, port, threads, parallel, args.ctx_per_slot, LLAMA_FLAGS.get(qtype, []))
-                llama_names[f"llama.cpp {qtype}"] = desc
-                engines.append((f"llama.cpp {qtype}", cmd))
-        else:
-            raise SystemExit(f"unknown engine {name!r}: use sieve, sieve-no-prefix-cache or llama.cpp")
+    engines, llama_names = peer_engines(args, model, port, threads, parallel, gguf_dir)
 
     print(f"peers: {model.name}, {threads} threads each, {args.dataset} workload, loads {[getattr(l, key) for l in loads]}")
     out = {"model": str(model), "threads": threads, "dataset": args.dataset, "workload": vars(workload_from_args(args)),
@@ -146,3 +124,32 @@ def run_peers(args) -> int:
                     slo.ttft_s, slo.tpot_s)
         print(f"plot written to {args.plot}")
     return 1 if out["failed"] else 0
+
+
+def peer_engines(args, model: Path, port: int, threads: int, parallel: int, gguf_dir: Path) -> tuple[list, dict]:
+    """(label, command) per engine of `--engines`, and what each non-sieve label runs (the GGUF files llama.cpp
+    serves are exported here, next to the sieve cache, when missing or older than the checkpoint)."""
+    from sieve.bench.gguf_export import export_gguf
+
+    sieve_cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", str(model), "--dtype", args.dtype, "--port", str(port),
+                 "--num-threads", str(threads), "--served-model-name", SERVED_NAME,
+                 "--max-num-seqs", str(max(64, parallel)), *args.sieve_arg]
+    engines, llama_names = [], {}
+    for name in args.engines.split(","):
+        if name == "sieve":
+            engines.append(("sieve", sieve_cmd))
+        elif name == "sieve-no-prefix-cache":
+            engines.append((name, [*sieve_cmd, "--no-prefix-caching"]))
+            llama_names[name] = "sieve serve --no-prefix-caching"
+        elif name == "llama.cpp":
+            binary = find_llama_server(args)
+            for qtype in args.gguf.split(","):
+                gguf = gguf_dir / f"{model.resolve().name}-{qtype}.gguf"
+                if not gguf.exists() or gguf.stat().st_mtime < (model / "config.json").stat().st_mtime:
+                    export_gguf(model, gguf, qtype)
+                cmd, desc = llama_cmd(binary, gguf, port, threads, parallel, args.ctx_per_slot, LLAMA_FLAGS.get(qtype, []))
+                llama_names[f"llama.cpp {qtype}"] = desc
+                engines.append((f"llama.cpp {qtype}", cmd))
+        else:
+            raise SystemExit(f"unknown engine {name!r}: use sieve, sieve-no-prefix-cache or llama.cpp")
+    return engines, llama_names

@@ -189,23 +189,9 @@ def simulated_acceptance(config: dict | None) -> tuple[float, str] | None:
 
 
 def run_bench_spec(args: argparse.Namespace) -> dict:
-    from sieve.config import ConfigError
-    from sieve.spec_decode.config import SpeculativeConfig
-
-    configs: list = [None]
-    for text in (c for c in args.configs.split(";") if c.strip()):
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--configs: {text.strip()!r} is not JSON ({e.msg}); give speculative configs as JSON "
-                              "objects separated by ';'") from e
-        if not isinstance(config, dict):
-            raise ConfigError(f"--configs: {text.strip()!r} is not a JSON object")
-        try:
-            SpeculativeConfig.parse(dict(config))  # refuse a bad config before loading anything
-        except ValueError as e:
-            raise ConfigError(f"--configs: {e}") from e
-        configs.append(config)
+    """Each configuration's engine, loaded side by side; per load, every configuration measured repeat by repeat
+    (interleaved), then medians and ratios to off."""
+    configs = parse_configs(args.configs)
     users = [int(u) for u in args.users.split(",")]
     max_users = max(users)
     engines = [_engine(args, c, max_users) for c in configs]
@@ -222,55 +208,10 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
             for name, llm in zip(names, engines) if llm.llm_engine.speculator is not None}
     results: dict = {name: {} for name in names}
     for u in users:
-        runs: dict = {name: [] for name in names}
-        drafted0 = {name: _drafts_and_chains(llm) for name, llm in zip(names, engines)}
-        for _ in range(args.repeats):
-            for name, llm in zip(names, engines):
-                proposer = getattr(llm.llm_engine.speculator, "proposer", None)
-                if not args.keep_history and hasattr(proposer, "reset"):
-                    proposer.reset()
-                if u != 1:
-                    runs[name].append(_concurrent(llm, prompts, u, args))
-            if u == 1:
-                for name, r in zip(names, _batch1(engines, prompts[: args.prompts], args)):
-                    runs[name].append(r)
+        runs, drafted0 = measure_load(args, engines, names, prompts, u)
         for name, llm in zip(names, engines):
-            rs = runs[name]
-            med = statistics.median(r["tok_s"] for r in rs)
-            entry = {"tok_s": med, "runs_tok_s": [r["tok_s"] for r in rs]}
-            (d0, c0), (d1, c1) = drafted0[name], _drafts_and_chains(llm)
-            if d1 > d0:  # a draft tree's width, on average ("auto" chooses it per sequence and step)
-                entry["chains_per_draft"] = (c1 - c0) / (d1 - d0)
-            if u == 1:
-                entry["e2e_tok_s"] = statistics.median(r["e2e_tok_s"] for r in rs)
-                entry["mean_acceptance_length"] = rs[0]["mean_acceptance_length"]
-                entry["mean_acceptance_length_per_request"] = rs[0]["mean_acceptance_length_per_request"]
-                entry["identical_to_off"] = rs[0]["token_ids"] == runs["off"][0]["token_ids"]
-            results[name][f"users_{u}"] = entry
-        base = results["off"][f"users_{u}"]
-        for name in names:  # each repeat against off's in the same repeat: the drift between repeats cancels
-            e = results[name][f"users_{u}"]
-            e["paired_speedup"] = statistics.median(r / b for r, b in zip(e["runs_tok_s"], base["runs_tok_s"]))
-        print(f"\n{'batch 1: decode tokens/s after the first token (end to end, prefill included)' if u == 1 else f'{u} users: output tokens/s'}:")
-        for name in names:
-            e = results[name][f"users_{u}"]
-            e["speedup"] = e["tok_s"] / base["tok_s"]
-            extra = ""
-            if u == 1:
-                e["e2e_speedup"] = e["e2e_tok_s"] / base["e2e_tok_s"]
-                extra = f"  ({e['e2e_tok_s']:.1f} tok/s, {e['e2e_speedup']:.2f}x)"
-            if u == 1 and name != "off":
-                mal = e["mean_acceptance_length"]
-                extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
-                simulated = simulated_acceptance(configs[names.index(name)])
-                if simulated is not None:  # what training measured on held-out answers, against what was served
-                    e["simulated_mean_acceptance_length"], e["simulated_held_out_by"] = simulated
-                    extra += f" (simulated in training: {simulated[0]:.2f}, held out by {simulated[1]})"
-                if args.temperature == 0:
-                    extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
-            if "chains_per_draft" in e and configs[names.index(name)].get("num_branches", 1) > 1:
-                extra += f"  {e['chains_per_draft']:.2f} chains a draft"
-            print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x (paired {e['paired_speedup']:.2f}x){extra}")
+            results[name][f"users_{u}"] = summarize(runs, name, u, drafted0[name], _drafts_and_chains(llm))
+        print_load(args, results, names, configs, u)
     for name, llm in zip(names, engines):
         s = llm.llm_engine.speculator
         if s is not None:
@@ -285,3 +226,86 @@ def run_bench_spec(args: argparse.Namespace) -> dict:
     return {"workload": args.workload, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "prompts": args.prompts, "repeats": args.repeats, "activation_quantization": args.activation_quantization,
             "results": results}
+
+
+def parse_configs(text: str) -> list:
+    """[None (off), then each speculative config of `--configs`], each checked before anything loads."""
+    from sieve.config import ConfigError
+    from sieve.spec_decode.config import SpeculativeConfig
+
+    configs: list = [None]
+    for part in (c for c in text.split(";") if c.strip()):
+        try:
+            config = json.loads(part)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--configs: {part.strip()!r} is not JSON ({e.msg}); give speculative configs as JSON "
+                              "objects separated by ';'") from e
+        if not isinstance(config, dict):
+            raise ConfigError(f"--configs: {part.strip()!r} is not a JSON object")
+        try:
+            SpeculativeConfig.parse(dict(config))
+        except ValueError as e:
+            raise ConfigError(f"--configs: {e}") from e
+        configs.append(config)
+    return configs
+
+
+def measure_load(args, engines: list, names: list[str], prompts: list, u: int) -> tuple[dict, dict]:
+    """`args.repeats` runs of every configuration at `u` users (batch 1: prompt by prompt across configurations),
+    and each engine's drafts and chains before them."""
+    runs: dict = {name: [] for name in names}
+    drafted0 = {name: _drafts_and_chains(llm) for name, llm in zip(names, engines)}
+    for _ in range(args.repeats):
+        for name, llm in zip(names, engines):
+            proposer = getattr(llm.llm_engine.speculator, "proposer", None)
+            if not args.keep_history and hasattr(proposer, "reset"):
+                proposer.reset()
+            if u != 1:
+                runs[name].append(_concurrent(llm, prompts, u, args))
+        if u == 1:
+            for name, r in zip(names, _batch1(engines, prompts[: args.prompts], args)):
+                runs[name].append(r)
+    return runs, drafted0
+
+
+def summarize(runs: dict, name: str, u: int, before: tuple[int, int], after: tuple[int, int]) -> dict:
+    rs = runs[name]
+    entry = {"tok_s": statistics.median(r["tok_s"] for r in rs), "runs_tok_s": [r["tok_s"] for r in rs]}
+    (d0, c0), (d1, c1) = before, after
+    if d1 > d0:  # a draft tree's width, on average ("auto" chooses it per sequence and step)
+        entry["chains_per_draft"] = (c1 - c0) / (d1 - d0)
+    if u == 1:
+        entry["e2e_tok_s"] = statistics.median(r["e2e_tok_s"] for r in rs)
+        entry["mean_acceptance_length"] = rs[0]["mean_acceptance_length"]
+        entry["mean_acceptance_length_per_request"] = rs[0]["mean_acceptance_length_per_request"]
+        entry["identical_to_off"] = rs[0]["token_ids"] == runs["off"][0]["token_ids"]
+    return entry
+
+
+def print_load(args, results: dict, names: list[str], configs: list, u: int) -> None:
+    """Ratios to off at this load (each repeat against off's in the same repeat too: the drift between repeats
+    cancels), printed."""
+    base = results["off"][f"users_{u}"]
+    for name in names:
+        e = results[name][f"users_{u}"]
+        e["paired_speedup"] = statistics.median(r / b for r, b in zip(e["runs_tok_s"], base["runs_tok_s"]))
+    print(f"\n{'batch 1: decode tokens/s after the first token (end to end, prefill included)' if u == 1 else f'{u} users: output tokens/s'}:")
+    for name in names:
+        e = results[name][f"users_{u}"]
+        e["speedup"] = e["tok_s"] / base["tok_s"]
+        extra = ""
+        if u == 1:
+            e["e2e_speedup"] = e["e2e_tok_s"] / base["e2e_tok_s"]
+            extra = f"  ({e['e2e_tok_s']:.1f} tok/s, {e['e2e_speedup']:.2f}x)"
+        if u == 1 and name != "off":
+            mal = e["mean_acceptance_length"]
+            extra = f"  mean acceptance length {mal:.2f}" if mal else "  (no drafts)"
+            simulated = simulated_acceptance(configs[names.index(name)])
+            if simulated is not None:  # what training measured on held-out answers, against what was served
+                e["simulated_mean_acceptance_length"], e["simulated_held_out_by"] = simulated
+                extra += f" (simulated in training: {simulated[0]:.2f}, held out by {simulated[1]})"
+            if args.temperature == 0:
+                extra += "  tokens identical to off" if e["identical_to_off"] else "  TOKENS DIFFER FROM OFF"
+        if "chains_per_draft" in e and configs[names.index(name)].get("num_branches", 1) > 1:
+            extra += f"  {e['chains_per_draft']:.2f} chains a draft"
+        print(f"  {name:<60} {e['tok_s']:8.1f} tok/s  {e['speedup']:5.2f}x (paired {e['paired_speedup']:.2f}x){extra}")

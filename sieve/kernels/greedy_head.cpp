@@ -315,7 +315,7 @@ void q8_sketch_tile(const int8_t* xq, const float* d, const int32_t* qsum, int64
 
 // From how many rows the sketch runs on AMX-INT8 tiles (below) where the CPU has them and Linux grants them: the same A
 // either way, so this is speed alone. On the Emerald Rapids host (SmolLM2's 49,152-row Q8_0 head, ms against vpdpbusd):
-// 7 rows 1.30 / 1.17, 9 rows 1.37 / 1.44, 16 rows 1.97 / 2.27, 32 rows 3.45 / 4.34 (docs/benchmarks.md, issue 15,
+// 7 rows 1.30 / 1.17, 9 rows 1.37 / 1.44, 16 rows 1.97 / 2.27, 32 rows 3.45 / 4.34 (docs/design-notes.md, issue 15,
 // twenty-first part): a tile product costs about as much at one row as at 16.
 constexpr int64_t kHeadAmxFromRows = 9;
 constexpr int64_t kHeadMaxRows = 64;  // A [M, N] float32: 12.6 MB for SmolLM2 at 64 rows

@@ -624,7 +624,7 @@ template <int b> inline void c_store(void* p) {
 // unit multiplies. Before, every group decoded, multiplied, waited for its products, and ended in turn. Each group's
 // arithmetic and the order in which groups end are unchanged, so the bits are the same. Emerald Rapids host, one
 // layer's four int4 shapes, 3 / 4 / 9 / 16 rows: 0.111 / 0.118 / 0.151 / 0.229 -> 0.086 / 0.089 / 0.131 / 0.193 ms
-// (docs/benchmarks.md, issue 15, twenty-third part). Above 16 rows the chunks reuse each group's B tiles, in turn.
+// (docs/design-notes.md, issue 15, twenty-third part). Above 16 rows the chunks reuse each group's B tiles, in turn.
 template <int NB>
 void int4_amx_tile(const uint16_t* x, int64_t M, int64_t K2, const uint8_t* w, const int64_t (&blk)[NB], const Out& out,
                    const Int4Args& a, __m512* acc) {

@@ -319,7 +319,7 @@ void qmatmul_amx(const Q8Rows&, const uint8_t*, int64_t, int64_t, const c10::Hal
 enum InnerKernel : int { kAvx2 = 0, kVnni = 1, kAmx = 2 };
 constexpr const char* kKernelNames[] = {"avx2", "avx512-vnni", "amx-int8"};
 std::atomic<int> inner_kernel{-1};  // -1: not decided yet (asking Linux for the tiles is done once, on first use)
-// From this many rows the tiles are faster than vpdpbusd (see above; docs/benchmarks.md, issue 15, twentieth part)
+// From this many rows the tiles are faster than vpdpbusd (see above; docs/design-notes.md, issue 15, twentieth part)
 constexpr int64_t kAmxFromRows = 10;
 std::atomic<int64_t> amx_from_rows{kAmxFromRows};
 

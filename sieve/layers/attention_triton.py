@@ -5,7 +5,7 @@ longest table and runs masked SDPA, so a row's arithmetic can depend on the rest
 length and the number of rows are what SDPA's kernels choose by. In bfloat16 a rounding step is enough to flip
 a near-tied greedy token, and a sequence verifying drafted tokens (its rows padded to its last draft) must
 decode the tokens it decodes alone. On an H200 with the SmolLM2 GGUF file, bfloat16 speculation did not
-("TOKENS DIFFER FROM OFF"; docs/benchmarks.md), float32 did.
+("TOKENS DIFFER FROM OFF"; docs/design-notes.md, issue 15), float32 did.
 
 Here one program takes one (row, KV head): the row's query heads of that group ([GROUP, D]) walk the row's
 own blocks in order, block by block from its table, with an online softmax in float32 (the running max, the

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa")  # eagle3: an EAGLE layer fusing inner layers
 # Chains in one draft tree: each is its own group of 1 + k decode rows with a block of its own, taken from the step's
 # token budget and the free blocks after every sequence's own rows (the scheduler drops the chains that do not fit). Where
-# a verified row is nearly free (a GPU's launch-bound decode) 16-32 chains still pay (docs/benchmarks.md, issue 15).
+# a verified row is nearly free (a GPU's launch-bound decode) 16-32 chains still pay (docs/design-notes.md, issue 15).
 MAX_BRANCHES = 64
 
 

@@ -178,7 +178,7 @@ class DepthController:
         self.auto, self.K, self.cost = config.auto, config.max_k, cost
         self.global_tried = [0.0] * self.K
         self.global_accepted = [0.0] * self.K
-        self.per_seq: dict[int, tuple[list[int], list[int]]] = {}  # id(seq) -> (tried, accepted) per position
+        self.per_seq: dict[Sequence, tuple[list[int], list[int]]] = {}  # seq -> (tried, accepted) per position
         # Draft trees under "auto" (`num_branches` the widest): what chain c >= 1 adds, as tokens accepted beyond the
         # best of chains 0 .. c - 1 (decayed sums), per unit of (the first chain's miss rate) x (the tokens a chain
         # whose first draft is right goes on to give): see `chain_gains`.
@@ -188,7 +188,7 @@ class DepthController:
 
     def rates(self, seq: Sequence, depth: int | None = None) -> list[float]:
         """Estimated acceptance of each draft position (the first `depth`) given the previous ones were accepted."""
-        tried, accepted = self.per_seq.get(id(seq), (None, None))
+        tried, accepted = self.per_seq.get(seq, (None, None))
         out = []
         for j in range(self.K if depth is None else min(depth, self.K)):
             g = (self.global_accepted[j] + 1.0) / (self.global_tried[j] + 2.0)
@@ -321,7 +321,7 @@ class DepthController:
     def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """A draft of `num_draft` tokens for `seq` had its first `num_accepted` right (and the next one wrong,
         if num_accepted < num_draft)."""
-        tried, accepted = self.per_seq.setdefault(id(seq), ([0.0] * self.K, [0.0] * self.K))
+        tried, accepted = self.per_seq.setdefault(seq, ([0.0] * self.K, [0.0] * self.K))
         for j in range(self.K):
             self.global_tried[j] *= GLOBAL_DECAY
             self.global_accepted[j] *= GLOBAL_DECAY
@@ -335,7 +335,7 @@ class DepthController:
             self.global_accepted[j] += hit
 
     def forget(self, seq: Sequence) -> None:
-        self.per_seq.pop(id(seq), None)
+        self.per_seq.pop(seq, None)
 
 
 def _extent(rates: list[float]) -> float:

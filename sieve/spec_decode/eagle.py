@@ -275,7 +275,7 @@ class EagleProposer(ProposerBase):
         if device.type == "cpu" and dtype == torch.float32:
             self._int8_linears()
         self.embed, self.dtype, self.device = embed, dtype, device
-        self.states: dict[int, SeqState] = {}
+        self.states: dict[Sequence, SeqState] = {}
         self._chain_masks: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def _int8_linears(self) -> None:
@@ -297,16 +297,16 @@ class EagleProposer(ProposerBase):
     def observe_hidden(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
         """The target's features at positions start .. start + len(rows) - 1 (some may be rows of drafts that
         will be rejected: only positions below the sequence's computed tokens are ever entered)."""
-        st = self.states.get(id(seq))
+        st = self.states.get(seq)
         if st is None:
-            st = self.states[id(seq)] = SeqState(start)
+            st = self.states[seq] = SeqState(start)
         if start < st.entered:  # recomputed after preemption: those positions are in the cache already
             rows, start = rows[st.entered - start:], st.entered
             if not len(rows):
                 return
         have = st.pend_start + st.pend_n
         if start > have:  # positions nobody computed (cannot follow entered ones): start the context again here
-            st = self.states[id(seq)] = SeqState(start)
+            st = self.states[seq] = SeqState(start)
             have = start
         if not st.pend_n:
             st.pend_start = start
@@ -317,7 +317,7 @@ class EagleProposer(ProposerBase):
         drafts = [Draft([]) for _ in seqs]
         batch = []  # (index, state, number of positions to enter)
         for i, seq in enumerate(seqs):
-            st = self.states.get(id(seq))
+            st = self.states.get(seq)
             upto = seq.num_computed_tokens  # the positions whose tokens are committed
             if st is None or not st.pend_n or st.pend_start != st.entered or st.pend_start + st.pend_n < upto \
                     or upto <= st.entered:
@@ -328,7 +328,7 @@ class EagleProposer(ProposerBase):
                 start = upto - MAX_CATCH_UP
                 fresh = SeqState(start)
                 fresh.hold(start, st.pend[start - st.pend_start: st.pend_n])
-                self.states[id(seq)] = st = fresh
+                self.states[seq] = st = fresh
             batch.append((i, st, upto - st.entered))
         if not batch:
             return drafts
@@ -452,5 +452,5 @@ class EagleProposer(ProposerBase):
         return mask
 
     def finish(self, seq: Sequence) -> None:
-        self.states.pop(id(seq), None)
+        self.states.pop(seq, None)
 

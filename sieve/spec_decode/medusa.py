@@ -131,19 +131,19 @@ class MedusaProposer(ProposerBase):
             # is only a guess (verification keeps the output exact), so its rounding costs nothing but acceptance.
             self.heads.proj.to(torch.bfloat16)
         self.dtype = dtype
-        self.hidden: dict[int, torch.Tensor] = {}  # id(seq) -> hidden state that produced its last token
+        self.hidden: dict[Sequence, torch.Tensor] = {}  # seq -> hidden state that produced its last token
 
     def observe_hidden(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
-        self.hidden[id(seq)] = rows[-1]
+        self.hidden[seq] = rows[-1]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
-        have = [i for i, s in enumerate(seqs) if id(s) in self.hidden]
+        have = [i for i, s in enumerate(seqs) if s in self.hidden]
         drafts = [Draft([]) for _ in seqs]
         if not have:
             return drafts
         k = min(max(ks[i] for i in have), self.max_k)
-        states = torch.stack([self.hidden[id(seqs[i])] for i in have]).to(self.dtype)
+        states = torch.stack([self.hidden[seqs[i]] for i in have]).to(self.dtype)
         last = None
         if self.heads.sequential:
             last = self.embed(torch.tensor([seqs[i].token_ids[-1] for i in have], device=states.device)).to(self.dtype)
@@ -160,4 +160,4 @@ class MedusaProposer(ProposerBase):
         return drafts
 
     def finish(self, seq: Sequence) -> None:
-        self.hidden.pop(id(seq), None)
+        self.hidden.pop(seq, None)

@@ -73,14 +73,14 @@ class NgramProposer(ProposerBase):
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
-        self.buffers: dict[int, TokenBuffer] = {}
+        self.buffers: dict[Sequence, TokenBuffer] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int], branches: list[int] | None = None) -> list[Draft]:
         drafts = []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
-            buf = self.buffers.get(id(seq))
+            buf = self.buffers.get(seq)
             if buf is None:
-                buf = self.buffers[id(seq)] = TokenBuffer()
+                buf = self.buffers[seq] = TokenBuffer()
             buf.sync(seq.token_ids)
             if branches and branches[i] > 1:  # a draft tree: the continuations of other matches too
                 chains = lookup_many(buf, seq.token_ids, k, self.n_min, self.n_max, branches[i])
@@ -90,4 +90,4 @@ class NgramProposer(ProposerBase):
         return drafts
 
     def finish(self, seq: Sequence) -> None:
-        self.buffers.pop(id(seq), None)
+        self.buffers.pop(seq, None)

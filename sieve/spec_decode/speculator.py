@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from sieve.sequence import Sequence
 from sieve.spec_decode.config import SpeculativeConfig
 from sieve.spec_decode.controller import DepthController, DraftCostModel, StepCostModel
 from sieve.spec_decode.proposer import Proposer
 from sieve.spec_decode.rejection import accepted_prefix
+
+if TYPE_CHECKING:
+    import torch
 
 
 PROBE_SHARE = 0.01  # at most this share of the time goes to probing a proposer that costs something to ask
@@ -79,7 +83,7 @@ class Speculator:
         # "auto" with a proposer that costs nothing to ask: draft full depth every step (a probe), verify the
         # chosen prefix, and learn acceptance from the whole probe once the tokens it guessed are known.
         self.probing = config.auto and proposer.free
-        self.probes: dict[int, tuple[int, list[int]]] = {}  # id(seq) -> (index of the first guessed token, guess)
+        self.probes: dict[Sequence, tuple[int, list[int]]] = {}  # seq -> (index of the first guessed token, guess)
         # "auto" with a proposer that costs something to ask: its cost per drafted token enters the choice of
         # depth, and a sequence given k = 0 is probed (drafted for, not verified) once its evidence is older than
         # an interval that keeps probing under `probe_share` of the time (and at most MAX_PROBE_INTERVAL steps), so
@@ -89,7 +93,7 @@ class Speculator:
         self.chain_cost = DraftCostModel()  # per token of a tree's further chains: a call's time beyond its first chains'
         self.probe_share = PROBE_SHARE
         self.num_prepares = 0
-        self.evidence: dict[int, int] = {}  # id(seq) -> the prepare at which it last drafted or was probed
+        self.evidence: dict[Sequence, int] = {}  # seq -> the prepare at which it last drafted or was probed
         self.clock = time.perf_counter
 
     def prepare(self, running: list[Sequence], extra_tokens: int = 0) -> None:
@@ -116,7 +120,7 @@ class Speculator:
             drafts = self.proposer.propose(ready, caps, widest) if tree else self.proposer.propose(ready, caps)
             for seq, d in zip(ready, drafts):
                 if d.token_ids:
-                    self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
+                    self.probes[seq] = (seq.num_tokens, d.token_ids)
             caps = [len(d.token_ids) for d in drafts]  # nothing to verify beyond what was drafted
             if tree:
                 ks, widths = self.controller.choose_tree(ready, caps, branchable, extra_tokens, self.budget, contexts=contexts)
@@ -161,12 +165,12 @@ class Speculator:
             if d.alternatives and seq.draft_token_ids and _branchable(seq):
                 seq.draft_alternatives = [a[:k] for a in d.alternatives if a]
             if auto:  # verification gives evidence from here (a probe still waiting would count it twice)
-                self.evidence[id(seq)] = self.num_prepares
-                self.probes.pop(id(seq), None)
+                self.evidence[seq] = self.num_prepares
+                self.probes.pop(seq, None)
         for (seq, _, _), d in zip(probed, drafts[len(chosen):]):
-            self.evidence[id(seq)] = self.num_prepares
+            self.evidence[seq] = self.num_prepares
             if d.token_ids:
-                self.probes[id(seq)] = (seq.num_tokens, d.token_ids)
+                self.probes[seq] = (seq.num_tokens, d.token_ids)
 
     def _due_for_probe(self, seqs: list[Sequence], caps: list[int], ks: list[int], extra_tokens: int) -> list[tuple[Sequence, int]]:
         """Sequences given k = 0 whose last evidence is older than the probe interval, with how deep to probe each.
@@ -181,7 +185,7 @@ class Speculator:
         interval = min(interval, MAX_PROBE_INTERVAL)
         due = []
         for seq, depth in idle:
-            last = self.evidence.setdefault(id(seq), self.num_prepares)  # first seen: its evidence is the global rate
+            last = self.evidence.setdefault(seq, self.num_prepares)  # first seen: its evidence is the global rate
             if self.num_prepares - last >= interval:
                 due.append((seq, depth))
         return due
@@ -190,14 +194,14 @@ class Speculator:
         """Score each sequence's last probe against the tokens generated since: leading matches, and whether
         the first guess after them is known wrong."""
         for seq in seqs:
-            probe = self.probes.pop(id(seq), None)
+            probe = self.probes.pop(seq, None)
             if probe is None:
                 continue
             start, guess = probe
             known = seq.token_ids[start : start + len(guess)]
             a = accepted_prefix(known, guess)
             if not self.probing and a == len(known) < len(guess):
-                self.probes[id(seq)] = probe  # an unverified probe waits until the tokens that score it are known
+                self.probes[seq] = probe  # an unverified probe waits until the tokens that score it are known
                 continue
             # positions 0..a-1 right; position a wrong if it is known, else not yet tried
             self.controller.record(seq, a + 1 if a < len(known) else a, a)
@@ -248,6 +252,17 @@ class Speculator:
     def observe_step(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
         self.cost.observe(num_tokens, seconds, keys)
 
+    def step_keys(self, sched) -> int | None:
+        """Before a step runs: the keys its decode rows attend to, where adaptive depth times steps (else None)."""
+        return decode_keys(sched) if self.config.auto else None
+
+    def after_step(self, sched, seconds: float, keys: int | None, running: list[Sequence], prefill_tokens_next) -> None:
+        """After a step: its time into the step-cost model (the target's step alone: the proposer's drafting is timed
+        apart), then the next step's drafts. `prefill_tokens_next()`: the prefill tokens the next step will carry."""
+        if keys is not None:
+            self.observe_step(sched.num_batched_tokens, seconds, keys)
+        self.prepare(running, prefill_tokens_next() if self.config.auto else 0)
+
     def observe_keys(self, num_tokens: int, keys: int, extra_seconds: float) -> None:
         self.cost.observe_keys(num_tokens, keys, extra_seconds)
 
@@ -255,8 +270,8 @@ class Speculator:
         seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
         self.proposer.finish(seq)
         self.controller.forget(seq)
-        self.probes.pop(id(seq), None)
-        self.evidence.pop(id(seq), None)
+        self.probes.pop(seq, None)
+        self.evidence.pop(seq, None)
 
 
 def _branchable(seq: Sequence) -> bool:
@@ -269,3 +284,15 @@ def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
     """The draft up to its first token the sequence's grammar (structured outputs) forbids: that token would be
     rejected, and every row after it wasted."""
     return draft[: seq.grammar.validate(draft)] if seq.grammar is not None and draft else draft
+
+
+def decode_keys(sched) -> int:
+    """Keys a step's decode rows attend to (each row its context up to itself, drafted rows and other chains
+    included); prefill chunks are left out. Read before the step runs: it counts from the tokens computed so far."""
+    keys = 0
+    for s in sched.scheduled:
+        c = s.seq.num_computed_tokens
+        if s.num_real_tokens == 1 and c == s.seq.num_tokens - 1:
+            for n in [s.num_new_tokens] + [b.num_rows for b in s.branches]:
+                keys += n * c + n * (n + 1) // 2
+    return keys

@@ -57,7 +57,7 @@ class SuffixProposer(ProposerBase):
         self.max_depth, self.max_cached, self.min_prob = max_tree_depth, max_cached_requests, min_token_prob
         self.global_index = BigramIndex()
         self.global_docs: OrderedDict[int, _Doc] = OrderedDict()  # past outputs, oldest first
-        self.local: dict[int, tuple[BigramIndex, _Doc, list[int]]] = {}  # id(seq) -> (index, doc, [indexed up to])
+        self.local: dict[Sequence, tuple[BigramIndex, _Doc, list[int]]] = {}  # seq -> (index, doc, [indexed up to])
         self._next_doc = 0
         self._evicted = 0  # since the global index was last rebuilt
 
@@ -65,9 +65,9 @@ class SuffixProposer(ProposerBase):
         return [Draft(self._propose(seq, k)) for seq, k in zip(seqs, ks)]
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
-        state = self.local.get(id(seq))
+        state = self.local.get(seq)
         if state is None:
-            state = self.local[id(seq)] = (BigramIndex(), _Doc(seq.token_ids), [0])
+            state = self.local[seq] = (BigramIndex(), _Doc(seq.token_ids), [0])
         index, doc, done = state  # doc.tokens is seq.token_ids itself: it grows in place
         ctx = seq.token_ids
         L = len(ctx)
@@ -116,7 +116,7 @@ class SuffixProposer(ProposerBase):
 
     def finish(self, seq: Sequence) -> None:
         """Index the finished sequence's output (with the context just before it) for later requests."""
-        self.local.pop(id(seq), None)
+        self.local.pop(seq, None)
         if seq.num_output_tokens < 2:
             return
         doc = _Doc(list(seq.token_ids), seq.num_prompt_tokens)

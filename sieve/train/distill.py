@@ -69,7 +69,7 @@ def magpie_messages(llm, n: int, seed: int = 0, max_tokens: int = 64) -> list[li
     """`n` user questions the target writes itself (Magpie, Xu et al. 2024): the chat template up to the start of a
     user turn (the system turn included), sampled at temperature 1.0 until the turn ends. An instruct model fills it
     with the kinds of request it was tuned on, where the templates above give 20 phrasings. (For SmolLM2's EAGLE layer
-    that served open chat no better than the templates: docs/benchmarks.md, issue 15, fourteenth part.) Turns cut by
+    that served open chat no better than the templates: docs/design-notes.md, issue 15, fourteenth part.) Turns cut by
     `max_tokens`, shorter than 3 words, holding one of the tokenizer's special tokens, repeated or equal to a benchmark
     prompt are left out; each request has its own seed, so the list is the same on every run."""
     from sieve.config import ConfigError
@@ -156,7 +156,7 @@ def held_out_split(families: list[str], fraction: float = 0.1, seed: int = 0,
     """(held-out indices, training indices, how): about `fraction` of the answers held out, by whole families
     (`by="family"`: no family on both sides; about `fraction` of each kind of family, so the held-out answers mix
     instructions, passages and code as the trained ones do) or by answer (`by="answer"`: near-duplicates of a
-    held-out prompt may be trained on, and the held-out measure then overstates what is served: docs/benchmarks.md,
+    held-out prompt may be trained on, and the held-out measure then overstates what is served: docs/design-notes.md,
     issue 15, fifteenth part). A family split falls back to answers when no whole family fits in half of its kind's answers (fewer
     than two families of a kind, or one that is most of them), and says so in `how`."""
     from sieve.config import ConfigError
