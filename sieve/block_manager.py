@@ -53,8 +53,20 @@ class BlockFork:
 
 
 class BlockManager:
-    # Which of a sequence's tables this manager keeps, and the KV-cache group it stands for (the pool it counts).
-    TABLE, REGISTERED, GROUP = "block_table", "num_registered_blocks", 0
+    GROUP = 0  # the KV-cache group this manager's pool stands for
+
+    # Which of a sequence's tables this manager keeps, and how many of its leading blocks are in the prefix cache
+    def table_of(self, seq) -> list[int]:
+        return seq.block_table
+
+    def set_table(self, seq, table: list[int]) -> None:
+        seq.block_table = table
+
+    def registered_of(self, seq) -> int:
+        return seq.num_registered_blocks
+
+    def set_registered(self, seq, n: int) -> None:
+        seq.num_registered_blocks = n
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, namespace: str = ""):
         if num_blocks < 1:
@@ -95,7 +107,7 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_needed(num_tokens) - len(getattr(seq, self.TABLE)))
+        return max(0, self.blocks_needed(num_tokens) - len(self.table_of(seq)))
 
     def root(self, salt: str | None) -> bytes:
         """Where a sequence's chain of hashes starts: the engine's namespace, or with a cache salt (vLLM's `cache_salt`)
@@ -163,7 +175,7 @@ class BlockManager:
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Before `seq`'s first step after it (re)enters: share the blocks of its longest cached prefix
         and mark those tokens computed. Returns the number of tokens taken from the cache."""
-        assert not getattr(seq, self.TABLE) and seq.num_computed_tokens == 0
+        assert not self.table_of(seq) and seq.num_computed_tokens == 0
         hit = self.cached_prefix_blocks(seq)
         self._share(seq, hit)
         seq.num_computed_tokens = len(hit) * self.block_size
@@ -177,8 +189,8 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
-        setattr(seq, self.TABLE, list(table))
-        setattr(seq, self.REGISTERED, len(table))
+        self.set_table(seq, list(table))
+        self.set_registered(seq, len(table))
 
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Statistics: a sequence entered the batch with `num_hit_tokens` of its tokens cached."""
@@ -191,7 +203,7 @@ class BlockManager:
         need = self.num_new_blocks(seq, num_tokens)
         if need > self.num_free_blocks:
             return False
-        getattr(seq, self.TABLE).extend(self._new_blocks(need))
+        self.table_of(seq).extend(self._new_blocks(need))
         return True
 
     def fork(self, seq: Sequence, start: int, end: int) -> BlockFork | None:
@@ -205,7 +217,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return None
         blocks = self._new_blocks(need)
-        table = getattr(seq, self.TABLE)
+        table = self.table_of(seq)
         copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
         return BlockFork(seq, start, table[:first], blocks, copies)
 
@@ -215,18 +227,18 @@ class BlockManager:
         `start` and takes the fork's, and with them the source's first `start` tokens as computed."""
         first = f.start // self.block_size
         if seq is f.source:
-            table = getattr(seq, self.TABLE)
+            table = self.table_of(seq)
             self._forget_own(table[first:], "a draft branch replaces")
             self._release(table[first:])
             table[first:] = f.blocks
             return
-        assert not getattr(seq, self.TABLE)
+        assert not self.table_of(seq)
         for block in f.shared:
             if block != PAD:
                 self.ref_counts[block] += 1
-        setattr(seq, self.TABLE, f.shared + f.blocks)
+        self.set_table(seq, f.shared + f.blocks)
         seq.block_hashes = list(f.source.block_hashes[:first])
-        setattr(seq, self.REGISTERED, min(getattr(f.source, self.REGISTERED), first))
+        self.set_registered(seq, min(self.registered_of(f.source), first))
         seq.num_computed_tokens = f.start
 
     def release(self, f: BlockFork) -> None:
@@ -238,36 +250,36 @@ class BlockManager:
         content another block already holds stays private (and is freed as usual)."""
         if not self.enable_prefix_caching:
             return
-        table = getattr(seq, self.TABLE)
+        table = self.table_of(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
-        if full <= getattr(seq, self.REGISTERED):
+        if full <= self.registered_of(seq):
             return
         hashes = self._hashes(seq, full)
-        for j in range(getattr(seq, self.REGISTERED), full):
+        for j in range(self.registered_of(seq), full):
             block = table[j]
             if block != PAD and hashes[j] not in self.cached and self.block_hash[block] is None:
                 self.cached[hashes[j]] = block
                 self.block_hash[block] = hashes[j]
-        setattr(seq, self.REGISTERED, full)
+        self.set_registered(seq, full)
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks (finish, abort or preemption). Cached ones stay cached."""
-        self._release(getattr(seq, self.TABLE))
-        setattr(seq, self.TABLE, [])
+        self._release(self.table_of(seq))
+        self.set_table(seq, [])
         seq.num_computed_tokens = 0
-        setattr(seq, self.REGISTERED, 0)
+        self.set_registered(seq, 0)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback).
         Every block from the one holding token `num_tokens` on may hold rejected tokens (and the kept
         partial one will be written again), so they leave the cache; none of them may be shared."""
         keep, first_dirty = self.blocks_needed(num_tokens), num_tokens // self.block_size
-        table = getattr(seq, self.TABLE)
+        table = self.table_of(seq)
         self._forget_own(table[first_dirty:], "truncate into")
         self._release(table[keep:])
         del table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        setattr(seq, self.REGISTERED, min(getattr(seq, self.REGISTERED), num_tokens // self.block_size))
+        self.set_registered(seq, min(self.registered_of(seq), num_tokens // self.block_size))
         del seq.block_hashes[num_tokens // self.block_size :]
 
     def reset_prefix_cache(self) -> None:
@@ -323,14 +335,26 @@ class BlockManager:
 
 
 class SlidingWindowBlockManager(BlockManager):
-    """The pool of the sliding-window layers (KV-cache group 1), kept in each sequence's `window_table`.
+    """The pool of the sliding-window layers (KV-cache group 1), kept in each sequence's `window` (WindowState).
 
     A layer with window W computes a token at position p from keys p - W < k <= p, so once a sequence's
     next token to compute is at position c, block j (positions j*bs .. (j+1)*bs - 1) is never read again
     when (j + 1) * bs <= c - W + 1. Before each allocation such blocks are given back (their entry becomes
     PAD); a cached one stays in the prefix cache (evictable) like any unreferenced block."""
 
-    TABLE, REGISTERED, GROUP = "window_table", "num_window_registered", 1
+    GROUP = 1
+
+    def table_of(self, seq) -> list[int]:
+        return seq.window.table
+
+    def set_table(self, seq, table: list[int]) -> None:
+        seq.window.table = table
+
+    def registered_of(self, seq) -> int:
+        return seq.window.registered
+
+    def set_registered(self, seq, n: int) -> None:
+        seq.window.registered = n
 
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = False, namespace: str = ""):
         super().__init__(num_blocks, block_size, enable_prefix_caching, namespace)
@@ -342,7 +366,7 @@ class SlidingWindowBlockManager(BlockManager):
         return max(0, position - self.window + 1) // self.block_size
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        table = seq.window_table
+        table = seq.window.table
         for j in range(min(self.first_needed_block(seq.num_computed_tokens), len(table))):
             if table[j] != PAD:
                 self._release([table[j]])
@@ -371,7 +395,7 @@ class SlidingWindowBlockManager(BlockManager):
 
 class HybridBlockManager(BlockManager):
     """KV cache in two groups, each its own pool and table per sequence: the full-attention layers' (this
-    manager, `block_table`) and the sliding-window layers' (`window`, `window_table`), which gives blocks
+    manager, `block_table`) and the sliding-window layers' (`window`, each sequence's `window.table`), which gives blocks
     back as they leave the window. A sequence holds blocks in both or in neither; a prefix-cache hit needs
     the full group's blocks of the whole prefix and the window group's blocks of its last window."""
 
@@ -389,7 +413,7 @@ class HybridBlockManager(BlockManager):
         return hit[: self.window.longest_hit(seq, len(hit))] if hit else hit
 
     def take_cached_prefix(self, seq: Sequence) -> int:
-        assert not seq.block_table and not seq.window_table and seq.num_computed_tokens == 0
+        assert not seq.block_table and not seq.window.table and seq.num_computed_tokens == 0
         hit = self.cached_prefix_blocks(seq)
         self._share(seq, hit)
         self.window.take_hit(seq, len(hit))

@@ -33,7 +33,7 @@ from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
-from sieve.sequence import Request, Sequence
+from sieve.sequence import Request, Sequence, WindowState
 from sieve.spec_decode.build import build_speculator, calibrate_step_cost
 from sieve.stats import EngineStats, KVTransferStats, SpecDecodeStats, StructuredStats
 from sieve.structured import GrammarCompiler, GrammarError
@@ -250,10 +250,10 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _borrowed_blocks(self, num_tokens: int):
-        """Block tables (`block_table`, and `window_table` where the model has sliding layers) for `num_tokens`
+        """Block tables (`block_table`, and `window.table` where the model has sliding layers) for `num_tokens`
         tokens, taken from the free pool between steps and given back after."""
         holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[],
-                                 window_table=[], num_window_registered=0, state_slot=-1)
+                                 window=WindowState(), state_slot=-1)
         if not self.block_manager.allocate(holder, num_tokens):
             self.block_manager.free(holder)
             raise RequestError(f"{num_tokens} tokens do not fit in the free KV blocks")

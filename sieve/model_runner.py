@@ -216,29 +216,29 @@ class ModelRunner:
 
     def metadata(self, writes: list[tuple], decodes: list[tuple], prefills: list[tuple]) -> AttentionMetadata:
         """A step's attention metadata from what holds the tables (a Sequence, or anything with its `block_table`
-        and `window_table`): `writes` (holder, first, end) for the positions whose K/V the step writes;
+        and `window.table`): `writes` (holder, first, end) for the positions whose K/V the step writes;
         `decodes` (holder, context length, table blocks) per decode row; `prefills` (first row, query length,
-        context length, holder) per chunk. Sliding-window layers get their windows' views of `window_table`."""
+        context length, holder) per chunk. Sliding-window layers get their windows' views of `window.table`."""
         bs = self.block_size
 
-        def group(attr: str, windows: tuple[int, ...]) -> AttentionMetadata:
+        def group(table_of, windows: tuple[int, ...]) -> AttentionMetadata:
             slots = []
             for holder, start, end in writes:
-                table = getattr(holder, attr)
+                table = table_of(holder)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             tables = {}  # one slice per holder, shared by its rows (the decode kernel walks a sequence's K/V once for them)
             rows = []
             for holder, ctx, nb in decodes:
                 key = (id(holder), nb)
                 if key not in tables:
-                    tables[key] = getattr(holder, attr)[:nb]
+                    tables[key] = table_of(holder)[:nb]
                 rows.append((tables[key], ctx))
-            chunks = [(row, n, ctx, getattr(holder, attr)) for row, n, ctx, holder in prefills]
+            chunks = [(row, n, ctx, table_of(holder)) for row, n, ctx, holder in prefills]
             return build_metadata(slots, rows, chunks, bs, self.device, windows)
 
-        meta = group("block_table", ())
+        meta = group(lambda h: h.block_table, ())
         if len(self.layer_groups) > 1:
-            meta.windows = group("window_table", tuple(w for w in self.arch.layer_windows if w is not None)).windows
+            meta.windows = group(lambda h: h.window.table, tuple(w for w in self.arch.layer_windows if w is not None)).windows
         if self.arch.mamba_layers:  # which state slot each row continues; a sequence at position 0 starts from zeros
             fresh = [holder.state_slot for holder, start, _ in writes if start == 0]
             if fresh:
@@ -426,7 +426,7 @@ class ModelRunner:
 @torch.inference_mode()
 def score_logits(runner: ModelRunner, token_ids: list[int], start: int, end: int, tables) -> torch.Tensor:
     """Float32 logits [end - start, vocab] for positions start..end-1 of one sequence whose tokens
-    before `start` are already in the blocks of `tables` (its `block_table`, and `window_table` where the model
+    before `start` are already in the blocks of `tables` (its `block_table`, and `window.table` where the model
     has sliding layers; same cache writes and reads as serving, so a quantized KV cache counts)."""
     return runner.model.compute_logits(score_hidden(runner, token_ids, start, end, tables))
 

@@ -139,7 +139,7 @@ class Scheduler:
                 i += 1
                 continue
             # Drafts are optional: trimmed to the budget and the context, and dropped before anyone is preempted.
-            k = min(len(seq.draft_token_ids), budget - 1, self.config.max_model_len - seq.num_tokens) if remaining == 1 else 0
+            k = min(len(seq.draft_state.token_ids), budget - 1, self.config.max_model_len - seq.num_tokens) if remaining == 1 else 0
             while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new + k):
                 if k:
                     k = 0
@@ -151,8 +151,8 @@ class Scheduler:
             else:
                 item = ScheduledSeq(seq, num_new + k)
                 if k:
-                    item.draft = seq.draft_token_ids[:k]
-                    item.draft_probs = seq.draft_probs[:k] if seq.draft_probs is not None else None
+                    item.draft = seq.draft_state.token_ids[:k]
+                    item.draft_probs = seq.draft_state.probs[:k] if seq.draft_state.probs is not None else None
                 out.scheduled.append(item)
                 budget -= item.num_new_tokens
                 i += 1
@@ -190,7 +190,7 @@ class Scheduler:
         # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
         budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         for item in out.scheduled:
-            if item.draft and item.seq.draft_alternatives and budget > 1:
+            if item.draft and item.seq.draft_state.alternatives and budget > 1:
                 budget -= self._branch(item, out, budget)
         return out
 
@@ -198,7 +198,7 @@ class Scheduler:
         """Reserve `item`'s other draft chains (each as long as its own draft, at most); the rows they take."""
         seq, k, taken = item.seq, len(item.draft), 0
         seen = {tuple(item.draft)}
-        for alt in seq.draft_alternatives:
+        for alt in seq.draft_state.alternatives:
             alt = alt[:k]
             if not alt or tuple(alt) in seen:  # (a chain cut to the same tokens as another adds nothing)
                 continue
@@ -258,7 +258,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.blocks.free(seq)
-        seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
+        seq.draft_state.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)

@@ -40,6 +40,29 @@ class Request:
         return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
 
 
+@dataclass
+class DraftState:
+    """Speculative decoding: the tokens drafted to follow a sequence's tokens, verified next step (never part of its
+    token_ids until accepted), the distribution each was drawn from (None: deterministic drafts), and a draft tree's
+    further chains (num_branches)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: Any = None
+    alternatives: list[list[int]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.token_ids, self.probs, self.alternatives = [], None, []
+
+
+@dataclass
+class WindowState:
+    """A sequence's table in the sliding-window layers' own pool (models with such layers): blocks that left the
+    window are PAD (-1); `registered`: its leading blocks already in that pool's prefix cache."""
+
+    table: list[int] = field(default_factory=list)
+    registered: int = 0
+
+
 @dataclass(eq=False)
 class Sequence:
     request: Request
@@ -54,15 +77,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (block manager's memo)
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
-    # The sliding-window layers' own pool (models with such layers): their table, blocks that left the window PAD (-1)
-    window_table: list[int] = field(default_factory=list)
-    num_window_registered: int = 0
+    window: WindowState = field(default_factory=lambda: WindowState())  # the sliding-window layers' own pool
     state_slot: int = -1  # recurrent (Mamba-2) layers: the slot of this sequence's state while it runs
-    # Speculative decoding: tokens drafted to follow token_ids, verified next step (never part of token_ids
-    # until accepted), and the distribution each was drawn from (None: deterministic drafts).
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Any = None
-    draft_alternatives: list[list[int]] = field(default_factory=list)  # further chains of a draft tree (num_branches)
+    draft_state: DraftState = field(default_factory=lambda: DraftState())  # speculative decoding's next draft
     grammar: Any = None  # structured outputs: this sequence's GrammarMatcher (sieve/structured), or None
 
     # Output side (written by the output processor).

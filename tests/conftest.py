@@ -126,3 +126,30 @@ def llama_engine_factory(llama_dir):
 @pytest.fixture(scope="session")
 def llama_llm(llama_engine_factory):
     return llama_engine_factory()
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir):
+    """The tiny llama checkpoint served on a free port of 127.0.0.1, keyed with live_server.API_KEY, as
+    live_server.MODEL: (base url, engine)."""
+    from live_server import start_server
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
+    url, stop = start_server(engine)
+    yield url, engine
+    stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server():
+    """The default model (SmolLM2-135M-Instruct) served on a free port of 127.0.0.1, keyed with live_server.API_KEY,
+    as live_server.SMOLLM2: (base url, engine)."""
+    from live_server import SMOLLM2, start_server
+    from sieve import EngineConfig, LLMEngine
+    from sieve.models.default import default_model_path
+
+    engine = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_memory_gb=0.5, max_model_len=2048))
+    url, stop = start_server(engine, served_model_name=SMOLLM2)
+    yield url, engine
+    stop()

@@ -6,6 +6,7 @@ import time
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
+SMOLLM2 = "smollm2-135m-instruct"  # the name the default model is served under
 
 
 def start_server(engine, served_model_name: str | None = MODEL, **app_kwargs):

@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from live_server import API_KEY, MODEL, start_server, wait_idle
+from live_server import API_KEY, MODEL, wait_idle
 from sieve.bench.serving import Load, Target, carries_output, parse_loads, run_load, send_turn, sweep, within_slo
 from sieve.bench.serving_stats import SLO
 from sieve.bench.workloads import Session, Turn, WorkloadSpec, from_jsonl
@@ -126,13 +126,8 @@ def test_workloads_are_seeded_and_sized(demo_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def live(llama_dir):
-    from sieve import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
-    url, stop = start_server(engine)
-    yield url + "/v1", engine
-    stop()
+def live(llama_server):
+    return llama_server[0] + "/v1", llama_server[1]
 
 
 def test_sweep_against_a_live_sieve_server(live, llama_dir):

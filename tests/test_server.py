@@ -16,13 +16,8 @@ from live_server import API_KEY, MODEL, metrics_page, start_server, wait_idle
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    from sieve import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
-    url, stop = start_server(engine)
-    yield url, engine
-    stop()
+def server(llama_server):
+    return llama_server
 
 
 @pytest.fixture(scope="module")

@@ -130,9 +130,9 @@ def test_window_pool_gives_back_blocks_and_serves_more_than_it_holds(name, slidi
 
     def spy(seq, n):
         ok = original(seq, n)
-        seen_pad.append(PAD in seq.window_table)
+        seen_pad.append(PAD in seq.window.table)
         # every block of the window group is referenced by someone or free: nothing leaks
-        held = sum(1 for b in seq.window_table if b != PAD)
+        held = sum(1 for b in seq.window.table if b != PAD)
         assert held <= -(-(WINDOW - 1 + 16) // 4) + 1
         return ok
 
@@ -201,7 +201,7 @@ def test_prefix_hit_needs_the_last_window_of_the_prefix(sliding_checkpoints):
     window.block_hash[victim] = None
     assert len(blocks.cached_prefix_blocks(t)) == 8  # at 8 blocks (position 32) the window needs blocks 6, 7: cached
     assert blocks.take_cached_prefix(t) == 32
-    assert t.window_table[:6] == [PAD] * 6 and PAD not in t.window_table[6:] and len(t.block_table) == 8
+    assert t.window.table[:6] == [PAD] * 6 and PAD not in t.window.table[6:] and len(t.block_table) == 8
     blocks.free(t)
     assert blocks.num_free_blocks == 64 and window.num_free_blocks == 64
 

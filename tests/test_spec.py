@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sieve import LLM, SamplingParams
+from sieve.sequence import DraftState
 from sieve.spec_decode.config import SpeculativeConfig
 from sieve.spec_decode.controller import DepthController, StepCostModel
 from sieve.spec_decode.proposer import Draft
@@ -357,7 +358,7 @@ def test_kv_accounting_through_rejections_aborts_and_failed_steps(llama_engine_f
         for s in engine.scheduler.running:  # a table never covers more than the tokens (drafts are rolled back)
             assert len(s.block_table) <= bm.blocks_needed(s.num_tokens)
         if step == 4:  # abort sequences holding drafts for the next verification
-            for s in [s for s in engine.scheduler.running if s.draft_token_ids][:2]:
+            for s in [s for s in engine.scheduler.running if s.draft_state.token_ids][:2]:
                 aborted.append(s.request.request_id)
                 engine.abort(s.request.request_id)
     assert failed and len(aborted) >= 3
@@ -749,7 +750,7 @@ class _Seq:
 
     def __init__(self, offset: int):
         self.token_ids, self.offset = [offset], offset
-        self.draft_token_ids, self.draft_probs, self.grammar = [], None, None
+        self.draft_state, self.grammar = DraftState(), None
         self.params = SamplingParams(max_tokens=10**6)
         self.request = SimpleNamespace(unforked=False, metrics=SimpleNamespace(spec_num_drafts=0, spec_num_draft_tokens=0,
                                                                                 spec_num_accepted_tokens=0))
@@ -802,7 +803,7 @@ def _run_costly_auto(probe_share: float | None, steps: int = 160, catch_up: floa
             spec.prepare(seqs)
             rows = 0
             for s in seqs:
-                d = s.draft_token_ids
+                d = s.draft_state.token_ids
                 rows += 1 + len(d)
                 a = 0
                 while a < len(d) and d[a] == s.truth(s.num_tokens + a):

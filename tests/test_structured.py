@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from live_server import API_KEY, metrics_page, start_server
+from live_server import API_KEY, SMOLLM2, metrics_page, start_server
 from sieve import EngineConfig, LLMEngine, SamplingParams
 from sieve.bench.structured import CITIES, PERSON  # a person: name, age, city, occupation, hobbies (bounded strings)
 from sieve.server.tools import ToolCallParser, parse_tool_calls
@@ -30,17 +30,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from sieve.models.default import default_model_path
-
-    return LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_memory_gb=0.5, max_model_len=2048))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    url, stop = start_server(engine, served_model_name="smol")
-    yield url
-    stop()
+def server(smollm2_server):
+    return smollm2_server[0]
 
 
 @pytest.fixture
@@ -59,7 +50,7 @@ def test_twenty_json_schema_answers_parse_and_validate(client):
 
     def one(i):  # sampled answers can run long inside a string (one of these took 256+ tokens): room to finish
         return client.chat.completions.create(
-            model="smol", messages=ask(f"Describe a fictional person who lives in {CITIES[i]}, as JSON."),
+            model=SMOLLM2, messages=ask(f"Describe a fictional person who lives in {CITIES[i]}, as JSON."),
             response_format=fmt, temperature=0.8, seed=i, max_tokens=512)
 
     with ThreadPoolExecutor(8) as pool:  # together: constrained rows share steps
@@ -70,10 +61,10 @@ def test_twenty_json_schema_answers_parse_and_validate(client):
 
 
 def test_json_object_and_the_completions_endpoint(client):
-    r = client.chat.completions.create(model="smol", messages=ask("Bob is 30 years old. Give his name and age as a JSON object."),
+    r = client.chat.completions.create(model=SMOLLM2, messages=ask("Bob is 30 years old. Give his name and age as a JSON object."),
                                        response_format={"type": "json_object"}, temperature=0, max_tokens=200)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model="smol", prompt="A user record in JSON:", max_tokens=200, temperature=0,
+    r = client.completions.create(model=SMOLLM2, prompt="A user record in JSON:", max_tokens=200, temperature=0,
                                   extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
 
@@ -81,18 +72,18 @@ def test_json_object_and_the_completions_endpoint(client):
 def test_regex_choice_and_grammar_hold(client):
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     for seed in range(3):
-        r = client.chat.completions.create(model="smol", messages=ask("What is the phone number of the pizza place?"),
+        r = client.chat.completions.create(model=SMOLLM2, messages=ask("What is the phone number of the pizza place?"),
                                            temperature=1.0, seed=seed, max_tokens=30, extra_body={"structured_outputs": {"regex": phone}})
         assert re.fullmatch(phone, r.choices[0].message.content), r.choices[0].message.content
-        r = client.completions.create(model="smol", prompt="Review: 'I loved it!' Sentiment:", temperature=1.0, seed=seed,
+        r = client.completions.create(model=SMOLLM2, prompt="Review: 'I loved it!' Sentiment:", temperature=1.0, seed=seed,
                                       max_tokens=10, extra_body={"structured_outputs": {"choice": ["positive", "negative", "neutral"]}})
         assert r.choices[0].text in ("positive", "negative", "neutral") and r.choices[0].finish_reason == "stop"
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,2}/\n'
-    r = client.chat.completions.create(model="smol", messages=ask("What is 6 times 7?"), temperature=0, max_tokens=20,
+    r = client.chat.completions.create(model=SMOLLM2, messages=ask("What is 6 times 7?"), temperature=0, max_tokens=20,
                                        extra_body={"structured_outputs": {"grammar": lark}})
     assert re.fullmatch(r"The answer is [1-9][0-9]{0,2}\.", r.choices[0].message.content)
     # vLLM's pre-0.12 field (vLLM now ignores it with a 200): honoured here
-    r = client.chat.completions.create(model="smol", messages=ask("Pick a colour."), temperature=0, max_tokens=10,
+    r = client.chat.completions.create(model=SMOLLM2, messages=ask("Pick a colour."), temperature=0, max_tokens=10,
                                        extra_body={"guided_choice": ["red", "green", "blue"]})
     assert r.choices[0].message.content in ("red", "green", "blue")
 
@@ -102,9 +93,9 @@ def test_streamed_equals_non_streamed_for_a_seed(client):
         dict(messages=ask("Describe a chef from Lyon as JSON."), response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}),
         dict(messages=ask("What is the weather in Oslo?"), tools=[WEATHER, TIME], tool_choice="required"),
     ):
-        whole = client.chat.completions.create(model="smol", temperature=0.9, seed=1234, max_tokens=200, **body).choices[0]
+        whole = client.chat.completions.create(model=SMOLLM2, temperature=0.9, seed=1234, max_tokens=200, **body).choices[0]
         content, calls, reason = "", {}, None
-        for chunk in client.chat.completions.create(model="smol", temperature=0.9, seed=1234, max_tokens=200, stream=True, **body):
+        for chunk in client.chat.completions.create(model=SMOLLM2, temperature=0.9, seed=1234, max_tokens=200, stream=True, **body):
             d = chunk.choices[0].delta
             content += d.content or ""
             for c in d.tool_calls or []:
@@ -119,7 +110,7 @@ def test_streamed_equals_non_streamed_for_a_seed(client):
 
 def test_tool_call_round_trip(client):
     messages = [{"role": "system", "content": "You are a helpful assistant with tools."}, *ask("What's the weather like in Paris?")]
-    r = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+    r = client.chat.completions.create(model=SMOLLM2, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
                                        temperature=0, max_tokens=120)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -131,10 +122,10 @@ def test_tool_call_round_trip(client):
     # the result goes back as a `tool` message; the model answers in words (tools offered, none forced)
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "sunny"})}]
-    r = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
+    r = client.chat.completions.create(model=SMOLLM2, messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
     # a named function: that one, its arguments valid
-    r = client.chat.completions.create(model="smol", messages=ask("Weather in Tokyo, in fahrenheit?"), tools=[WEATHER, TIME],
+    r = client.chat.completions.create(model=SMOLLM2, messages=ask("Weather in Tokyo, in fahrenheit?"), tools=[WEATHER, TIME],
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=80)
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
@@ -179,7 +170,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, body, param, message
     import httpx
 
     r = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": "smol", "messages": ask("hi"), "max_tokens": 4, **body})
+                   json={"model": SMOLLM2, "messages": ask("hi"), "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
@@ -190,7 +181,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, body, param, message
 
 
 def test_mask_time_is_on_metrics(server, client):
-    client.chat.completions.create(model="smol", messages=ask("JSON please"), response_format={"type": "json_object"},
+    client.chat.completions.create(model=SMOLLM2, messages=ask("JSON please"), response_format={"type": "json_object"},
                                    temperature=0, max_tokens=20)
     page = metrics_page(server)
     value = {line.split(" ")[0].split("{")[0]: float(line.split(" ")[1]) for line in page.splitlines()

@@ -12,7 +12,6 @@ import pytest
 
 from live_server import API_KEY, start_server
 from reference import CAPITAL_QUESTION, chat_ids, clear_greedy_answer
-from sieve import EngineConfig, LLMEngine
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # As root, with no network: no sandbox, and none of Chromium's background connections.
@@ -24,13 +23,8 @@ SYSTEM = "You are a concise assistant."
 
 
 @pytest.fixture(scope="module")
-def served():
-    from sieve.models.default import default_model_path
-
-    engine = LLMEngine(EngineConfig(model=str(default_model_path()), kv_cache_memory_gb=0.25, max_model_len=2048))
-    url, stop = start_server(engine, served_model_name="smollm2-135m-instruct")
-    yield url, engine
-    stop()
+def served(smollm2_server):
+    return smollm2_server
 
 
 def test_playground_streams_a_chat_and_shows_metrics(served, tmp_path):

@@ -100,7 +100,7 @@ class Speculator:
         """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
         ready, caps = [], []
         for seq in running:
-            seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
+            seq.draft_state.clear()
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.request.unforked:
                 continue
             # Drafted tokens must fit in the context, and the step emits at most k + 1 tokens.
@@ -127,9 +127,9 @@ class Speculator:
             else:
                 ks, widths = self.controller.choose(ready, caps, extra_tokens, self.budget, contexts=contexts), [1] * len(ready)
             for seq, k, w, d in zip(ready, ks, widths, drafts):
-                seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
-                if w > 1 and seq.draft_token_ids:
-                    seq.draft_alternatives = [a[:k] for a in d.alternatives[: w - 1] if a]
+                seq.draft_state.token_ids = _allowed(seq, d.token_ids[:k])
+                if w > 1 and seq.draft_state.token_ids:
+                    seq.draft_state.alternatives = [a[:k] for a in d.alternatives[: w - 1] if a]
             return
         auto = self.config.auto
         if auto:
@@ -160,10 +160,11 @@ class Speculator:
             else:
                 (self.draft_cost if chosen else self.probe_cost).observe(drafted, seconds)
         for (seq, k, _), d in zip(chosen, drafts):
-            seq.draft_token_ids = _allowed(seq, d.token_ids[:k])
-            seq.draft_probs = d.probs[: len(seq.draft_token_ids)] if d.probs is not None and seq.draft_token_ids else None
-            if d.alternatives and seq.draft_token_ids and _branchable(seq):
-                seq.draft_alternatives = [a[:k] for a in d.alternatives if a]
+            seq.draft_state.token_ids = _allowed(seq, d.token_ids[:k])
+            drafted = seq.draft_state.token_ids
+            seq.draft_state.probs = d.probs[: len(drafted)] if d.probs is not None and drafted else None
+            if d.alternatives and seq.draft_state.token_ids and _branchable(seq):
+                seq.draft_state.alternatives = [a[:k] for a in d.alternatives if a]
             if auto:  # verification gives evidence from here (a probe still waiting would count it twice)
                 self.evidence[seq] = self.num_prepares
                 self.probes.pop(seq, None)
@@ -267,7 +268,7 @@ class Speculator:
         self.cost.observe_keys(num_tokens, keys, extra_seconds)
 
     def finish(self, seq: Sequence) -> None:
-        seq.draft_token_ids, seq.draft_probs, seq.draft_alternatives = [], None, []
+        seq.draft_state.clear()
         self.proposer.finish(seq)
         self.controller.forget(seq)
         self.probes.pop(seq, None)
