@@ -118,8 +118,8 @@ def run_quant_benchmark(args) -> dict:
               f"{args.concurrent} at once {r['concurrent_tokens_per_s']:.1f} output tok/s ({r['concurrent_ratio']:.2f}x): "
               f"prefill {r['concurrent_prefill_tokens_per_s']:.0f} tok/s ({r['concurrent_prefill_ratio']:.2f}x), "
               f"decode {r['concurrent_decode_tokens_per_s']:.1f} tok/s ({r['concurrent_decode_ratio']:.2f}x); "
-              f"linear weights {r['linear_weight_bytes'] / 1e9:.3f} GB; batch-1 profile: linears {prof['linear_ms']:.1f} "
-              f"of {prof['step_ms']:.1f} ms")
+              f"linear weights {r['linear_weight_bytes'] / 1e9:.3f} GB; batch-1 step {prof['step_ms']:.1f} ms"
+              + (f", linears {prof['linear_ms']:.1f} of it" if prof["linear_ms"] is not None else " (layer loop in C++)"))
         for shape, v in prof["per_shape"].items():
             print(f"         {shape:>12}: {v['ms_per_step']:.2f} ms/step, {v['gbps']:.1f} GB/s")
     del llms
