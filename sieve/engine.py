@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -100,7 +99,13 @@ class LLMEngine:
         self._load(ckpt, config)
         self._build_cache(ckpt.path, config)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.kv_connector = self._kv_connector(ckpt) if config.kv_role is not None or config.kv_transfer_config is not None else None
+        self.kv_connector = None
+        if config.kv_role is not None or config.kv_transfer_config is not None:
+            from sieve.distributed.kv_transfer import build_kv_connector  # (the disaggregated roles' only)
+
+            if self.tp_workers is not None:
+                raise ConfigError("KV transfer is not built together with tensor parallelism yet")
+            self.kv_connector = build_kv_connector(config, ckpt, self.arch, self.dtype, self.runner, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.speculator = None
         if config.speculative_config is not None:
@@ -152,11 +157,9 @@ class LLMEngine:
         self.tp_workers = None
         local_arch = self.arch
         if config.tensor_parallel_size > 1:
-            from sieve.distributed import TensorParallelWorkers, check_shardable, shard_arch
+            from sieve.distributed import start_tensor_parallel
 
-            check_shardable(self.arch, config.tensor_parallel_size)  # before any process starts
-            self.tp_workers = TensorParallelWorkers.start(config, self.device)
-            local_arch = shard_arch(self.arch, config.tensor_parallel_size)
+            self.tp_workers, local_arch = start_tensor_parallel(config, self.arch, self.device)
         try:
             model = load_model(ckpt, self.arch, self.dtype, self.device, max_positions=config.max_model_len,
                                quantization=config.quantization, group_size=config.quantization_group_size,
@@ -197,32 +200,6 @@ class LLMEngine:
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.close()
             self.kv_connector = None
-
-    def _kv_connector(self, ckpt):
-        """Prefill/decode disaggregation: this engine's end of KV transfer (sieve/distributed/kv_transfer.py)."""
-        import hashlib
-        import json
-        import uuid
-
-        from sieve.distributed.kv_transfer import KVConnector, KVTransferConfig
-
-        c = self.config
-        cfg = KVTransferConfig.parse(c.kv_transfer_config, c.kv_role)
-        if len(self.runner.layer_groups) > 1 or self.arch.mamba_layers:
-            raise ConfigError("KV transfer moves one pool of full-attention blocks: not built for sliding-window or Mamba-2 layers")
-        if self.tp_workers is not None:
-            raise ConfigError("KV transfer is not built together with tensor parallelism yet")
-        if not c.enable_prefix_caching:
-            raise ConfigError("KV transfer enters and finds blocks through the prefix cache: it needs prefix caching on")
-        # Both ends must hold the same bytes for the same tokens: the model (its config and the size of its weight
-        # files), the dtypes, the block size and the pool's shape. Paths may differ between hosts; contents may not.
-        files = sorted(p for p in Path(ckpt.path).rglob("*") if p.is_file()) if Path(ckpt.path).is_dir() else [Path(ckpt.path)]
-        model_id = hashlib.blake2b((json.dumps(ckpt.config, sort_keys=True, default=str)
-                                    + "|".join(f"{p.name}:{p.stat().st_size}" for p in files if p.suffix in (".safetensors", ".gguf"))
-                                    ).encode(), digest_size=8).hexdigest()
-        shape = tuple(self.runner.kv_pool.shape[:2]) + tuple(self.runner.kv_pool.shape[3:])
-        layout = f"{model_id}|{self.dtype}|{self.runner.kv_dtype}|{shape}"
-        return KVConnector(cfg, layout, self.runner, self.block_manager, uuid.uuid4().hex[:12])
 
     def _calibrate_kv(self) -> None:
         """FP8 KV scales the checkpoint does not give are fixed here, once, from fixed text, so no request's

@@ -243,3 +243,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_tensor_parallel(config: EngineConfig, arch, device: torch.device) -> tuple[TensorParallelWorkers, object]:
+    """The engine's other ranks (this process is rank 0) and the architecture of the shard this rank holds, once the
+    model is known to split `config.tensor_parallel_size` ways (checked before any process starts)."""
+    from sieve.distributed.shard import check_shardable, shard_arch
+
+    check_shardable(arch, config.tensor_parallel_size)
+    return TensorParallelWorkers.start(config, device), shard_arch(arch, config.tensor_parallel_size)
