@@ -308,6 +308,7 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=int, default=None, help="answer 429 when this many requests wait")
     sv.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds requests in flight get to finish on SIGTERM")
+    sv.set_defaults(slo_ttft_ms=2000.0, slo_tpot_ms=100.0)  # a person reading a stream: 10 tokens/s each, a first token within 2 s
     sv.set_defaults(func=cmd_serve)
 
 

@@ -69,8 +69,14 @@ class EngineConfig:
     # tokens never depend on what shares its steps (slower prefill and large batches; float32 needs none)
     batch_invariant: bool = False
 
-    # Speculative decoding (sieve/spec): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
+    # Speculative decoding (sieve/spec_decode): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
     speculative_config: object = None
+
+    # The service-level objective the run-time choices serve (None: none): time to first token and time per output
+    # token, in milliseconds. Speculation's "auto" keeps every running sequence's expected TPOT within slo_tpot_ms
+    # first, and maximises throughput only within it.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     # Tensor parallelism (sieve/distributed): the model split over this many processes (spawned on this host, or
     # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), gloo on CPU, NCCL on CUDA
@@ -104,6 +110,10 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ConfigError(f"{name} must be a positive number of milliseconds, got {value!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

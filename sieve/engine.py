@@ -110,7 +110,8 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype,
-                                               config.max_model_len, config.max_num_batched_tokens, self._draft_engine)
+                                               config.max_model_len, config.max_num_batched_tokens, self._draft_engine,
+                                               config.slo_tpot_ms)
             if config.speculative_config.auto:
                 calibrate_step_cost(self.speculator, self.runner, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
                                     self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)

@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes (spawned here; or run the same command under torchrun, "
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="the time-to-first-token objective, in ms (`sieve serve`: 2000)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="the time-per-output-token objective, in ms (`sieve serve`: 100): speculation's \"auto\" keeps every "
+                        "running sequence within it first, and maximises throughput only within it")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or "auto" tokens; methods: ngram, suffix')

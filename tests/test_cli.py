@@ -116,3 +116,15 @@ def test_bench_offline_small_run(llama_dir, tmp_path):
     assert res["sieve"]["requests"] == 6 and res["sieve"]["output_tokens"] > 0
     assert res["hf_one_at_a_time"]["sieve_ratio"] > 0 and res["hf_static_batch16"]["requests"] == 6
     assert 0 < res["batch1"]["fraction_of_floor"]
+
+
+def test_serve_takes_an_slo_with_defaults():
+    """`sieve serve` serves an SLO by default (TTFT 2 s, TPOT 100 ms: a person reading a stream), which the flags set;
+    the offline commands have none unless given."""
+    from sieve.cli import build_parser
+
+    parser = build_parser()
+    served = parser.parse_args(["serve"])
+    assert (served.slo_ttft_ms, served.slo_tpot_ms) == (2000.0, 100.0)
+    assert parser.parse_args(["serve", "--slo-tpot-ms", "50"]).slo_tpot_ms == 50.0
+    assert parser.parse_args(["generate", "--prompt", "x"]).slo_tpot_ms is None

@@ -7,6 +7,7 @@ and unseeded sampling keeps the target's distribution (tested statistically on s
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 from pathlib import Path
@@ -997,3 +998,65 @@ def test_block_copies_copy_each_block_in_every_layer(llama_engine_factory, kv):
         expected = b.clone()
         expected[:, :, 40], expected[:, :, 41], expected[:, :, 7] = b[:, :, 5], b[:, :, 5], b[:, :, 9]
         assert torch.equal(p, expected)
+
+
+def expected_worst_tpot(c: DepthController, seqs: list, ks: list[int], rows_per_seq: int = 1) -> float:
+    """The slowest sequence's expected time per output token in a step drafting `ks`: the step's predicted time over
+    the tokens that sequence expects (1, and each drafted position's chance of being reached and right)."""
+    t = c.cost.predict(len(seqs) * rows_per_seq + sum(ks))
+    expected = [1 + sum(itertools.accumulate(c.rates(s, k), lambda a, b: a * b)) if k else 1.0 for s, k in zip(seqs, ks)]
+    return t / min(expected)
+
+
+def test_auto_keeps_every_running_sequence_within_the_tpot_slo():
+    """Issue 61: "auto" maximised the tokens per second of a step, and the sequences it left at depth 0 rode its longer
+    steps (the ladder's TPOT p99 went from 92 to 145 ms at 24 users). With a TPOT SLO, every running sequence's
+    expected time per token (the step's time over the tokens it expects) is kept within it first, and throughput is
+    maximised only within it. Two sequences whose drafts are right 90% of the time and six whose drafts are always
+    wrong; a fixed step cost of 40 ms + 5 ms a row (so nothing depends on this machine)."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
+    cost = fixed_step_cost(0.040 + 0.005, 0.040 + 0.005 * 256)
+    good, bad = [object(), object()], [object() for _ in range(6)]
+    seqs = good + bad
+
+    def controller(slo):
+        c = DepthController(config, cost, tpot_slo_s=slo)
+        for i in range(60):
+            for s in good:
+                c.record(s, 4, 4 if i % 10 else 0)
+            for s in bad:
+                c.record(s, 1, 0)
+        return c
+
+    free, within = controller(None), controller(0.090)
+    assert cost.predict(8) == pytest.approx(0.080)  # no drafts: every sequence's TPOT is the step's, 80 ms
+    ks_free = free.choose(seqs, [4] * 8)
+    assert sum(ks_free) > 2 and expected_worst_tpot(free, seqs, ks_free) > 0.090  # the free choice breaks a 90 ms SLO
+    ks = within.choose(seqs, [4] * 8)
+    assert expected_worst_tpot(within, seqs, ks) <= 0.090 + 1e-12
+    assert ks[:2] == [1, 1] and ks[2:] == [0] * 6  # the drafts that fit the SLO still go to the sequences they pay for
+    # Past the SLO already without drafts (a 70 ms objective): drafting would only lengthen the undrafted sequences'
+    # steps, so "auto" drafts nothing, the best TPOT the step can give them.
+    assert controller(0.070).choose(seqs, [4] * 8) == [0] * 8
+    # Where rows are nearly free (a GPU's launch-bound step), the free choice is within the SLO and is kept.
+    cheap = fixed_step_cost(0.040 + 0.0001, 0.040 + 0.0001 * 256)
+    free_gpu, within_gpu = DepthController(config, cheap), DepthController(config, cheap, tpot_slo_s=0.090)
+    for c in (free_gpu, within_gpu):
+        for i in range(60):
+            for s in seqs:
+                c.record(s, 4, 4 if (s in good and i % 10) else 0)
+    assert within_gpu.choose(seqs, [4] * 8) == free_gpu.choose(seqs, [4] * 8) and sum(free_gpu.choose(seqs, [4] * 8)) > 0
+
+
+def test_the_engine_takes_its_slo_to_auto(llama_engine_factory):
+    """slo_tpot_ms reaches the depth controller (in seconds); a SLO that is not a positive number is refused."""
+    from sieve.config import ConfigError
+
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}, slo_tpot_ms=90,
+                               slo_ttft_ms=2000)
+    assert llm.llm_engine.speculator.controller.tpot_slo_s == pytest.approx(0.090)
+    assert llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"}
+                                ).llm_engine.speculator.controller.tpot_slo_s is None
+    for bad in (0, -5, True, "fast"):
+        with pytest.raises(ConfigError, match="slo_tpot_ms"):
+            llama_engine_factory(slo_tpot_ms=bad)

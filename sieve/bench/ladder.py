@@ -347,7 +347,8 @@ def _server_cmd(args, model: str, rung: RungSpec, o: dict, port: int, kv_gb: flo
         return cmd + (["--num-threads", str(args.num_threads)] if args.num_threads else [])
     cmd = [sys.executable, "-m", "sieve.cli", "serve", "--model", model, "--port", str(port), "--served-model-name", SERVED,
            "--kv-cache-memory-gb", f"{kv_gb:.4f}", "--max-num-seqs", str(args.max_num_seqs if rung.batching else 1),
-           "--max-waiting", "100000", "--no-webui", "--seed", str(args.seed)] + serve_flags(o)
+           "--max-waiting", "100000", "--no-webui", "--seed", str(args.seed), "--slo-ttft-ms", f"{args.slo_ttft_ms:g}",
+           "--slo-tpot-ms", f"{args.slo_tpot_ms:g}"] + serve_flags(o)  # the server's run-time choices serve the ladder's SLO
     if rung.spec:
         cmd += ["--speculative-config", json.dumps(SPEC_CONFIG)]
     return cmd + (["--num-threads", str(args.num_threads)] if args.num_threads else [])

@@ -67,8 +67,10 @@ async def metrics_endpoint(request: Request):
 
 
 @public.get("/version")
-async def version():
-    return {"version": sieve.__version__}
+async def version(request: Request):
+    """The version, and the service-level objective the server's run-time choices serve (null: none)."""
+    config = state(request).engine.config
+    return {"version": sieve.__version__, "slo": {"ttft_ms": config.slo_ttft_ms, "tpot_ms": config.slo_tpot_ms}}
 
 
 PLAYGROUND = Path(__file__).parent / "webui.html"

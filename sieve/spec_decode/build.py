@@ -15,8 +15,9 @@ log = logging.getLogger("sieve")
 
 
 def build_speculator(sc: SpeculativeConfig, arch, runner, device, dtype, max_len: int, max_num_batched_tokens: int,
-                     make_engine) -> Speculator:
-    """`make_engine(model, quantization)`: the engine a draft model runs in."""
+                     make_engine, tpot_slo_ms: float | None = None) -> Speculator:
+    """`make_engine(model, quantization)`: the engine a draft model runs in; `tpot_slo_ms`: the TPOT SLO "auto" keeps
+    every running sequence within."""
     if sc.num_branches > 1 and (arch.has_sliding_layers or arch.mamba_layers):
         raise ConfigError("speculative_config.num_branches > 1 takes a model whose layers all attend to the full "
                           "context: a draft branch copies its sequence's partial block of one KV-cache group, and a "
@@ -26,7 +27,7 @@ def build_speculator(sc: SpeculativeConfig, arch, runner, device, dtype, max_len
                                   device=device, dtype=dtype, embed=runner.model.embed)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    speculator = Speculator(sc, proposer, max_len, max_num_batched_tokens)
+    speculator = Speculator(sc, proposer, max_len, max_num_batched_tokens, tpot_slo_ms / 1e3 if tpot_slo_ms else None)
     aux = speculator.aux_hidden_layers
     if not all(0 <= layer < arch.num_layers for layer in aux):
         raise ConfigError(f"the EAGLE layer at {sc.model} reads the target's layers {list(aux)}, and the target "

@@ -174,8 +174,11 @@ class DraftCostModel:
 
 
 class DepthController:
-    def __init__(self, config: SpeculativeConfig, cost: StepCostModel):
+    def __init__(self, config: SpeculativeConfig, cost: StepCostModel, tpot_slo_s: float | None = None):
         self.auto, self.K, self.cost = config.auto, config.max_k, cost
+        # The server's time-per-output-token SLO: every running sequence's expected TPOT (the step's time over the
+        # tokens it expects to emit) is kept within it first; throughput is maximised only within it.
+        self.tpot_slo_s = tpot_slo_s
         self.global_tried = [0.0] * self.K
         self.global_accepted = [0.0] * self.K
         self.per_seq: dict[Sequence, tuple[list[int], list[int]]] = {}  # seq -> (tried, accepted) per position
@@ -223,21 +226,40 @@ class DepthController:
         gains.sort(key=lambda x: -x[0] / (row + key * x[2]))
         if budget is not None:
             del gains[max(0, budget - n - extra_tokens):]
-        best_rate, best_m = n / self.cost.predict(base, keys) * (1 + MARGIN), 0
-        expected, most = float(n), n + sum(g for g, _, _ in gains)
-        for m, (g, _, row_keys) in enumerate(gains, 1):
-            expected += g
-            keys += row_keys
-            t = self.cost.predict(base + m, keys) + draft_cost * m
-            if most / t <= best_rate:  # t only grows with m: no later m can do better
-                break
-            rate = expected / t
-            if rate > best_rate:
-                best_rate, best_m = rate, m
+        best_m = self._best_prefix(gains, n, base, keys, draft_cost)
         ks = [0] * n
         for _, i, _ in gains[:best_m]:
             ks[i] += 1
         return ks
+
+    def _best_prefix(self, gains: list, n: int, base: int, keys: int, draft_cost: float) -> int:
+        """How many of the ordered candidate rows to draft: the most expected tokens per second, at least MARGIN above
+        none; with a TPOT SLO, among the choices whose slowest sequence stays within it (or, where none does, the one
+        whose slowest sequence is fastest)."""
+        t0 = self.cost.predict(base, keys)
+        best_rate, best_m, expected, most = n / t0 * (1 + MARGIN), 0, float(n), n + sum(g for g, _, _ in gains)
+        slo = self.tpot_slo_s
+        per_seq, drafted = [1.0] * n, [False] * n  # each sequence's expected tokens this step; whether it drafts
+        undrafted, best_ok, best_worst = n, slo is None or t0 <= slo, t0
+        for m, (g, i, row_keys) in enumerate(gains, 1):
+            expected += g
+            keys += row_keys
+            t = self.cost.predict(base + m, keys) + draft_cost * m
+            if slo is None:
+                if most / t <= best_rate:  # t only grows with m: no later m can do better
+                    break
+                if expected / t > best_rate:
+                    best_rate, best_m = expected / t, m
+                continue
+            undrafted -= not drafted[i]
+            drafted[i] = True
+            per_seq[i] += g
+            worst = t / (1.0 if undrafted else min(per_seq))  # the slowest sequence's expected time per token
+            if worst <= slo and (not best_ok or expected / t > best_rate):  # within the SLO first, then the fastest
+                best_ok, best_rate, best_m = True, expected / t, m
+            elif not best_ok and worst < best_worst:
+                best_worst, best_m = worst, m
+        return best_m
 
     def choose_tree(self, seqs: list[Sequence], caps: list[int], branchable: list[bool], extra_tokens: int = 0,
                     budget: int | None = None, draft_cost: float = 0.0, contexts: list[int] | None = None,
@@ -268,16 +290,19 @@ class DepthController:
         # (No margin over the chain alone: `choose` has already required speculation to beat none by MARGIN.)
         best_rate = expected / (self.cost.predict(rows, keys) + drafted)
         most = expected + sum(x[0] for x in items)
+        slo = self.tpot_slo_s
+        per_seq = [1.0 + math.fsum(itertools.accumulate(r, lambda a, b: a * b)) for r in rates]
         taken, best = [], 0
         for g, r, k_rows, d, i in items:
             if budget is not None and rows + r > budget:
                 continue
             expected, rows, keys, drafted = expected + g, rows + r, keys + k_rows, drafted + chain_cost * d
             taken.append(i)
+            per_seq[i] += g
             t = self.cost.predict(rows, keys) + drafted
-            if most / t <= best_rate:  # t only grows: no later chain can do better
+            if slo is None and most / t <= best_rate:  # t only grows: no later chain can do better
                 break
-            if expected / t > best_rate:
+            if expected / t > best_rate and (slo is None or t / min(per_seq) <= slo):
                 best_rate, best = expected / t, len(taken)
         for i in taken[:best]:
             widths[i] += 1

@@ -73,11 +73,12 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, max_num_batched_tokens: int,
+                 tpot_slo_s: float | None = None):
         self.config, self.proposer = config, proposer
         self.max_model_len, self.budget = max_model_len, max_num_batched_tokens
         self.cost = StepCostModel()
-        self.controller = DepthController(config, self.cost)
+        self.controller = DepthController(config, self.cost, tpot_slo_s)
         self.stats = SpecStats(config.max_k)
         self.branches = config.num_branches  # chains per draft tree (1: a chain)
         # "auto" with a proposer that costs nothing to ask: draft full depth every step (a probe), verify the
