@@ -1010,42 +1010,43 @@ def expected_worst_tpot(c: DepthController, seqs: list, ks: list[int], rows_per_
 
 def test_auto_keeps_every_running_sequence_within_the_tpot_slo():
     """Issue 61: "auto" maximised the tokens per second of a step, and the sequences it left at depth 0 rode its longer
-    steps (the ladder's TPOT p99 went from 92 to 145 ms at 24 users). With a TPOT SLO, every running sequence's
-    expected time per token (the step's time over the tokens it expects) is kept within it first, and throughput is
-    maximised only within it. Two sequences whose drafts are right 90% of the time and six whose drafts are always
-    wrong; a fixed step cost of 40 ms + 5 ms a row (so nothing depends on this machine)."""
+    steps (the ladder's TPOT p99 went from 92 to 145 ms at 24 users). Under a TPOT SLO every running sequence's
+    expected time per token (the step's time over the tokens it expects) comes first: while the step is well within
+    the SLO, drafting may lengthen it up to half the SLO; nearer the SLO, only choices that leave no sequence slower
+    than without drafts; past it, none that lengthen an undrafted sequence's step. Two sequences whose drafts are right
+    90% of the time and six whose drafts are always wrong; fixed step costs, so nothing depends on this machine."""
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 4})
-    cost = fixed_step_cost(0.040 + 0.005, 0.040 + 0.005 * 256)
     good, bad = [object(), object()], [object() for _ in range(6)]
     seqs = good + bad
 
-    def controller(slo):
-        c = DepthController(config, cost, tpot_slo_s=slo)
-        for i in range(60):
-            for s in good:
-                c.record(s, 4, 4 if i % 10 else 0)
-            for s in bad:
-                c.record(s, 1, 0)
-        return c
-
-    free, within = controller(None), controller(0.090)
-    assert cost.predict(8) == pytest.approx(0.080)  # no drafts: every sequence's TPOT is the step's, 80 ms
-    ks_free = free.choose(seqs, [4] * 8)
-    assert sum(ks_free) > 2 and expected_worst_tpot(free, seqs, ks_free) > 0.090  # the free choice breaks a 90 ms SLO
-    ks = within.choose(seqs, [4] * 8)
-    assert expected_worst_tpot(within, seqs, ks) <= 0.090 + 1e-12
-    assert ks[:2] == [1, 1] and ks[2:] == [0] * 6  # the drafts that fit the SLO still go to the sequences they pay for
-    # Past the SLO already without drafts (a 70 ms objective): drafting would only lengthen the undrafted sequences'
-    # steps, so "auto" drafts nothing, the best TPOT the step can give them.
-    assert controller(0.070).choose(seqs, [4] * 8) == [0] * 8
-    # Where rows are nearly free (a GPU's launch-bound step), the free choice is within the SLO and is kept.
-    cheap = fixed_step_cost(0.040 + 0.0001, 0.040 + 0.0001 * 256)
-    free_gpu, within_gpu = DepthController(config, cheap), DepthController(config, cheap, tpot_slo_s=0.090)
-    for c in (free_gpu, within_gpu):
+    def controller(fixed: float, per_row: float, slo: float | None) -> DepthController:
+        c = DepthController(config, fixed_step_cost(fixed + per_row, fixed + 256 * per_row), tpot_slo_s=slo)
         for i in range(60):
             for s in seqs:
                 c.record(s, 4, 4 if (s in good and i % 10) else 0)
-    assert within_gpu.choose(seqs, [4] * 8) == free_gpu.choose(seqs, [4] * 8) and sum(free_gpu.choose(seqs, [4] * 8)) > 0
+        return c
+
+    def choices(fixed: float, per_row: float, slo: float = 0.100):
+        free, within = controller(fixed, per_row, None), controller(fixed, per_row, slo)
+        ks_free, ks = free.choose(seqs, [4] * 8), within.choose(seqs, [4] * 8)
+        return within.cost.predict(8), ks_free, expected_worst_tpot(free, seqs, ks_free), ks, expected_worst_tpot(within, seqs, ks)
+
+    # Near the SLO (80 ms a step without drafts, 5 ms a row): the free choice gives the undrafted sequences 120 ms
+    # steps; within the SLO nobody may get slower than 80 ms, and with six sequences whose drafts never pay, nobody drafts.
+    plain, ks_free, worst_free, ks, worst = choices(0.040, 0.005)
+    assert plain == pytest.approx(0.080) and sum(ks_free) > 0 and worst_free > 0.100
+    assert ks == [0] * 8 and worst == pytest.approx(plain)
+    # Well within it (46 ms a step, 2 ms a row): the free choice lengthens the slowest sequence past half the SLO; within
+    # the SLO the drafts stop at 50 ms, and still go to the two sequences they pay for.
+    plain, ks_free, worst_free, ks, worst = choices(0.030, 0.002)
+    assert plain == pytest.approx(0.046) and worst_free > 0.050
+    assert 0 < sum(ks) < sum(ks_free) and worst <= 0.050 + 1e-12 and ks[2:] == [0] * 6
+    # Past the SLO already (120 ms): drafting would only lengthen the undrafted sequences' steps.
+    plain, ks_free, worst_free, ks, worst = choices(0.080, 0.005)
+    assert sum(ks_free) > 0 and ks == [0] * 8
+    # Where rows are nearly free (a GPU's launch-bound step), the free choice is within the SLO and is kept.
+    plain, ks_free, worst_free, ks, worst = choices(0.040, 0.0001)
+    assert sum(ks_free) > 0 and ks == ks_free
 
 
 def test_the_engine_takes_its_slo_to_auto(llama_engine_factory):

@@ -48,6 +48,10 @@ from sieve.sequence import Sequence
 from sieve.spec_decode.config import SpeculativeConfig
 
 MARGIN = 0.03  # speculation must promise at least this much more throughput than none
+# Under a TPOT SLO, drafting may lengthen the slowest sequence's expected time per token up to this share of the SLO;
+# past it, only choices that leave no sequence slower than without drafts. The TPOT a user's p99 sees sits well above
+# a step's expected time (prefill chunks join steps), so the headroom is kept for them.
+SLO_HEADROOM = 0.5
 PRIOR_WEIGHT = 2.0  # pseudo-counts of the global rate in a sequence's estimate
 GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
 SEQ_DECAY = 0.7  # per recorded draft: a sequence's estimate follows its recent drafts (copying starts and stops)
@@ -234,11 +238,11 @@ class DepthController:
 
     def _best_prefix(self, gains: list, n: int, base: int, keys: int, draft_cost: float) -> int:
         """How many of the ordered candidate rows to draft: the most expected tokens per second, at least MARGIN above
-        none; with a TPOT SLO, among the choices whose slowest sequence stays within it (or, where none does, the one
-        whose slowest sequence is fastest)."""
+        none; with a TPOT SLO, among the choices whose slowest sequence stays within `slo_limit` (or, where none does,
+        the one whose slowest sequence is fastest)."""
         t0 = self.cost.predict(base, keys)
         best_rate, best_m, expected, most = n / t0 * (1 + MARGIN), 0, float(n), n + sum(g for g, _, _ in gains)
-        slo = self.tpot_slo_s
+        slo = self.slo_limit(t0)
         per_seq, drafted = [1.0] * n, [False] * n  # each sequence's expected tokens this step; whether it drafts
         undrafted, best_ok, best_worst = n, slo is None or t0 <= slo, t0
         for m, (g, i, row_keys) in enumerate(gains, 1):
@@ -260,6 +264,13 @@ class DepthController:
             elif not best_ok and worst < best_worst:
                 best_worst, best_m = worst, m
         return best_m
+
+    def slo_limit(self, plain_step: float) -> float | None:
+        """The longest expected time per token the slowest sequence may get from drafting, given the step's time
+        without drafts: the SLO's headroom share while the step is well within it, else the step itself (no sequence
+        slower than without drafts), and never past the SLO. None: no SLO."""
+        slo = self.tpot_slo_s
+        return None if slo is None else min(slo, max(plain_step, SLO_HEADROOM * slo))
 
     def choose_tree(self, seqs: list[Sequence], caps: list[int], branchable: list[bool], extra_tokens: int = 0,
                     budget: int | None = None, draft_cost: float = 0.0, contexts: list[int] | None = None,
@@ -290,7 +301,7 @@ class DepthController:
         # (No margin over the chain alone: `choose` has already required speculation to beat none by MARGIN.)
         best_rate = expected / (self.cost.predict(rows, keys) + drafted)
         most = expected + sum(x[0] for x in items)
-        slo = self.tpot_slo_s
+        slo = self.slo_limit(self.cost.predict(n + extra_tokens, sum(contexts)))
         per_seq = [1.0 + math.fsum(itertools.accumulate(r, lambda a, b: a * b)) for r in rates]
         taken, best = [], 0
         for g, r, k_rows, d, i in items:
