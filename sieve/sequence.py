@@ -41,10 +41,11 @@ class Request:
 
 
 @dataclass
-class DraftState:
-    """Speculative decoding: the tokens drafted to follow a sequence's tokens, verified next step (never part of its
-    token_ids until accepted), the distribution each was drawn from (None: deterministic drafts), and a draft tree's
-    further chains (num_branches)."""
+class Draft:
+    """Speculative decoding: tokens drafted to follow a sequence's tokens (what a proposer returns, and what the
+    sequence holds until the next step verifies it; never part of its token_ids until accepted), the distribution
+    each was drawn from ([len(token_ids), vocab] float32; None: deterministic, q one-hot), and a draft tree's further
+    chains (deterministic; num_branches)."""
 
     token_ids: list[int] = field(default_factory=list)
     probs: Any = None
@@ -79,7 +80,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already entered in the prefix cache
     window: WindowState = field(default_factory=lambda: WindowState())  # the sliding-window layers' own pool
     state_slot: int = -1  # recurrent (Mamba-2) layers: the slot of this sequence's state while it runs
-    draft_state: DraftState = field(default_factory=lambda: DraftState())  # speculative decoding's next draft
+    draft_state: Draft = field(default_factory=lambda: Draft())  # speculative decoding's next draft
     grammar: Any = None  # structured outputs: this sequence's GrammarMatcher (sieve/structured), or None
 
     # Output side (written by the output processor).

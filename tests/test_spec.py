@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from sieve import LLM, SamplingParams
-from sieve.sequence import DraftState
 from sieve.spec_decode.config import SpeculativeConfig
 from sieve.spec_decode.controller import DepthController, StepCostModel
 from sieve.spec_decode.proposer import Draft
@@ -751,7 +750,7 @@ class _Seq:
 
     def __init__(self, offset: int):
         self.token_ids, self.offset = [offset], offset
-        self.draft_state, self.grammar = DraftState(), None
+        self.draft_state, self.grammar = Draft(), None
         self.params = SamplingParams(max_tokens=10**6)
         self.request = SimpleNamespace(unforked=False, metrics=SimpleNamespace(spec_num_drafts=0, spec_num_draft_tokens=0,
                                                                                 spec_num_accepted_tokens=0))

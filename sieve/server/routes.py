@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import html
 import time
 import uuid
@@ -73,14 +74,16 @@ async def version(request: Request):
     return {"version": sieve.__version__, "slo": {"ttft_ms": config.slo_ttft_ms, "tpot_ms": config.slo_tpot_ms}}
 
 
-PLAYGROUND = Path(__file__).parent / "webui.html"
+@functools.cache
+def playground_html() -> str:
+    return (Path(__file__).parent / "webui.html").read_text()
 
 
 @playground_page.get("/", include_in_schema=False)
 async def playground(request: Request):
     """The chat playground: one self-contained page (no build step, no external assets)."""
     st = state(request)
-    page = PLAYGROUND.read_text()
+    page = playground_html()
     return HTMLResponse(page.replace("__MODEL__", html.escape(st.model_name)).replace("__NEEDS_KEY__", "true" if st.keys.enabled else "false"))
 
 

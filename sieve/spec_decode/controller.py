@@ -255,6 +255,8 @@ class DepthController:
                 if expected / t > best_rate:
                     best_rate, best_m = expected / t, m
                 continue
+            if best_ok and most / t <= best_rate:  # t only grows with m: no later m can beat the feasible best
+                break
             undrafted -= not drafted[i]
             drafted[i] = True
             per_seq[i] += g

@@ -12,19 +12,13 @@ chain with the longest accepted prefix goes on (greedy requests only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from sieve.sequence import Sequence
+from sieve.sequence import Draft, Sequence
 
-
-@dataclass
-class Draft:
-    token_ids: list[int]
-    probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32: q of each drafted position; None: one-hot
-    alternatives: list[list[int]] = field(default_factory=list)  # further chains (deterministic) of a draft tree
+__all__ = ["Draft", "Proposer", "ProposerBase"]
 
 
 class Proposer(Protocol):
