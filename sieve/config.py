@@ -77,6 +77,10 @@ class EngineConfig:
     # first, and maximises throughput only within it.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Refuse a waiting request once its TTFT objective can no longer be met (its wait so far and its own prompt's
+    # predicted time pass slo_ttft_ms), rather than serve it late: finish_reason "slo_unmet" offline, 429 with
+    # Retry-After on the server. Off: it waits its turn.
+    slo_reject: bool = False
 
     # Tensor parallelism (sieve/distributed): the model split over this many processes (spawned on this host, or
     # started by torchrun with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), gloo on CPU, NCCL on CUDA
@@ -114,6 +118,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ConfigError(f"{name} must be a positive number of milliseconds, got {value!r}")
+        if self.slo_reject and self.slo_ttft_ms is None:
+            raise ConfigError("slo_reject refuses requests whose time-to-first-token objective can no longer be met: "
+                              "it needs slo_ttft_ms")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -24,6 +24,7 @@ from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
+import sieve.model_runner as model_runner
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
 from sieve.models.default import resolve_default
@@ -31,9 +32,11 @@ from sieve.models.loader import default_num_threads, load_model, open_checkpoint
 from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.sampling_params import SamplingParams
+from sieve.pacing import SloPacer
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence, WindowState
-from sieve.spec_decode.build import build_speculator, calibrate_step_cost
+from sieve.spec_decode.build import build_speculator
+from sieve.step_cost import StepCostModel, calibrate_step_cost, decode_keys
 from sieve.stats import EngineStats, KVTransferStats, SpecDecodeStats, StructuredStats
 from sieve.structured import GrammarCompiler, GrammarError
 
@@ -98,7 +101,13 @@ class LLMEngine:
         self._fit_config(config)
         self._load(ckpt, config)
         self._build_cache(ckpt.path, config)
-        self.scheduler = Scheduler(config, self.block_manager)
+        # What a step costs on this machine, where a run-time choice needs it: SLO pacing, speculation's "auto"
+        spec_auto = config.speculative_config is not None and config.speculative_config.auto
+        self.step_cost = StepCostModel() if spec_auto or config.slo_tpot_ms or config.slo_reject else None
+        pacer = None
+        if config.slo_tpot_ms:
+            pacer = SloPacer(self.step_cost, config.slo_tpot_ms / 1e3, config.max_num_batched_tokens, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, pacer)
         self.kv_connector = None
         if config.kv_role is not None or config.kv_transfer_config is not None:
             from sieve.distributed.kv_transfer import build_kv_connector  # (the disaggregated roles' only)
@@ -111,10 +120,10 @@ class LLMEngine:
         if config.speculative_config is not None:
             self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype,
                                                config.max_model_len, config.max_num_batched_tokens, self._draft_engine,
-                                               config.slo_tpot_ms)
-            if config.speculative_config.auto:
-                calibrate_step_cost(self.speculator, self.runner, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
-                                    self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
+                                               config.slo_tpot_ms, self.step_cost)
+        if spec_auto:  # drafting's choice needs the cost of every small row count from the first step
+            calibrate_step_cost(self.step_cost, self._time_decode_rows, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
+                                self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -122,6 +131,9 @@ class LLMEngine:
         # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
         gc.collect()
         gc.freeze()
+
+    def _time_decode_rows(self, num_rows: int, tables, context: int = 0) -> float:
+        return model_runner.time_decode_rows(self.runner, num_rows, tables, context)
 
     def _open(self, config: EngineConfig):
         """The checkpoint, and what its config says: the architecture, the dtype, the tokenizer, the EOS ids."""
@@ -367,14 +379,14 @@ class LLMEngine:
                 raise RequestError(f"{name} = {n} is over this engine's limit of {min(self.config.max_logprobs, vocab)} "
                                    "(--max-logprobs)")
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks. Returns its final output (finish_reason 'abort')."""
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output (finish_reason `reason`)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
-                seq.finish_reason = seq.finish_reason or "abort"
+                seq.finish_reason = seq.finish_reason or reason
                 self.scheduler.remove(seq)
                 if self.speculator is not None:
                     self.speculator.finish(seq)
@@ -435,11 +447,12 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        refused = self._refuse_late() if self.config.slo_reject else []
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        keys = self.speculator.step_keys(sched) if self.speculator is not None else None
+            return refused
+        keys = decode_keys(sched) if self.step_cost is not None else 0
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # the requests of this step are lost; the rest of the engine is intact...
@@ -500,11 +513,37 @@ class LLMEngine:
             if out.finished and req.kv_export and self.kv_connector is not None:  # its blocks are still cached
                 out.kv_transfer_params = self._export(req)
             outputs.append(out)
+        if self.step_cost is not None:  # the step's own time (the proposer's drafting below is timed apart)
+            self.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - started, keys)
         if self.speculator is not None:
-            self.speculator.after_step(sched, time.perf_counter() - started, keys, self.scheduler.running, self._prefill_tokens_next)
+            self.speculator.after_step(self.scheduler.running, self._prefill_tokens_next)
         for out in outputs:  # unregistered last: whatever raised above, a failure still finds every request it must fail
             if out.finished:
                 del self.requests[out.request_id]
+        return refused + outputs
+
+    def _refuse_late(self) -> list[RequestOutput]:
+        """--slo-reject: finish every request still waiting for its first step whose TTFT objective can no longer be
+        met: its wait so far and its own prompt's predicted time are past it. Refused now, its client can go
+        elsewhere at once; served late, it would also have delayed those behind it. Each output carries
+        `retry_after_s`: the objective's length (by then this queue has turned over)."""
+        limit = self.config.slo_ttft_ms / 1e3
+        now = time.monotonic()
+        late = []
+        for seq in self.scheduler.waiting:
+            m = seq.request.metrics
+            if m.first_scheduled_time is not None:  # it started (and was preempted since): it is finished, not refused
+                continue
+            own = self.step_cost.predict(seq.num_tokens) if self.step_cost.ready else 0.0
+            if now - m.arrival_time + own > limit:
+                late.append(seq.request.request_id)
+        outputs = []
+        for rid in dict.fromkeys(late):
+            out = self.abort(rid, reason="slo_unmet")
+            out.retry_after_s = limit
+            outputs.append(out)
+        if outputs:
+            log.warning("refused %d requests whose time to first token could no longer be met (--slo-reject)", len(outputs))
         return outputs
 
     def _export(self, req: Request) -> dict | None:
@@ -532,7 +571,7 @@ class LLMEngine:
                       if s.num_tokens - s.num_computed_tokens > 1)
         if len(self.scheduler.running) < self.config.max_num_seqs:
             pending += sum(s.num_tokens for s in self.scheduler.waiting[:4])
-        return min(pending, self.config.max_num_batched_tokens)
+        return min(pending, self.scheduler.token_budget())
 
 
 def _load_tokenizer(name: str):

@@ -61,7 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="the time-to-first-token objective, in ms (`sieve serve`: 2000)")
     g.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="the time-per-output-token objective, in ms (`sieve serve`: 100): speculation's \"auto\" keeps every "
-                        "running sequence within it first, and maximises throughput only within it")
+                        "running sequence within it first, and maximises throughput only within it; each step's token "
+                        "budget and admission keep running decodes within it (stall-free batching)")
+    g.add_argument("--slo-reject", action="store_true",
+                   help="refuse a waiting request once its TTFT objective can no longer be met (429 with Retry-After) "
+                        "instead of serving it late")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or "auto" tokens; methods: ngram, suffix')

@@ -65,3 +65,6 @@ class RequestOutput:
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
     # Prefill/decode disaggregation: on a prefill server's finished output, where a decode server finds its KV
     kv_transfer_params: dict | None = None
+    # --slo-reject: a request refused because its TTFT objective could no longer be met (finish_reason "slo_unmet")
+    # carries when to try again, in seconds
+    retry_after_s: float | None = None

@@ -1,7 +1,10 @@
 """Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
 
 One token budget per step is shared by decodes and prefill chunks (as in vLLM v1), so chunked
-prefill falls out of it: a long prompt takes whatever budget is left and continues next step.
+prefill falls out of it: a long prompt takes whatever budget is left and continues next step. Running decodes
+come first: a prefill chunk takes the budget only beyond one row for each of them (stall-free, as in
+Sarathi-Serve). Under a TPOT objective the budget itself, and whether a waiting request may join, come from the
+SLO pacer (sieve/pacing.py); otherwise the budget is max_num_batched_tokens.
 Order of service is (priority, arrival); when blocks run out the sequence with the largest key
 (lowest priority, latest arrival) is preempted by recompute and goes back to the waiting queue,
 keeping its generated tokens so that it resumes exactly where it stopped.
@@ -19,6 +22,7 @@ from typing import Any
 
 from sieve.block_manager import BlockFork, BlockManager
 from sieve.config import EngineConfig
+from sieve.pacing import SloPacer
 from sieve.sequence import Sequence, SequenceStatus
 
 
@@ -100,9 +104,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, pacer: SloPacer | None = None):
         self.config = config
         self.blocks = block_manager
+        self.pacer = pacer
         self.waiting: list[Sequence] = []  # kept sorted by schedule_key
         self.running: list[Sequence] = []  # kept sorted by schedule_key
         self.num_preemptions = 0
@@ -125,30 +130,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ------------------------------------------------------------------------
+    def token_budget(self) -> int:
+        """Tokens the next step may compute: the SLO pacer's choice, or max_num_batched_tokens."""
+        return self.pacer.token_budget(self.running) if self.pacer is not None else self.config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget()
 
-        # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks.
+        # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks. A
+        # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too.
+        reserve = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            num_new = min(remaining, budget)
-            if not self.config.enable_chunked_prefill and num_new < remaining:
+            decode = remaining == 1
+            num_new = 1 if decode else min(remaining, budget - reserve)
+            if num_new < 1 or (not self.config.enable_chunked_prefill and num_new < remaining):
                 i += 1
                 continue
             # Drafts are optional: trimmed to the budget and the context, and dropped before anyone is preempted.
-            k = min(len(seq.draft_state.token_ids), budget - 1, self.config.max_model_len - seq.num_tokens) if remaining == 1 else 0
+            k = max(0, min(len(seq.draft_state.token_ids), budget - reserve, self.config.max_model_len - seq.num_tokens)) if decode else 0
             while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new + k):
                 if k:
                     k = 0
                     continue
                 victim = self.running[-1]
+                reserve -= victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
+                reserve -= decode
                 item = ScheduledSeq(seq, num_new + k)
                 if k:
                     item.draft = seq.draft_state.token_ids[:k]
@@ -163,6 +177,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             idx = self._next_waiting()
             seq = self.waiting[idx]
+            if self.pacer is not None and not self.pacer.admits(self.running, seq):
+                break  # it would push those running past their TPOT objective: it waits
             # prompt logprobs need every prompt position's logits: such a prefill takes nothing from the cache
             cached = 0 if seq.needs_prompt_logprobs else self.blocks.take_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -188,7 +204,7 @@ class Scheduler:
                 self._fork(item, out)
 
         # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
-        budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        budget = self.token_budget() - out.num_batched_tokens
         for item in out.scheduled:
             if item.draft and item.seq.draft_state.alternatives and budget > 1:
                 budget -= self._branch(item, out, budget)

@@ -29,7 +29,7 @@ def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
     assert "version" in httpx.get(server[0] + "/version").json()
-    assert httpx.get(server[0] + "/version").json()["slo"] == {"ttft_ms": None, "tpot_ms": None}  # this engine has none
+    assert httpx.get(server[0] + "/version").json()["slo"] == {"ttft_ms": None, "tpot_ms": None, "reject": False}  # this engine has none
 
 
 def test_completion_fields_and_usage(client, server):

@@ -18,7 +18,8 @@ import torch
 
 from sieve import LLM, SamplingParams
 from sieve.spec_decode.config import SpeculativeConfig
-from sieve.spec_decode.controller import DepthController, StepCostModel
+from sieve.spec_decode.controller import DepthController
+from sieve.step_cost import StepCostModel
 from sieve.spec_decode.proposer import Draft
 from sieve.spec_decode.rejection import verify_with_q
 from sieve.spec_decode.speculator import PROBE_SHARE, Speculator
@@ -622,7 +623,7 @@ def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engi
     # a prefill chunk is left out.
     seq = lambda computed, total: SimpleNamespace(num_computed_tokens=computed, num_tokens=total)
     from sieve.scheduler import ScheduledSeq, SchedulerOutput
-    from sieve.spec_decode.speculator import decode_keys
+    from sieve.step_cost import decode_keys
     out = SchedulerOutput([ScheduledSeq(seq(10, 11), 3, draft=[1, 2]), ScheduledSeq(seq(4, 5), 1), ScheduledSeq(seq(0, 40), 16)])
     assert decode_keys(out) == 11 + 12 + 13 + 5
 
@@ -636,8 +637,9 @@ def test_adaptive_depth_weighs_the_context_its_drafted_rows_attend_to(llama_engi
     sp = llm.llm_engine.speculator
     assert sp.cost.per_key == pytest.approx(1e-6)  # 8 to 32 rows at 512 tokens of context took longer than at position 0
     seen = []
-    observe = sp.observe_step
-    sp.observe_step = lambda n, seconds, keys=0: (seen.append((n, keys)), observe(n, seconds, keys))
+    assert llm.llm_engine.step_cost is sp.cost  # the engine feeds the model the speculator prices its drafts with
+    observe = sp.cost.observe
+    sp.cost.observe = lambda n, seconds, keys=0: (seen.append((n, keys)), observe(n, seconds, keys))
     prompt = list(range(3, 40))
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert seen[0] == (len(prompt), 0)  # the prefill
@@ -792,7 +794,7 @@ def _run_costly_auto(probe_share: float | None, steps: int = 160, catch_up: floa
         spec.probe_share = probe_share
     t = lambda n: 0.005 + 0.0002 * n  # nearly flat: a drafted row is cheap, so right drafts pay
     for n in (1, 2, 4, 8, 16, 32):
-        spec.observe_step(n, t(n))
+        spec.cost.observe(n, t(n))
     seqs = [_Seq(o) for o in range(4)]
     phases = []
     for right in (False, True):

@@ -25,7 +25,7 @@ class Metrics:
         self.ttft = Histogram("sieve:time_to_first_token_seconds", "Time to first token", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
         self.tpot = Histogram("sieve:time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
         self.e2e = Histogram("sieve:e2e_request_latency_seconds", "End-to-end request latency", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
-        self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full)", ["model_name"], registry=r).labels(**label)
+        self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full, or --slo-reject)", ["model_name"], registry=r).labels(**label)
         limits = Counter("sieve:limit_refusals", "Requests refused (400) and streams cut by a server limit, by limit",
                          ["model_name", "limit"], registry=r)
         self.limit_refused = lambda limit: limits.labels(model_name=model_name, limit=limit).inc()

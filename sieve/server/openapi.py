@@ -63,7 +63,8 @@ WHY = {
     404: "unknown model",
     405: "method not allowed",
     413: "request body over --max-request-body-bytes",
-    429: "too many requests waiting (--max-waiting); retry after the Retry-After header",
+    429: "too many requests waiting (--max-waiting), or (--slo-reject) the time-to-first-token objective could no longer "
+         "be met; retry after the Retry-After header",
     500: "the engine failed this request (an internal error in a step)",
     503: "the engine has stopped, or it is stalled",
 }

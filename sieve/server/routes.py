@@ -71,7 +71,8 @@ async def metrics_endpoint(request: Request):
 async def version(request: Request):
     """The version, and the service-level objective the server's run-time choices serve (null: none)."""
     config = state(request).engine.config
-    return {"version": sieve.__version__, "slo": {"ttft_ms": config.slo_ttft_ms, "tpot_ms": config.slo_tpot_ms}}
+    return {"version": sieve.__version__,
+            "slo": {"ttft_ms": config.slo_ttft_ms, "tpot_ms": config.slo_tpot_ms, "reject": config.slo_reject}}
 
 
 @functools.cache
@@ -203,6 +204,11 @@ async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat
         if isinstance(e, EngineError):
             raise st.as_api_error(e) from e
         raise
+    refused = next((f for f in firsts if f.retry_after_s is not None), None)
+    if refused is not None:  # --slo-reject: its first token could no longer come within the objective
+        for g in gens:
+            await g.aclose()
+        raise st.slo_unmet(refused.retry_after_s)
     streams = list(zip(gens, firsts))
     fmt = ResponseFormat(st.tokenizer, st.model_name, st.report_cached)
     n_top = params.logprobs or 0

@@ -5,6 +5,7 @@ parameters, the grammar compile, the tenant's cache salt)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -218,6 +219,13 @@ class ServerState:
             self.metrics.rejected.inc()
             raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry shortly",
                            "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+
+    def slo_unmet(self, retry_after_s: float) -> APIError:
+        """--slo-reject: the request waited until its time-to-first-token objective could no longer be met."""
+        self.metrics.rejected.inc()
+        return APIError(429, f"the server could not start this request within its time-to-first-token objective "
+                             f"({self.engine.config.slo_ttft_ms:g} ms, --slo-ttft-ms); retry after Retry-After seconds",
+                        "rate_limit_exceeded", code="slo_unmet", headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
     def as_api_error(self, e: Exception) -> APIError:
         if isinstance(e, EngineError):

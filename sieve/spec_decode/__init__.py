@@ -4,7 +4,7 @@
     Speculator          what the engine drives: prepare drafts, record acceptance, finish a sequence
     build_proposer      one module per method: ngram.py, suffix.py, draft_model.py (behind proposer.Proposer)
     rejection           lossless verification: verify_deterministic (one-hot q), verify_with_q (rejection sampling)
-    controller          the adaptive depth ("auto") and the measured step-cost model
+    controller          the adaptive depth ("auto"), priced by the engine's step-cost model (sieve/step_cost.py)
 """
 
 from sieve.spec_decode.config import SpeculativeConfig

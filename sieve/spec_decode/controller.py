@@ -3,17 +3,8 @@
 Fixed depth: `num_speculative_tokens` for every sequence. "auto": the depth that maximises expected tokens
 per second of the next step, from two measured things:
 
-- `StepCostModel`: seconds per engine step as a function of the tokens it computes and of the keys its decode
-  rows attend to, measured on this machine (a calibration at load, then every step, as exponential moving
-  averages per token count up to 32 and per geometric bucket above, interpolated, plus a cost per attended key,
-  all times a scale that follows the machine's drift). Decode on a small batch is bound by the weights' bytes,
-  so extra rows are nearly free; on a large batch, or on a CPU where compute is the limit, every row costs —
-  the model sees which. Small counts are kept apart because the cost is a staircase there: the AVX2 int4
-  kernels take rows four at a time, so on SmolLM2 the 9th row of a step costs ~6 ms and the 10th to 12th ~1 ms
-  each. A drafted row also attends to its sequence's whole context: on this CPU 32 rows at 512 tokens of
-  context take 1.4x the time of 32 rows at position 0 (SmolLM2), and 3.5x at 128 tokens on a model small
-  enough for attention to lead (stories260K), so a calibration at position 0 alone makes long sequences'
-  drafts look cheaper than they are.
+- `StepCostModel` (sieve/step_cost.py): seconds per engine step as a function of the tokens it computes and of
+  the keys its decode rows attend to, measured on this machine; the engine owns it and feeds it every step.
 - Acceptance: per sequence and draft position j, the chance that draft token j is accepted given that the ones
   before it were (recency-weighted counts per sequence, smoothed towards the running global rate of the
   method). For proposers that cost nothing to ask (n-gram, suffix), the speculator measures this on every
@@ -40,12 +31,12 @@ budget, each also priced at the proposer's measured seconds per token of a furth
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 
 from sieve.sequence import Sequence
 from sieve.spec_decode.config import SpeculativeConfig
+from sieve.step_cost import StepCostModel
 
 MARGIN = 0.03  # speculation must promise at least this much more throughput than none
 # Under a TPOT SLO, drafting may lengthen the slowest sequence's expected time per token up to this share of the SLO;
@@ -57,109 +48,6 @@ GLOBAL_DECAY = 0.995  # per recorded draft: the global rate follows the workload
 SEQ_DECAY = 0.7  # per recorded draft: a sequence's estimate follows its recent drafts (copying starts and stops)
 PROBE_REACH = 0.25  # a probe drafts the positions expected to be reached at least this often, and one more
 CHAIN_PRIOR = 0.1  # a draft tree's chain c adds CHAIN_PRIOR / c (x its sequence's miss rate and extent) until measured
-
-
-class StepCostModel:
-    """Seconds per step = `scale` x the shape stored per bucket. A decode-sized step (up to `EXACT` tokens)
-    observed in a bucket it has already seen moves both towards itself, mostly the scale: a shared machine's
-    speed drifts by tens of percent from minute to minute, and the buckets seen only at calibration must drift
-    with the ones every step refreshes. Were only the refreshed ones to follow, the curve would lose its shape
-    (after a slowdown the 8-row bucket rises past the 9-to-16-row ones, and drafted rows look free). Larger
-    steps (prefill) move only their own bucket: they differ from the calibration's rows by more than drift."""
-
-    EXACT = 32  # token counts up to this have a bucket each: kernels that take rows in groups make a staircase there
-    BASE = 1.25  # above it, bucket width: token counts within 25% share a bucket
-    DECAY = 0.8  # of a bucket's mean token count
-    SCALE_RATE, SHAPE_RATE = 0.18, 0.02  # shares of an observation's log error taken by the scale and by its bucket
-    MAX_WEIGHT = 20  # a bucket's weight in the monotone fit: the observations it holds, up to this many
-
-    def __init__(self) -> None:
-        # bucket -> [mean tokens, seconds / scale without the keys' part, weight]
-        self.buckets: dict[int, list[float]] = {}
-        self.scale = 1.0
-        self.per_key = 0.0  # seconds / scale per key a decode row attends to (its context), from `observe_keys`
-        self._keys_seen = 0
-        self._curve: tuple[list[float], list[float]] | None = None  # (xs, non-decreasing ys), until the next observation
-
-    def observe(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
-        """A step of `num_tokens` tokens took `seconds`; its decode rows attended to `keys` keys in all."""
-        if num_tokens < 1 or not seconds > 0:
-            return
-        self._curve = None
-        b = num_tokens if num_tokens <= self.EXACT else self.EXACT + 1 + round(math.log(num_tokens / self.EXACT, self.BASE))
-        point = self.buckets.get(b)
-        attention = self.per_key * keys
-        if point is None:
-            self.buckets[b] = [float(num_tokens), max(seconds / self.scale - attention, 0.1 * seconds / self.scale), 1.0]
-        else:
-            point[2] = min(point[2] + 1, self.MAX_WEIGHT)
-            error = seconds / (self.scale * (point[1] + attention))
-            if num_tokens <= self.EXACT:  # decode-sized: the steps speculation chooses between
-                self.scale *= error**self.SCALE_RATE
-                point[1] *= error**self.SHAPE_RATE
-            else:  # prefill-sized: its own shape (causal attention over the prompt), learnt by its bucket alone
-                point[1] *= error ** (self.SCALE_RATE + self.SHAPE_RATE)
-            point[0] = self.DECAY * point[0] + (1 - self.DECAY) * num_tokens
-
-    def calibration_rows(self, cap: int) -> list[int]:
-        """Every count of the exact range, then doublings, up to `cap`."""
-        rows = list(range(1, min(cap, self.EXACT) + 1))
-        while rows and rows[-1] * 2 <= cap:
-            rows.append(rows[-1] * 2)
-        return rows
-
-    def observe_keys(self, num_tokens: int, keys: int, extra_seconds: float) -> None:
-        """Calibration: `num_tokens` rows attending to `keys` more keys in all took `extra_seconds` longer (a step
-        over a long context against the same rows at position 0, timed side by side). Several calls (other row
-        counts) average."""
-        if keys < 1:
-            return
-        x = max(0.0, extra_seconds / self.scale / keys)
-        self._keys_seen += 1
-        self.per_key += (x - self.per_key) / self._keys_seen
-
-    @property
-    def seconds_per_key(self) -> float:
-        """What one more attended key adds to a step, at the machine's present speed."""
-        return self.scale * self.per_key
-
-    @property
-    def ready(self) -> bool:
-        return len(self.buckets) >= 2
-
-    def predict(self, num_tokens: float, keys: float = 0.0) -> float:
-        """Seconds for a step of `num_tokens` tokens whose decode rows attend to `keys` keys: piecewise linear
-        through the bucket means made non-decreasing, extended beyond them along the nearest segment (never
-        decreasing), plus the keys' part.
-
-        Non-decreasing by a weighted monotone (isotonic) fit: adjacent buckets out of order are pooled into their
-        weighted mean, each weighing the observations it holds. A running maximum instead lets one slow sample
-        (a calibration step caught by a pause) lift every larger count to it, however often real steps there
-        measured less: on an H200 every step of 33 to 96 rows came in at 0.78 of its prediction that way."""
-        if self._curve is None:
-            pts = sorted(self.buckets.values())
-            pools: list[list[float]] = []  # [weighted sum, weight, buckets pooled]
-            for _, y, w in pts:
-                pools.append([w * y, w, 1])
-                while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
-                    top = pools.pop()
-                    pools[-1] = [pools[-1][0] + top[0], pools[-1][1] + top[1], pools[-1][2] + top[2]]
-            ys = [total / weight for total, weight, count in pools for _ in range(count)]
-            self._curve = [p[0] for p in pts], ys
-        return self.scale * self._shape(num_tokens) + self.seconds_per_key * keys
-
-    def _shape(self, num_tokens: float) -> float:
-        xs, ys = self._curve
-        if len(xs) == 1:
-            return ys[0] * max(1.0, num_tokens / xs[0])
-        if num_tokens <= xs[0]:
-            return ys[0]
-        i = bisect.bisect_left(xs, num_tokens)
-        if i < len(xs):
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1e-9)
-        x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]
-        return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (num_tokens - x1)
 
 
 class DraftCostModel:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from sieve.sequence import Sequence
 from sieve.spec_decode.config import SpeculativeConfig
-from sieve.spec_decode.controller import DepthController, DraftCostModel, StepCostModel
+from sieve.spec_decode.controller import DepthController, DraftCostModel
 from sieve.spec_decode.proposer import Proposer
 from sieve.spec_decode.rejection import accepted_prefix
+from sieve.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     import torch
@@ -74,10 +75,11 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, max_num_batched_tokens: int,
-                 tpot_slo_s: float | None = None):
+                 tpot_slo_s: float | None = None, cost: StepCostModel | None = None):
+        """`cost`: the engine's step-cost model (it feeds it every step); a fresh one where none is given."""
         self.config, self.proposer = config, proposer
         self.max_model_len, self.budget = max_model_len, max_num_batched_tokens
-        self.cost = StepCostModel()
+        self.cost = cost if cost is not None else StepCostModel()
         self.controller = DepthController(config, self.cost, tpot_slo_s)
         self.stats = SpecStats(config.max_k)
         self.branches = config.num_branches  # chains per draft tree (1: a chain)
@@ -247,26 +249,10 @@ class Speculator:
         for seq, start, rows in hidden:
             self.proposer.observe_hidden(seq, start, rows)
 
-    def calibration_rows(self, cap: int) -> list[int]:
-        """Row counts worth timing at load for the step-cost model (at most `cap`)."""
-        return self.cost.calibration_rows(cap)
-
-    def observe_step(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
-        self.cost.observe(num_tokens, seconds, keys)
-
-    def step_keys(self, sched) -> int | None:
-        """Before a step runs: the keys its decode rows attend to, where adaptive depth times steps (else None)."""
-        return decode_keys(sched) if self.config.auto else None
-
-    def after_step(self, sched, seconds: float, keys: int | None, running: list[Sequence], prefill_tokens_next) -> None:
-        """After a step: its time into the step-cost model (the target's step alone: the proposer's drafting is timed
-        apart), then the next step's drafts. `prefill_tokens_next()`: the prefill tokens the next step will carry."""
-        if keys is not None:
-            self.observe_step(sched.num_batched_tokens, seconds, keys)
+    def after_step(self, running: list[Sequence], prefill_tokens_next) -> None:
+        """After a step (whose time the engine gave the step-cost model): the next step's drafts.
+        `prefill_tokens_next()`: the prefill tokens the next step will carry."""
         self.prepare(running, prefill_tokens_next() if self.config.auto else 0)
-
-    def observe_keys(self, num_tokens: int, keys: int, extra_seconds: float) -> None:
-        self.cost.observe_keys(num_tokens, keys, extra_seconds)
 
     def finish(self, seq: Sequence) -> None:
         seq.draft_state.clear()
@@ -286,15 +272,3 @@ def _allowed(seq: Sequence, draft: list[int]) -> list[int]:
     """The draft up to its first token the sequence's grammar (structured outputs) forbids: that token would be
     rejected, and every row after it wasted."""
     return draft[: seq.grammar.validate(draft)] if seq.grammar is not None and draft else draft
-
-
-def decode_keys(sched) -> int:
-    """Keys a step's decode rows attend to (each row its context up to itself, drafted rows and other chains
-    included); prefill chunks are left out. Read before the step runs: it counts from the tokens computed so far."""
-    keys = 0
-    for s in sched.scheduled:
-        c = s.seq.num_computed_tokens
-        if s.num_real_tokens == 1 and c == s.seq.num_tokens - 1:
-            for n in [s.num_new_tokens] + [b.num_rows for b in s.branches]:
-                keys += n * c + n * (n + 1) // 2
-    return keys
