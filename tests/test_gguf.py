@@ -232,12 +232,13 @@ def test_native_quantized_path_is_batch_invariant_in_float32(checkpoints, tmp_pa
     assert [{k: v.logprob for k, v in d.items()} for d in alone.logprobs] == [{k: v.logprob for k, v in d.items()} for d in among.logprobs]
 
 
-@pytest.mark.parametrize("kv", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "int8", "fp8"])
 def test_16bit_kv_cache_under_float32_runs_in_the_native_layer_loop(checkpoints, tmp_path, kv):
-    """`kv_cache_dtype` float16 / bfloat16 / int8 under float32 activations: the C++ layer loop writes K/V rounded to
-    the pool's dtype (int8: codes and a float16 scale per token and head) and reads them back widened (decode attention
-    and every prefill chunk), giving the bits the Python loop gives over the same cache; and the result is close to the
-    float32 cache's, not equal to it."""
+    """`kv_cache_dtype` float16 / bfloat16 / int8 / fp8 under float32 activations: the C++ layer loop writes K/V rounded
+    to the pool's dtype (int8: codes and a float16 scale per token and head; fp8: e4m3 codes under the layer's scales,
+    calibrated at load by the Python loop) and reads them back widened (decode attention and every prefill chunk),
+    giving the bits the Python loop gives over the same cache; and the result is close to the float32 cache's, not
+    equal to it. (fp8 used to leave the C++ loop altogether: 0.66x the float16 cache's decode step, SmolLM2.)"""
     path = export_gguf(checkpoints["qwen2"], tmp_path / "q.gguf", "q4_1", **QUIET)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (5, 37, 70)]  # 37, 70: prefill in chunks of 16
@@ -258,12 +259,12 @@ def test_16bit_kv_cache_under_float32_runs_in_the_native_layer_loop(checkpoints,
         return max(abs(x[t].logprob - y[t].logprob) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb) for t in x if t in y)
 
     pool_dtype, native = run(kv)
-    assert pool_dtype == getattr(torch, kv)
+    assert pool_dtype == (torch.float8_e4m3fn if kv == "fp8" else getattr(torch, kv))
     python = run(kv, native=False)[1]
     assert [t for t, _ in python] == [t for t, _ in native]
     assert max_logprob_diff(native, python) == 0  # bit for bit
     _, plain = run("auto")
-    assert 0 < max_logprob_diff(native, plain) < 0.05
+    assert 0 < max_logprob_diff(native, plain) < (0.25 if kv == "fp8" else 0.05)  # (fp8 keeps 3 mantissa bits: 0.154 here)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -113,6 +113,19 @@ def test_avx2_kernels_match_the_pytorch_reference_at_every_batch_size(avx2):
         assert err <= (1e-5 if "float32" in key else 1e-2), f"{key}: relative error {err}"
 
 
+def test_avx2_attention_widens_every_fp8_code_exactly(avx2):
+    """The AVX2 build's fp8 loads (float16 bits, one conversion): every finite e4m3 code reads back as PyTorch's
+    conversion times the pool's scale, bit for bit (tests/test_kernels.py holds the check)."""
+    out = run_with_isa("avx2", """
+        import json, torch
+        from sieve.kernels import cpu_ops
+        from test_kernels import fp8_codes_read_back
+        got, want = fp8_codes_read_back()
+        print(json.dumps({"isa": cpu_ops().isa, "equal": torch.equal(got, want), "max": (got - want).abs().max().item()}))
+    """)
+    assert out["isa"] == "avx2" and out["equal"], out
+
+
 def test_engine_output_with_and_without_the_forced_isa(avx2, checkpoints, tmp_path):
     """float32 where the arithmetic is PyTorch's (a Hugging Face checkpoint, a GGUF file dequantized):
     the same tokens and logprobs. The native quantized kernels differ by design (AVX512-BF16 rounds their

@@ -488,6 +488,32 @@ def test_native_decode_attention_reads_quantized_cache_codes(kind, dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def fp8_codes_read_back() -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the native kernel gives, what PyTorch gives) for every finite e4m3 code under a scale of 2^-3: each code
+    is the value row of a sequence of one token, whose attention output is that row exactly (one key: probability 1)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # (0x7f, 0xff: NaN)
+    head_dim = 64
+    codes = torch.cat([codes, codes[: -len(codes) % head_dim]]) if len(codes) % head_dim else codes
+    rows = codes.view(-1, 1, 1, head_dim)  # a block of one token per row of codes
+    v = rows.view(torch.float8_e4m3fn).clone()
+    k = torch.zeros_like(v)
+    n = v.shape[0]
+    q = torch.randn(n, 2, head_dim, generator=torch.Generator().manual_seed(0))
+    scale = torch.tensor(0.125)
+    got = cpu_ops().paged_decode_attention(q, k, v, torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64),
+                                           head_dim**-0.5, scale, scale, None)
+    want = (v.float() * scale).view(n, 1, head_dim).expand(n, 2, head_dim)
+    return got, want
+
+
+def test_native_decode_attention_widens_every_fp8_code_exactly():
+    """The vector loads widen e4m3 codes through their float16 bits (the value / 256) and apply the pool's scale once:
+    every finite code, subnormals and signed zeros included, reads back as PyTorch's float8 conversion times the
+    scale, bit for bit. (The AVX2 build: tests/test_isa.py.)"""
+    got, want = fp8_codes_read_back()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16])
 def test_native_decode_attention_reads_a_16bit_cache_under_float32_queries(kv):
     """A float16 / bfloat16 cache under float32 activations (`kv_cache_dtype`): the kernel widens each K/V element

@@ -71,6 +71,12 @@ inline float fp8_to_f32(uint8_t b) {
   return v;
 }
 
+// An e4m3 byte's bits moved into a float16's place are that float16's bits for the value / kFp8Unit, subnormals
+// included: sign to bit 15, the 4 exponent and 3 mantissa bits to bits 7..13 (the float16 exponent's bias is 15
+// against e4m3's 7, which is the factor 2^-8). So the vector loads widen codes with one float16 conversion, and
+// the pool's scale times kFp8Unit is applied once: folded into the queries for K and into the output for V.
+constexpr float kFp8Unit = 256.f;
+
 // element `i` of row `row` (a flat (block, offset, kv head) index times head_dim) as float
 inline float element(const Pool& p, int64_t row, int64_t head_dim, int64_t i) {
   const int64_t at = row * head_dim + i;
@@ -197,6 +203,12 @@ inline float tile_max(float m, __m512 s, __mmask16 seen) {
   return _mm512_mask_cmp_ps_mask(seen, s, _mm512_set1_ps(m), _CMP_GT_OQ) ? std::max(m, _mm512_mask_reduce_max_ps(seen, s)) : m;
 }
 
+// 16 e4m3 bytes, widened to 16-bit lanes, as float16 bits (the value / kFp8Unit): byte << 8, an arithmetic shift
+// right by one (the sign lands in bits 15 and 14), bit 14 cleared.
+inline __m256i fp8_as_half(__m256i b) {
+  return _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+
 // 16 consecutive elements of a K/V row as float32
 template <at::ScalarType kType>
 inline __m512 load16(const void* base, int64_t at, float scale) {
@@ -207,16 +219,9 @@ inline __m512 load16(const void* base, int64_t at, float scale) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (kType == at::kHalf) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
-  } else if constexpr (kType == at::kFloat8_e4m3fn) {  // e4m3 -> float32 bits; zero exponent: mant * 2^-9
-    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
-    const __m512i exp = _mm512_and_si512(_mm512_srli_epi32(u, 3), _mm512_set1_epi32(0xF));
-    const __m512i mant = _mm512_and_si512(u, _mm512_set1_epi32(0x7));
-    const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(exp, _mm512_set1_epi32(120)), 23),
-                                           _mm512_slli_epi32(mant, 20));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mant), _mm512_set1_ps(1.f / 512.f));
-    const __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(exp, _mm512_setzero_si512()), _mm512_castsi512_ps(normal), sub);
-    return _mm512_mul_ps(_mm512_or_ps(mag, _mm512_castsi512_ps(sign)), _mm512_set1_ps(scale));
+  } else if constexpr (kType == at::kFloat8_e4m3fn) {  // e4m3 bits as float16 bits: the value / kFp8Unit, exactly
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(fp8_as_half(b)), _mm512_set1_ps(scale));
   } else {  // int8 codes, scale per (token, head)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + at));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
@@ -225,7 +230,7 @@ inline __m512 load16(const void* base, int64_t at, float scale) {
 
 template <at::ScalarType kType>
 inline float row_scale(const Pool& p, int64_t row) {
-  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale;
+  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale * kFp8Unit;  // (load16 / load8 give fp8 codes / kFp8Unit)
   if constexpr (kType == at::kChar) return static_cast<float>(p.token_scales[row]);
   return 1.f;
 }
@@ -314,6 +319,10 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
   constexpr int D = 16 * V;
   constexpr int CW = V < 4 ? V : 4;  // value vectors per pass over a tile (V % CW == 0)
   constexpr int kQK = 4, kPV = 6;    // queries per pass: 16 score sums, 24 value sums in registers
+  // fp8: one scale per pool, folded into the scores (the queries carry K's) and into the output (V's), so that
+  // neither tile is multiplied by it element by element
+  constexpr bool kFold = kKV == at::kFloat8_e4m3fn;
+  const float ks = kFold ? row_scale<kKV>(k, 0) : 1.f, vs = kFold ? row_scale<kKV>(v, 0) : 1.f;
   const int64_t G = lay.num_heads / lay.num_kv_heads, KVH = lay.num_kv_heads, bs = lay.block_size;
   const std::vector<int64_t> starts = row_groups(tables, lens, num_seqs, lay);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
@@ -326,7 +335,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       const int64_t grp = item / KVH, kh = item % KVH, s0 = starts[grp], R = starts[grp + 1] - s0, Q = R * G;
       const int64_t L = lens[s0 + R - 1];
       const int64_t* table = tables + s0 * lay.max_blocks;
-      const int64_t lo = item_queries(q, lens, lay, s0, R, G, kh, D, scale, qf, qlen, qlo, acc, m, l);
+      const int64_t lo = item_queries(q, lens, lay, s0, R, G, kh, D, scale * ks, qf, qlen, qlo, acc, m, l);
       p.resize(Q * 16);
       alpha.resize(Q);
       for (int64_t j = lo / bs; j * bs < L; ++j) {
@@ -339,7 +348,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
             __m512 rows[16], cols[16];
             for (int64_t t = 0; t < 16; ++t) {
               const int64_t row = row0 + (t0 + t) * KVH;
-              rows[t] = t < cnt ? load16<kKV>(k.data, row * D + 16 * c, row_scale<kKV>(k, row)) : _mm512_setzero_ps();
+              rows[t] = t < cnt ? load16<kKV>(k.data, row * D + 16 * c, kFold ? 1.f : row_scale<kKV>(k, row)) : _mm512_setzero_ps();
             }
             transpose16(rows, cols);
             for (int i = 0; i < 16; ++i) _mm512_storeu_ps(&kt[(16 * c + i) * 16], cols[i]);
@@ -381,7 +390,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
           } else {
             for (int64_t t = 0; t < cnt; ++t) {
               const int64_t row = row0 + (t0 + t) * KVH;
-              const float rs = row_scale<kKV>(v, row);
+              const float rs = kFold ? 1.f : row_scale<kKV>(v, row);
               for (int i = 0; i < V; ++i) _mm512_storeu_ps(&vf[t * D + 16 * i], load16<kKV>(v.data, row * D + 16 * i, rs));
             }
           }
@@ -400,7 +409,7 @@ void decode_vec(const T* q, const Pool& k, const Pool& v, const int64_t* tables,
       }
       for (int64_t i = 0; i < Q; ++i) {
         const int64_t r = i / G, g = i % G;
-        const float inv = 1.f / l[i];
+        const float inv = vs / l[i];
         for (int d = 0; d < D; ++d) out[(s0 + r) * lay.out_stride + (kh * G + g) * D + d] = static_cast<T>(acc[i * D + d] * inv);
       }
     }
@@ -574,15 +583,10 @@ inline __m256 load8(const void* base, int64_t at, float scale) {  // 8 consecuti
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else if constexpr (kType == at::kHalf) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + at)));
-  } else if constexpr (kType == at::kFloat8_e4m3fn) {
-    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
-    const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(u, 3), _mm256_set1_epi32(0xF));
-    const __m256i mant = _mm256_and_si256(u, _mm256_set1_epi32(0x7));
-    const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23), _mm256_slli_epi32(mant, 20));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(1.f / 512.f));
-    const __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256())));
-    return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_castsi256_ps(sign)), _mm256_set1_ps(scale));
+  } else if constexpr (kType == at::kFloat8_e4m3fn) {  // e4m3 bits as float16 bits: the value / kFp8Unit, exactly
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + at)));
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(b, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(scale));
   } else {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + at));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
@@ -598,7 +602,7 @@ inline __m256 hsum8(const __m256 (&v)[8]) {  // lane t = sum of v[t]'s 8 lanes
 
 template <at::ScalarType kType>
 inline float row_scale(const Pool& p, int64_t row) {
-  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale;
+  if constexpr (kType == at::kFloat8_e4m3fn) return p.scale * kFp8Unit;  // (load16 / load8 give fp8 codes / kFp8Unit)
   if constexpr (kType == at::kChar) return static_cast<float>(p.token_scales[row]);
   return 1.f;
 }
@@ -732,17 +736,19 @@ template <class T>
 void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
                                  const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out,
-                                 const c10::Half* k_scales, const c10::Half* v_scales) {
-  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf || (kv == at::kChar && k_scales && v_scales),
-              "the layer loop's K/V pools hold float32, bf16, float16, or int8 codes with their scales");
+                                 const c10::Half* k_scales, const c10::Half* v_scales, float k_fp8_scale, float v_fp8_scale) {
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf || kv == at::kFloat8_e4m3fn ||
+              (kv == at::kChar && k_scales && v_scales),
+              "the layer loop's K/V pools hold float32, bf16, float16, fp8, or int8 codes with their scales");
   const Layout lay{num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, num_heads * head_dim};
-  const Pool k{k_pool, kv, 1.f, k_scales}, v{v_pool, kv, 1.f, v_scales};
+  const Pool k{k_pool, kv, k_fp8_scale, k_scales}, v{v_pool, kv, v_fp8_scale, v_scales};
   bool done = false;
 #if defined(SIEVE_DECODE_VEC)
   switch (kv) {
     case at::kFloat: done = decode_vec_any<T, at::kFloat>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
     case at::kBFloat16: done = decode_vec_any<T, at::kBFloat16>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
     case at::kHalf: done = decode_vec_any<T, at::kHalf>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
+    case at::kFloat8_e4m3fn: done = decode_vec_any<T, at::kFloat8_e4m3fn>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
     default: done = decode_vec_any<T, at::kChar>(head_dim, q, k, v, tables, lens, out, num_seqs, lay, scale); break;
   }
 #endif
@@ -751,10 +757,10 @@ void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_poo
 
 template void paged_decode_attention_into<bf16>(const bf16*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t, int64_t,
                                                 const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, bf16*, const c10::Half*,
-                                                const c10::Half*);
+                                                const c10::Half*, float, float);
 template void paged_decode_attention_into<float>(const float*, int64_t, const void*, const void*, at::ScalarType, int64_t, int64_t,
                                                  int64_t, const int64_t*, int64_t, const int64_t*, int64_t, int64_t, float, float*,
-                                                 const c10::Half*, const c10::Half*);
+                                                 const c10::Half*, const c10::Half*, float, float);
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,

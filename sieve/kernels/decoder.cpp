@@ -1,4 +1,4 @@
-// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, a KV cache of the model dtype, bf16, float16 or int8),
+// The decoder's layer loop in C++ (CPU, bf16 or float32 activations, a KV cache of the model dtype, bf16, float16, fp8 or int8),
 // for every step: the same operations, in the same order and with the same kernels, as sieve/models/decoder.py and
 // sieve/layers/attention.py, so that both give the same bits. A step of a small model is mostly
 // fixed costs when it runs from Python: SmolLM2-135M has 30 layers of ~15 small operations, and
@@ -100,6 +100,21 @@ void store_int8(const torch::Tensor& pool, const torch::Tensor& scales, const in
     }
 }
 
+// Rows t of `src` (n elements each, `stride` apart) as fp8 (e4m3) codes under one scale, the arithmetic of
+// QuantizedKVCacheLayer._quant to the bit: code = e4m3(clamp(x / scale, +-448)), rounded to nearest even as
+// `Tensor.to(torch.float8_e4m3fn)` rounds. (A true division: the divisor passes through an empty asm, as in store_int8.)
+template <class E>
+void store_fp8(const torch::Tensor& pool, float scale, const int64_t* slot, const E* src, int64_t T, int64_t stride, int64_t n) {
+  uint8_t* p = static_cast<uint8_t*>(pool.data_ptr());
+  asm volatile("" : "+x"(scale));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i) {
+      float v = static_cast<float>(src[t * stride + i]);
+      asm volatile("" : "+x"(v));
+      p[slot[t] * n + i] = c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, v / scale))).x;
+    }
+}
+
 template <class E>
 void store_rows(const torch::Tensor& pool, const int64_t* slot, const E* src, int64_t T, int64_t stride, int64_t n) {
   if (pool.scalar_type() == at::kHalf) store_rounded<c10::Half>(pool.data_ptr(), slot, src, T, stride, n);
@@ -151,11 +166,12 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   const int64_t max_blocks = num_decodes ? decode_tables->size(1) : 0;
   const int64_t block_size = k_pools[0].size(1);
   const at::ScalarType kv = k_pools[0].scalar_type();
-  const bool int8 = kv == at::kChar;
-  TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf || int8,
-              "K/V pools hold the model's dtype, bf16, float16 or int8 codes");
-  TORCH_CHECK(!int8 || (k_scales.size() == layers.size() && v_scales.size() == layers.size()),
-              "an int8 K/V pool needs its float16 scales per token and head, one K and one V tensor per layer");
+  const bool int8 = kv == at::kChar, fp8 = kv == at::kFloat8_e4m3fn;
+  TORCH_CHECK(kv == dtype || kv == at::kBFloat16 || kv == at::kHalf || int8 || fp8,
+              "K/V pools hold the model's dtype, bf16, float16, fp8 or int8 codes");
+  TORCH_CHECK(!(int8 || fp8) || (k_scales.size() == layers.size() && v_scales.size() == layers.size()),
+              "an int8 or fp8 K/V pool needs its scales, one K and one V tensor per layer");
+  std::vector<float> k8(layers.size(), 1.f), v8(layers.size(), 1.f);  // fp8: each layer's scales (x = code * scale)
   for (size_t l = 0; l < layers.size(); ++l) {
     TORCH_CHECK(k_pools[l].scalar_type() == kv && v_pools[l].scalar_type() == kv && k_pools[l].is_contiguous() &&
                 v_pools[l].is_contiguous() && k_pools[l].size(2) == KVH && k_pools[l].size(3) == D,
@@ -164,6 +180,12 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                           k_scales[l].is_contiguous() && v_scales[l].is_contiguous() &&
                           k_scales[l].numel() * D == k_pools[l].numel() && v_scales[l].numel() * D == v_pools[l].numel()),
                 "int8 K/V scales must be contiguous float16 [blocks, block_size, kv_heads]");
+    if (fp8) {
+      TORCH_CHECK(k_scales[l].scalar_type() == at::kFloat && k_scales[l].numel() == 1 && v_scales[l].scalar_type() == at::kFloat &&
+                  v_scales[l].numel() == 1, "fp8 K/V scales must be one float32 per layer for K and one for V");
+      k8[l] = k_scales[l].item<float>();
+      v8[l] = v_scales[l].item<float>();
+    }
   }
   const bool same_kv = kv == dtype;  // else each step's new K/V rows are converted as they are written
   // Prefill chunks: the decode kernel on the chunk's rows, row i over its ctx - n + 1 + i keys through the chunk's table
@@ -232,6 +254,9 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
     } else if (int8) {  // as QuantizedKVCacheLayer.write_kv: codes and a float16 scale per token and head
       store_int8<E>(k_pools[l], k_scales[l], slot, k, T, k_stride, KVH, D);
       store_int8<E>(v_pools[l], v_scales[l], slot, v, T, width, KVH, D);
+    } else if (fp8) {  // as QuantizedKVCacheLayer.write_kv: e4m3 codes under the layer's scales
+      store_fp8<E>(k_pools[l], k8[l], slot, k, T, k_stride, kvs);
+      store_fp8<E>(v_pools[l], v8[l], slot, v, T, width, kvs);
     } else {  // as KVCacheLayer.write_kv: the rows rounded to the pool's 16-bit dtype
       store_rows<E>(k_pools[l], slot, k, T, k_stride, kvs);
       store_rows<E>(v_pools[l], slot, v, T, width, kvs);
@@ -239,14 +264,15 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
     if (num_decodes)
       paged_decode_attention_into<E>(q, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D, tables, max_blocks,
                                      lens, num_decodes, H, static_cast<float>(scale), A,
-                                     int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr, int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr);
+                                     int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr, int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr,
+                                     k8[l], v8[l]);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
       const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
       if (chunk_kernel) {
         paged_decode_attention_into<E>(q + s * q_stride, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D,
                                        row_tables[c].data_ptr<int64_t>(), row_tables[c].size(1), row_lens[c].data_ptr<int64_t>(), n, H,
                                        static_cast<float>(scale), A + s * qs, int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr,
-                                       int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr);
+                                       int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr, k8[l], v8[l]);
         continue;
       }
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
@@ -259,6 +285,9 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
               k_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
         vc = (v_pools[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat) *
               v_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
+      } else if (fp8) {  // as QuantizedKVCacheLayer.read_kv: codes x the layer's scale, in float32 (gathered as bytes)
+        kc = (k_pools[l].view(at::kByte).index({chunk_tables[c]}).view(kv).flatten(0, 1).to(at::kFloat) * k8[l]).to(dtype).narrow(0, 0, ctx);
+        vc = (v_pools[l].view(at::kByte).index({chunk_tables[c]}).view(kv).flatten(0, 1).to(at::kFloat) * v8[l]).to(dtype).narrow(0, 0, ctx);
       } else {
         kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
         vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);

@@ -87,12 +87,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                                      c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> starts);
 
-template <class T>  // q and the output bf16 or float; the pools `kv`: float32, bf16, float16, or int8 codes with float16
-                   // scales per token and head (k_scales / v_scales, else null)
+template <class T>  // q and the output bf16 or float; the pools `kv`: float32, bf16, float16, int8 codes with float16
+                   // scales per token and head (k_scales / v_scales, else null), or fp8 (e4m3) codes with one scale per
+                   // pool (k_fp8_scale / v_fp8_scale)
 void paged_decode_attention_into(const T* q, int64_t q_stride, const void* k_pool, const void* v_pool, at::ScalarType kv,
                                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int64_t* tables, int64_t max_blocks,
                                  const int64_t* lens, int64_t num_seqs, int64_t num_heads, float scale, T* out,
-                                 const c10::Half* k_scales = nullptr, const c10::Half* v_scales = nullptr);
+                                 const c10::Half* k_scales = nullptr, const c10::Half* v_scales = nullptr,
+                                 float k_fp8_scale = 1.f, float v_fp8_scale = 1.f);
 
 // Whether paged_decode_attention_into is the better kernel for a prefill chunk's rows too (a query per position,
 // context lengths ctx - n + 1 .. ctx through one table) than SDPA: bf16 queries and pool with AVX512-BF16, where the

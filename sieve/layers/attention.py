@@ -133,9 +133,13 @@ class QuantizedKVCacheLayer(KVCacheLayer):
                  v_scale: torch.Tensor | None = None, calibrate: bool = False):
         super().__init__(k, v)
         self.kind = kind
-        self.native_loop = kind == "int8"  # (fp8's e4m3 encoding is not in the C++ loop)
         self.k_scale, self.v_scale = k_scale, v_scale  # fp8: float32 scalars; int8: [num_blocks, block_size, kv_heads]
         self.calibrate = calibrate and kind == "fp8"
+
+    @property
+    def native_loop(self) -> bool:
+        """The C++ layer loop writes and reads these codes too, once fp8's scales are known (it does not calibrate)."""
+        return not self.calibrate
 
     def _quant(self, x: torch.Tensor, scale_store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp8":
