@@ -11,7 +11,7 @@ always progress. Where nothing decodes, no TPOT is at stake and the step takes t
 Admission: a waiting request joins only if the decode step with it (every running sequence and it decoding, plus
 a minimal chunk) is still predicted within the share; otherwise it waits in the queue, and those already running
 keep their TPOT. Until the cost model has seen two step sizes it predicts nothing, and the configured budget and
-max_num_seqs hold alone.
+max_num_seqs hold alone. Nor does it join while the free blocks cannot hold the rest of its prompt (`leaves_room`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ class SloPacer:
         rows = len(running) + 1
         keys = sum(s.num_tokens for s in running) + seq.num_tokens
         return self.cost.predict(rows + self.min_chunk, keys) <= self.target
+
+    @staticmethod
+    def leaves_room(seq: Sequence, free_tokens: int, num_running: int, block_size: int) -> bool:
+        """Memory admission: may `seq` join, its cached prefix taken? Only if the free blocks hold the rest of its
+        prompt and still a block for each running sequence and for it. A prompt admitted on its first chunk's blocks
+        alone would take the later chunks' blocks from those running: preemption by recompute, which costs a
+        decoding user its whole context again (a 4k-token document: seconds on a CPU)."""
+        return seq.num_tokens - seq.num_computed_tokens + block_size * (num_running + 1) <= free_tokens
 
     def _fit(self, rows: int, keys: int) -> int:
         """The largest token count in [rows, max_budget] whose step is predicted within the share (`rows` if none):

@@ -47,3 +47,40 @@ def passages(n: int, min_words: int = 120, max_words: int = 220) -> list[str]:
         if len(paras) == n:
             break
     return paras
+
+
+def _clean(line: str) -> str:
+    return " ".join(line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").split())
+
+
+def documents(count_tokens, min_tokens: int, max_tokens: int, n: int, seed: int = 0) -> list[str]:
+    """Up to `n` documents of `min_tokens` to `max_tokens` tokens (each length drawn at random, `count_tokens(text)`
+    counting), made of wikitext-2's test articles in order: paragraphs are taken until the document reaches its
+    length, an article's heading starting a new paragraph. The retrieval workload's documents: each prompt carries a
+    different one, so that its KV cache is its own."""
+    import random
+
+    rng = random.Random(seed)
+    docs, parts, size = [], [], 0
+    target = rng.randint(min_tokens, max_tokens)
+    for line in shared_data("wikitext2_test.txt").read_text(encoding="utf-8").splitlines():
+        text = _clean(line)
+        if not text:
+            continue
+        if text.startswith("= ") and not text.startswith("= ="):  # an article's title
+            text = "# " + text.strip("= ")
+        elif text.startswith("="):
+            text = "## " + text.strip("= ")
+        cost = count_tokens(text) + 1
+        if size + cost > target:
+            if size >= min_tokens:
+                docs.append("\n".join(parts))
+                if len(docs) == n:
+                    return docs
+                target = rng.randint(min_tokens, max_tokens)
+            parts, size = [], 0
+            if cost > target:
+                continue
+        parts.append(text)
+        size += cost
+    return docs

@@ -183,7 +183,9 @@ class Scheduler:
             cached = 0 if seq.needs_prompt_logprobs else self.blocks.take_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)
-            if (not self.config.enable_chunked_prefill and num_new < remaining) or \
+            no_room = self.pacer is not None and self.running and not self.pacer.leaves_room(
+                seq, self.blocks.num_free_blocks * self.config.block_size, len(self.running), self.config.block_size)
+            if no_room or (not self.config.enable_chunked_prefill and num_new < remaining) or \
                     not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
                 self.blocks.free(seq)  # give the shared prefix back; it is taken again next time
                 break

@@ -164,6 +164,7 @@ def test_ladder_schema_accepts_a_ladder_and_names_what_is_wrong():
     (["--memory-gb", "0"], "--memory-gb must be > 0"), (["--rungs", "naive,turbo"], "unknown turbo"),
     (["--kv-checkpoint", "/no/such/dir"], "no such file"),
     (["--kv-checkpoint", ".", "--rungs", "naive,batching"], "leaves out"),
+    (["--workload", "chat,long", "--memory-gb", "1,2,3"], "one value or one per workload"),
 ])
 def test_ladder_refuses_bad_flags_before_starting_anything(demo_dir, flags, message):
     from sieve.config import ConfigError
@@ -232,3 +233,53 @@ def test_naive_server_streams_one_request_at_a_time_and_refuses_what_it_does_not
             client.chat.completions.create(model="bench", messages=[{"role": "user", "content": 5}], max_tokens=4)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=messages, max_tokens=4)
+
+
+def test_long_workload_documents_and_sessions():
+    """The long workload: wikitext-2 articles cut into documents of MIN to MAX tokens (a whitespace count here), each
+    different, and retrieval conversations that carry one each under the retrieval system prompt."""
+    from sieve.bench.ladder import QUESTIONS, RETRIEVAL_PROMPT, long_sessions
+    from sieve.prompts import documents
+
+    count = lambda text: len(text.split())  # noqa: E731
+    docs = documents(count, 300, 600, 6, seed=1)
+    assert len(docs) == 6 and len(set(docs)) == 6
+    assert all(300 <= sum(count(line) + 1 for line in d.splitlines()) <= 600 for d in docs)
+    assert docs[0].startswith("# ")  # the first article's title
+    sessions = long_sessions(10, 0, 32, 2, docs)
+    assert all(s.system == RETRIEVAL_PROMPT and s.chat and len(s.turns) == 2 for s in sessions)
+    assert all(any(d in s.turns[0].user for d in docs) and s.turns[0].user.endswith(tuple(QUESTIONS)) for s in sessions)
+
+
+def test_each_workload_takes_its_own_slo_and_memory():
+    from sieve.bench.ladder import per_workload
+
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    chat, long = per_workload(p.parse_args(["--workload", "chat,long", "--memory-gb", "0.6,0.4", "--slo-ttft-ms", "2000,10000"]))
+    assert (chat.workload, chat.memory_gb, chat.slo_ttft_ms, chat.slo_tpot_ms) == ("chat", 0.6, 2000, 100)
+    assert (long.workload, long.memory_gb, long.slo_ttft_ms, long.slo_tpot_ms) == ("long", 0.4, 10000, 100)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--workload", "chat,essay"])
+
+
+def test_two_workloads_in_one_json_and_one_plot(tmp_path):
+    """chat and long on the demo model (documents of 600 to 900 tokens), with an SLO every point meets: one JSON holding
+    both ladders, each valid, the long one's prompts carrying its documents, and one plot."""
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    args = p.parse_args(["--model", "demo", "--workload", "chat,long", "--rungs", "batching", "--slo-ttft-ms", "600000",
+                         "--slo-tpot-ms", "600000", "--max-tokens", "4", "--warmup", "0.2", "--measure", "1.0", "--ramp", "0",
+                         "--max-users", "2", "--growth", "2", "--memory-gb", "0.5,0.4", "--doc-tokens", "600,900",
+                         "--output-json", str(tmp_path / "ladders.json"), "--plot", str(tmp_path / "ladders.png"),
+                         "--log-dir", str(tmp_path / "logs")])
+    run_ladder(args)
+    saved = json.loads((tmp_path / "ladders.json").read_text())
+    assert saved["schema"] == "sieve.bench.ladders/1"
+    chat, long = saved["ladders"]
+    for ladder in (chat, long):
+        validate_ladder(ladder)
+    assert (chat["workload"]["kind"], long["workload"]["kind"]) == ("chat", "long")
+    assert (chat["memory_gb"], long["memory_gb"]) == (0.5, 0.4)
+    assert long["workload"]["mean_prompt_tokens"] > 600 > chat["workload"]["mean_prompt_tokens"]
+    assert (tmp_path / "ladders.png").stat().st_size > 1000

@@ -126,6 +126,37 @@ def test_admission_waits_while_a_newcomer_would_break_the_objective_and_pacing_i
     assert max(most) == 54
 
 
+def test_a_prompt_the_free_blocks_cannot_hold_waits_instead_of_preempting_those_running(llama_engine_factory):
+    """40 blocks of 16 tokens; two users decode 40 tokens after 200-token prompts when a 300-token prompt arrives, and
+    steps take 64 tokens. Admitted on its first chunk's blocks, the newcomer takes later chunks' blocks from those
+    running, who are preempted and compute their whole context again; under an objective it waits until the
+    free blocks hold its prompt and a block for everyone. The tokens are the same either way."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[(5 * i + j) % 4000 + 5 for j in range(200)] for i in range(2)] + [[(3 * j) % 4000 + 5 for j in range(300)]]
+
+    def run(**kw):
+        engine = llama_engine_factory(num_gpu_blocks_override=40, max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      **kw).llm_engine
+        if engine.scheduler.pacer is not None:
+            engine.scheduler.pacer.cost = linear_cost(0.001, 0.00001)  # fast: only memory decides
+        for i in range(2):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+        while engine.requests["r1"].seqs[0].num_output_tokens < 2:
+            engine.step()
+        engine.add_request("new", {"prompt_token_ids": prompts[2]}, params)
+        tokens = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return engine.scheduler.num_preemptions, tokens
+
+    preempted, unpaced = run()
+    assert preempted > 0
+    preempted, paced = run(slo_tpot_ms=100)
+    assert preempted == 0 and paced == unpaced
+
+
 @pytest.mark.parametrize("value", [0, -5, "fast", True])
 def test_the_objective_must_be_a_positive_number(llama_engine_factory, value):
     from sieve.config import ConfigError

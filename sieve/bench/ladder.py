@@ -122,6 +122,43 @@ FOLLOW_UPS = ["Can you explain that more simply?", "Thanks! Can you give me one 
               "Can you summarise that in one sentence?"]
 
 
+RETRIEVAL_PROMPT = (
+    "You are Sieve Assistant, the research assistant of a public library. The visitor gives you a document and asks "
+    "about it: answer from the document alone, in a few sentences, and say so when the document does not tell."
+)
+QUESTIONS = ["What is this document about?", "Who are the main people or places in this document, and why do they matter?",
+             "What happened first, and what happened last, in this document?", "What is the most surprising fact here?",
+             "Which numbers or dates in this document matter most, and why?"]
+
+
+def long_sessions(n: int, seed: int, max_tokens: int, turns: int, docs: list[str]):
+    """`n` retrieval conversations of `turns` turns: a document of 2-6k tokens (drawn from `docs`, wikitext-2
+    articles) and a question about it, then follow-ups over the same history. Memory binds here: every user holds
+    thousands of tokens of KV cache of its own."""
+    from sieve.bench.workloads import Session, Turn
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        first = "Here is a document.\n\n" + docs[rng.randrange(len(docs))] + "\n\n" + rng.choice(QUESTIONS)
+        asks = [first] + [rng.choice(FOLLOW_UPS) for _ in range(turns - 1)]
+        out.append(Session([Turn(a, max_tokens) for a in asks], system=RETRIEVAL_PROMPT, chat=True))
+    return out
+
+
+def long_documents(model: str, tokens: tuple[int, int], n: int = 64, seed: int = 0) -> list[str]:
+    """The long workload's documents, of tokens[0] to tokens[1] of `model`'s tokens."""
+    from sieve.config import ConfigError
+    from sieve.models.loader import open_checkpoint, resolve_model_path
+    from sieve.prompts import documents
+
+    tok = open_checkpoint(str(resolve_model_path(model))).tokenizer()
+    docs = documents(lambda text: len(tok(text, add_special_tokens=False).input_ids), *tokens, n, seed)
+    if not docs:
+        raise ConfigError(f"bench ladder: --doc-tokens {tokens[0]},{tokens[1]}: wikitext-2 gives no document of that length")
+    return docs
+
+
 def chat_sessions(n: int, seed: int, max_tokens: int, turns: int = 2, grounded: bool = False):
     """`n` conversations of `turns` turns opening with the shared system prompt; the first question from the
     distillation templates' topics (grounded: a wikitext passage to summarise), then follow-ups."""
@@ -306,18 +343,50 @@ def planner_ladder(model: str, device, context: float, output: float, shared_pre
 
 
 # ------------------------------------------------------------------------------------------- the command
+WORKLOADS = ("chat", "grounded", "long")
+
+
+def _workloads(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in WORKLOADS]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"expected distinct workloads of {', '.join(WORKLOADS)}, comma-separated; got {text!r}")
+    return kinds
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, or one per workload (comma-separated), got {text!r}") from None
+
+
+def _span(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        lo = hi = 0
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX tokens with 0 < MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
 def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="100 ms: at least 10 tokens/s per user")
-    p.add_argument("--workload", default="chat", choices=["chat", "grounded"],
-                   help="chat: questions under a shared system prompt; grounded: the same, each asking about a passage")
+    p.add_argument("--slo-ttft-ms", type=_floats, default="2000", help="one value, or one per workload (comma-separated)")
+    p.add_argument("--slo-tpot-ms", type=_floats, default="100", help="100 ms: at least 10 tokens/s per user (or one per workload)")
+    p.add_argument("--workload", type=_workloads, default="chat",
+                   help="chat: questions under a shared system prompt; grounded: the same, each asking about a passage; "
+                        "long: retrieval over a 2-6k-token document of each user's own (wikitext-2 articles), where the KV "
+                        "cache binds; several, comma-separated: each ladder in turn, in one JSON and one plot")
+    p.add_argument("--doc-tokens", type=_span, default="2000,6000", help="the long workload's documents: MIN,MAX tokens")
     p.add_argument("--turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128, help="answer length cap (answers stop at EOS)")
     p.add_argument("--rungs", default=",".join(r.key for r in RUNGS), help="which rungs to measure (comma list)")
     p.add_argument("--naive", default="hf", choices=["hf", "sieve"], help="the naive rung: transformers generate, or sieve with --max-num-seqs 1")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="device memory budget for weights + KV cache (default: no budget: the KV pool is --kv-cache-memory-gb)")
+    p.add_argument("--memory-gb", type=_floats, default=None,
+                   help="device memory budget for weights + KV cache, or one per workload (default: no budget: the KV pool "
+                        "is --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool without --memory-gb")
     p.add_argument("--kv-checkpoint", default=None,
                    help="a `sieve distill --kv fp8` checkpoint: the FP8 KV rungs serve it (its quality is measured too)")
@@ -392,7 +461,43 @@ def check_args(args, rungs: list[RungSpec]) -> None:
         raise ConfigError("bench ladder: " + "; ".join(bad))
 
 
+SET_SCHEMA_ID = "sieve.bench.ladders/1"
+
+
+def per_workload(args) -> list[argparse.Namespace]:
+    """One namespace per workload of --workload, each with its own --slo-ttft-ms, --slo-tpot-ms and --memory-gb (a
+    single value serves every workload)."""
+    from sieve.config import ConfigError
+
+    kinds = args.workload if isinstance(args.workload, list) else [args.workload]
+    out = []
+    for i, kind in enumerate(kinds):
+        one = argparse.Namespace(**vars(args))
+        one.workload = kind
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "memory_gb"):
+            values = getattr(args, name)
+            if isinstance(values, list):
+                if len(values) not in (1, len(kinds)):
+                    raise ConfigError(f"bench ladder: --{name.replace('_', '-')} takes one value or one per workload "
+                                      f"({len(kinds)}), got {len(values)}")
+                setattr(one, name, values[i] if len(values) > 1 else values[0])
+        out.append(one)
+    return out
+
+
 def run_ladder(args) -> dict:
+    """The ladder of each workload of --workload in turn; the JSON and the plot hold them all (one workload: its
+    ladder as it is; several: {"schema": SET_SCHEMA_ID, "ladders": [...]})."""
+    ladders = [ladder_of(one) for one in per_workload(args)]
+    out = ladders[0] if len(ladders) == 1 else {"schema": SET_SCHEMA_ID, "ladders": ladders}
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot_ladder(ladders, args.plot)
+    return out
+
+
+def ladder_of(args) -> dict:
     """Every rung measured in turn (a fresh server each), then each lossy rung's quality and the planner's figures."""
     from sieve.bench.serve_command import quiet_http_logs
     from sieve.bench.serving_stats import SLO
@@ -414,6 +519,7 @@ def run_ladder(args) -> dict:
         o = options[r.key]
         loaded.setdefault((o.get("dequantize"), o.get("quantization")), weight_bytes(model, o))
     wbytes = {r.key: loaded[(options[r.key].get("dequantize"), options[r.key].get("quantization"))] for r in rungs}
+    args.docs = long_documents(model, args.doc_tokens, seed=args.seed) if args.workload == "long" else None
     results, previous_users, acceptance = [], 1, None
     means = {"prompt": [], "output": []}
     for i, rung in enumerate(rungs):
@@ -433,10 +539,6 @@ def run_ladder(args) -> dict:
            "eval_data": str(eval_data), "rungs": results}
     validate_ladder(out)
     print_ladder(out)
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(out, indent=2))
-    if args.plot:
-        plot_ladder(out, args.plot)
     return out
 
 
@@ -504,7 +606,10 @@ def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_
 
 def probe_users(args, target, rung, users: int, seed: int, slo) -> Probe:
     """`users` closed-loop chat users against the rung's server: within the SLO or not, and the point's summary."""
-    sessions = chat_sessions(users * 60 + 64, seed, args.max_tokens, args.turns, args.workload == "grounded")
+    if args.workload == "long":
+        sessions = long_sessions(users * 8 + 16, seed, args.max_tokens, args.turns, args.docs)
+    else:
+        sessions = chat_sessions(users * 60 + 64, seed, args.max_tokens, args.turns, args.workload == "grounded")
     records, dur = asyncio.run(closed_loop(target, sessions, users, args.warmup, args.measure, args.ramp, seed))
     s = point_summary(records, dur, slo)
     c = compact(users, s)
@@ -547,7 +652,7 @@ def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict
         dev = dataclasses.replace(dev, memory_gb=args.memory_gb / MEMORY_UTILIZATION)
     prompt_mean = sum(means["prompt"]) / len(means["prompt"]) if means["prompt"] else 300.0
     output_mean = sum(means["output"]) / len(means["output"]) if means["output"] else args.max_tokens
-    prefix_tokens = _system_tokens(model)
+    prefix_tokens = _system_tokens(model, RETRIEVAL_PROMPT if args.workload == "long" else SYSTEM_PROMPT)
     plan = planner_ladder(model, dev, prompt_mean + output_mean / 2, output_mean, prefix_tokens, args.slo_ttft_ms,
                           args.slo_tpot_ms, acceptance if acceptance is not None else 0.0, SPEC_CONFIG["max_num_speculative_tokens"] // 2,
                           wbytes)
@@ -563,16 +668,17 @@ def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict
                           "binding": plan[res["key"]]["binding"]}
         prev, prev_p = max(res["users"], 1), max(pu, 1)
     workload = {"kind": args.workload, "turns": args.turns, "max_tokens": args.max_tokens, "system_prompt_tokens": prefix_tokens,
+                "doc_tokens": list(args.doc_tokens) if args.workload == "long" else None,
                 "mean_prompt_tokens": prompt_mean, "mean_output_tokens": output_mean, "warmup_s": args.warmup,
                 "measure_s": args.measure, "ramp_s": args.ramp}
     return dev, workload
 
 
-def _system_tokens(model: str) -> int:
+def _system_tokens(model: str, prompt: str) -> int:
     from sieve.models.loader import open_checkpoint, resolve_model_path
 
     tok = open_checkpoint(str(resolve_model_path(model))).tokenizer()
-    return len(tok(SYSTEM_PROMPT, add_special_tokens=False).input_ids)
+    return len(tok(prompt, add_special_tokens=False).input_ids)
 
 
 def print_ladder(out: dict) -> None:
@@ -636,15 +742,23 @@ def validate_ladder(out: dict) -> None:
             raise ValueError(f"ladder JSON: rung {r['key']}: a probe at or below the capacity {r['users']} failed")
 
 
-def plot_ladder(out: dict, path: str) -> None:
+def plot_ladder(ladders: list[dict], path: str) -> None:
+    """One panel per workload: measured users per rung beside the planner's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(1, len(ladders), figsize=(10 * len(ladders), 5), squeeze=False)
+    for ax, out in zip(axes[0], ladders):
+        _plot_one(ax, out)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_one(ax, out: dict) -> None:
     rungs = out["rungs"]
     x = range(len(rungs))
-    fig, ax = plt.subplots(figsize=(10, 5))
     ax.bar([i - 0.2 for i in x], [r["users"] for r in rungs], width=0.4, label="measured (sieve bench ladder)")
     ax.bar([i + 0.2 for i in x], [r["planner"]["users"] for r in rungs], width=0.4, alpha=0.6, label="planner")
     for i, r in enumerate(rungs):
@@ -655,8 +769,6 @@ def plot_ladder(out: dict, path: str) -> None:
     ax.set_xticks(list(x))
     ax.set_xticklabels([r["key"] for r in rungs])
     ax.set_ylabel("users within the SLO")
-    ax.set_title(f"users per device, {Path(out['model']).name}: TTFT p99 <= {out['slo']['ttft_p99_ms']:g} ms, "
+    ax.set_title(f"{out['workload']['kind']} workload, {Path(out['model']).name}: TTFT p99 <= {out['slo']['ttft_p99_ms']:g} ms, "
                  f"TPOT p99 <= {out['slo']['tpot_p99_ms']:g} ms" + (f", {out['memory_gb']:g} GB" if out["memory_gb"] else ""), fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
