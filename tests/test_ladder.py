@@ -283,3 +283,8 @@ def test_two_workloads_in_one_json_and_one_plot(tmp_path):
     assert (chat["memory_gb"], long["memory_gb"]) == (0.5, 0.4)
     assert long["workload"]["mean_prompt_tokens"] > 600 > chat["workload"]["mean_prompt_tokens"]
     assert (tmp_path / "ladders.png").stat().st_size > 1000
+    # each batching rung's planner is calibrated by its probes; --replan recomputes that from the file alone
+    assert all(lad["rungs"][0]["planner"]["calibrated"]["calibration"]["p99_over_mean"] >= 1 for lad in (chat, long))
+    again = run_ladder(p.parse_args(["--replan", str(tmp_path / "ladders.json"), "--output-json", str(tmp_path / "again.json")]))
+    assert [lad["workload"]["kind"] for lad in again["ladders"]] == ["chat", "long"]
+    assert json.loads((tmp_path / "again.json").read_text())["ladders"][1]["rungs"][0]["users"] == long["rungs"][0]["users"]

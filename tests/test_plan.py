@@ -168,3 +168,49 @@ def test_disaggregation_weighs_the_kv_transfer_against_the_prefill_it_moves():
     r = run_cli("--model", str(CONFIGS / "llama-3.1-70b.json"), "--device", "h100", "-tp", "4", "--context", "2000",
                 "--pd-link-gbps", "25")
     assert r.returncode == 0 and "P/D pays" in r.stdout
+
+
+def test_the_closed_loop_terms_against_hand_arithmetic():
+    """The terms the roofline leaves out, on a toy device (1 TFLOP/s, 100 GB/s) and Llama-2-7B at 1,000 tokens of
+    context and 100 out: 10 users each bringing 500 new prompt tokens a turn put 10 x 500 / 100 = 50 prefill rows in
+    every step; the step is the roofline's floor of those FLOPs and bytes, times the measured scale, plus the fixed
+    cost; the p99 TPOT is that over the tokens a step gives, times the measured spread."""
+    from sieve.plan.devices import Device
+    from sieve.plan.roofline import Calibration, closed_loop_point, closed_loop_users, steady_prefill_rows, tpot_p99_ms
+
+    m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
+    w = Workload(weights="bf16", kv="bf16", context=1000, output_tokens=100, slo_tpot_ms=400)
+    cal = Calibration(fixed_ms=5.0, roofline_scale=1.5, p99_over_mean=1.2, prefill_tokens_per_turn=500)
+    assert steady_prefill_rows(w, cal, 10) == 50
+    flops = 10 * m.flops_per_token(1000) + 50 * m.flops_per_token(500)
+    bytes_ = m.step_weight_bytes("bf16", 10) + 10 * m.kv_bytes(1000, "bf16")
+    floor = max(flops / 1e12, bytes_ / 100e9)
+    p = closed_loop_point(m, dev, w, 10, cal)
+    assert p.step_ms == pytest.approx(1e3 * floor * 1.5 + 5.0) and p.bound == "compute"
+    assert tpot_p99_ms(m, dev, w, 10, cal) == pytest.approx(p.step_ms * 1.2)
+    # with speculation the turn takes fewer steps, so each carries more prompt rows
+    spec = Workload(**{**w.__dict__, "spec_tokens": 3, "acceptance": 0.5})
+    assert steady_prefill_rows(spec, cal, 10) == pytest.approx(10 * 500 / (100 / (1 + 0.5 + 0.25 + 0.125)))
+    users, binding = closed_loop_users(m, dev, w, cal)
+    assert tpot_p99_ms(m, dev, w, users, cal) <= 400 < tpot_p99_ms(m, dev, w, users + 1, cal) and binding == "compute"
+    assert closed_loop_users(m, dev, w, Calibration())[0] > users  # each term costs users
+
+
+def test_the_ladder_calibrates_the_terms_from_its_own_probes():
+    """Probes made by a known closed loop (fixed 4 ms, the roofline x 2.5, p99 1.3 x p50, half of each 600-token prompt
+    cached) give those terms back."""
+    from sieve.bench.ladder import calibration
+    from sieve.plan.devices import Device
+    from sieve.plan.roofline import Calibration, closed_loop_point
+
+    m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
+    w = Workload(weights="bf16", kv="bf16", context=700, output_tokens=100, slo_tpot_ms=400)
+    truth = Calibration(fixed_ms=4.0, roofline_scale=2.5, p99_over_mean=1.3, prefill_tokens_per_turn=300)
+    probes = []
+    for users in (4, 9, 6):
+        t = closed_loop_point(m, dev, w, users, truth).step_ms
+        probes.append({"users": users, "requests": 50, "tpot_p50_ms": t, "tpot_p99_ms": 1.3 * t,
+                       "mean_prompt_tokens": 600, "prefix_cache_hit_rate": 0.5})
+    got = calibration(m, dev, w, probes)
+    assert got.fixed_ms == pytest.approx(4.0) and got.roofline_scale == pytest.approx(2.5)
+    assert got.p99_over_mean == pytest.approx(1.3) and got.prefill_tokens_per_turn == pytest.approx(300)

@@ -320,11 +320,13 @@ def weight_bytes(model: str, o: dict) -> int:
 
 # ------------------------------------------------------------------------------------------- the planner
 def planner_ladder(model: str, device, context: float, output: float, shared_prefix: float, slo_ttft_ms: float,
-                   slo_tpot_ms: float, acceptance: float, spec_tokens: int, weight_bytes_by_rung: dict) -> dict:
+                   slo_tpot_ms: float, acceptance: float, spec_tokens: int, weight_bytes_by_rung: dict,
+                   probes_by_rung: dict | None = None) -> dict:
     """Users the planner predicts for each rung of `weight_bytes_by_rung` on `device` (whose memory is the budget),
-    with that rung's measured weight bytes (the planner's own formats differ from a GGUF file's)."""
+    with that rung's measured weight bytes (the planner's own formats differ from a GGUF file's): the roofline alone
+    ("users"), and, given the rung's probes, the closed loop calibrated by them ("calibrated": `calibration`)."""
     from sieve.plan.command import load_shape
-    from sieve.plan.roofline import Workload, decode_point, max_batch_within_slo, prefill_ms, tpot_ms
+    from sieve.plan.roofline import Workload, closed_loop_users, decode_point, max_batch_within_slo, prefill_ms, tpot_ms
 
     shape = load_shape(model)
     out = {}
@@ -339,7 +341,38 @@ def planner_ladder(model: str, device, context: float, output: float, shared_pre
         else:
             users, binding = max_batch_within_slo(m, device, w)
         out[r.key] = {"users": users, "binding": binding}
+        probes = (probes_by_rung or {}).get(r.key)
+        if r.batching and probes:
+            cal = calibration(m, device, w, probes)
+            cal_users, cal_binding = closed_loop_users(m, device, w, cal)
+            out[r.key]["calibrated"] = {"users": cal_users, "binding": cal_binding, "calibration": dataclasses.asdict(cal)}
     return out
+
+
+def calibration(m, device, w, probes: list[dict]):
+    """The closed-loop terms of one rung from its own probes: the new prompt tokens a turn brings (the mean prompt less
+    its prefix-cache hits); the step's measured mean (TPOT p50 x the tokens a step gives) at the fewest and the most
+    users probed against the roofline's step with that prefill load, a line through both: its slope is the roofline's
+    scale on this machine, its intercept the step's fixed cost (one probe: scale 1); and TPOT p99 over p50 (the
+    median over the probes)."""
+    import statistics
+
+    from sieve.plan.roofline import Calibration, closed_loop_point, expected_tokens_per_step
+
+    seen = [p for p in probes if p.get("requests") and p.get("tpot_p50_ms") and p.get("tpot_p99_ms")]
+    if not seen:
+        return Calibration()
+    hit = statistics.median(p.get("prefix_cache_hit_rate") or 0.0 for p in seen)
+    new_tokens = statistics.mean(p["mean_prompt_tokens"] for p in seen) * (1 - hit)
+    base = Calibration(prefill_tokens_per_turn=new_tokens)
+    per_step = expected_tokens_per_step(w)
+    points = sorted((closed_loop_point(m, device, w, p["users"], base).step_ms, p["tpot_p50_ms"] * per_step)
+                    for p in (min(seen, key=lambda p: p["users"]), max(seen, key=lambda p: p["users"])))
+    (r0, t0), (r1, t1) = points
+    scale = (t1 - t0) / (r1 - r0) if r1 - r0 > 1e-9 and t1 > t0 else 1.0
+    fixed = max(0.0, t0 - scale * r0)
+    spread = statistics.median(p["tpot_p99_ms"] / p["tpot_p50_ms"] for p in seen)
+    return Calibration(fixed, scale, spread, new_tokens)
 
 
 # ------------------------------------------------------------------------------------------- the command
@@ -404,6 +437,9 @@ def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: measured users per rung beside the planner's")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--replan", default=None, metavar="RUN.json",
+                   help="serve nothing: recompute a ladder run file's planner columns (the roofline's, and the closed loop "
+                        "calibrated by its probes) on this machine, print it, and write --output-json / --plot")
 
 
 SERVED = "bench"  # the name peers.Server probes readiness with
@@ -488,13 +524,38 @@ def per_workload(args) -> list[argparse.Namespace]:
 def run_ladder(args) -> dict:
     """The ladder of each workload of --workload in turn; the JSON and the plot hold them all (one workload: its
     ladder as it is; several: {"schema": SET_SCHEMA_ID, "ladders": [...]})."""
-    ladders = [ladder_of(one) for one in per_workload(args)]
+    ladders = replan(args.replan) if args.replan else [ladder_of(one) for one in per_workload(args)]
     out = ladders[0] if len(ladders) == 1 else {"schema": SET_SCHEMA_ID, "ladders": ladders}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(out, indent=2))
     if args.plot:
         plot_ladder(ladders, args.plot)
     return out
+
+
+def replan(path: str) -> list[dict]:
+    """The ladders of a run file with their planner columns computed again (by this version of the planner, on this
+    machine's measured bandwidth and compute), from what the run measured: each rung's weights, probes, acceptance."""
+    from sieve.config import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"bench ladder: --replan {path}: {e}") from None
+    ladders = data["ladders"] if data.get("schema") == SET_SCHEMA_ID else [data]
+    for out in ladders:
+        validate_ladder(out)
+        wl = out["workload"]
+        args = argparse.Namespace(memory_gb=out["memory_gb"], slo_ttft_ms=out["slo"]["ttft_p99_ms"], slo_tpot_ms=out["slo"]["tpot_p99_ms"],
+                                  workload=wl["kind"], turns=wl["turns"], max_tokens=wl["max_tokens"], warmup=wl["warmup_s"],
+                                  measure=wl["measure_s"], ramp=wl["ramp_s"], doc_tokens=wl.get("doc_tokens"))
+        results = out["rungs"]
+        acceptance = next((r["spec_acceptance_rate"] for r in results if r.get("spec_acceptance_rate") is not None), None)
+        means = {"prompt": [wl["mean_prompt_tokens"]], "output": [wl["mean_output_tokens"]]}
+        _, out["workload"] = add_planner(args, out["model"], results, {r["key"]: r["weight_bytes"] for r in results}, means, acceptance)
+        validate_ladder(out)
+        print_ladder(out)
+    return ladders
 
 
 def ladder_of(args) -> dict:
@@ -655,7 +716,7 @@ def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict
     prefix_tokens = _system_tokens(model, RETRIEVAL_PROMPT if args.workload == "long" else SYSTEM_PROMPT)
     plan = planner_ladder(model, dev, prompt_mean + output_mean / 2, output_mean, prefix_tokens, args.slo_ttft_ms,
                           args.slo_tpot_ms, acceptance if acceptance is not None else 0.0, SPEC_CONFIG["max_num_speculative_tokens"] // 2,
-                          wbytes)
+                          wbytes, {r["key"]: r["probes"] for r in results})
     base_key = "naive" if "naive" in plan else results[0]["key"]  # the factors' base: naive, else the first rung
     base = next(r["users"] for r in results if r["key"] == base_key) or 1
     pbase = plan[base_key]["users"] or 1
@@ -665,7 +726,7 @@ def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict
         res["gain"] = (res["users"] / prev) if prev else None
         pu = plan[res["key"]]["users"]
         res["planner"] = {"users": pu, "factor": pu / pbase, "gain": (pu / prev_p) if prev_p else None,
-                          "binding": plan[res["key"]]["binding"]}
+                          "binding": plan[res["key"]]["binding"], "calibrated": plan[res["key"]].get("calibrated")}
         prev, prev_p = max(res["users"], 1), max(pu, 1)
     workload = {"kind": args.workload, "turns": args.turns, "max_tokens": args.max_tokens, "system_prompt_tokens": prefix_tokens,
                 "doc_tokens": list(args.doc_tokens) if args.workload == "long" else None,
@@ -684,13 +745,15 @@ def _system_tokens(model: str, prompt: str) -> int:
 def print_ladder(out: dict) -> None:
     print(f"\nusers within TTFT p99 <= {out['slo']['ttft_p99_ms']:g} ms and TPOT p99 <= {out['slo']['tpot_p99_ms']:g} ms "
           f"({out['model']}, memory budget {out['memory_gb'] or 'none'} GB):")
-    print(f"  {'rung':<46}{'users':>6}{'x naive':>9}{'gain':>7}{'planner':>9}{'p. gain':>9}  {'KL':>8}{'top-1':>7}")
+    print(f"  {'rung':<46}{'users':>6}{'x naive':>9}{'gain':>7}{'planner':>9}{'p. gain':>9}{'calibr.':>9}  {'KL':>8}{'top-1':>7}")
     for r in out["rungs"]:
         q = r["quality"]
         gain = f"{r['gain']:.2f}" if r["gain"] else "-"
         pgain = f"{r['planner']['gain']:.2f}" if r["planner"]["gain"] else "-"
+        cal = r["planner"].get("calibrated")
         qual = f"{q['kl_divergence']:>8.4f}{q['top1_agreement']:>7.3f}" if q else f"{'lossless':>15}"
-        print(f"  {r['name']:<46}{r['users']:>6}{r['factor']:>9.1f}{gain:>7}{r['planner']['users']:>9}{pgain:>9}  {qual}")
+        print(f"  {r['name']:<46}{r['users']:>6}{r['factor']:>9.1f}{gain:>7}{r['planner']['users']:>9}{pgain:>9}"
+              f"{cal['users'] if cal else '-':>9}  {qual}")
 
 
 LADDER_SCHEMA = {
@@ -759,13 +822,15 @@ def plot_ladder(ladders: list[dict], path: str) -> None:
 def _plot_one(ax, out: dict) -> None:
     rungs = out["rungs"]
     x = range(len(rungs))
-    ax.bar([i - 0.2 for i in x], [r["users"] for r in rungs], width=0.4, label="measured (sieve bench ladder)")
-    ax.bar([i + 0.2 for i in x], [r["planner"]["users"] for r in rungs], width=0.4, alpha=0.6, label="planner")
+    ax.bar([i - 0.27 for i in x], [r["users"] for r in rungs], width=0.27, label="measured (sieve bench ladder)")
+    ax.bar(list(x), [r["planner"]["users"] for r in rungs], width=0.27, alpha=0.6, label="planner (roofline)")
+    calibrated = [(r["planner"].get("calibrated") or {}).get("users", 0) for r in rungs]
+    ax.bar([i + 0.27 for i in x], calibrated, width=0.27, alpha=0.6, label="planner (closed loop, calibrated)")
     for i, r in enumerate(rungs):
         label = f"{r['users']}"
         if r["quality"]:
             label += f"\nKL {r['quality']['kl_divergence']:.3f}"
-        ax.annotate(label, (i - 0.2, r["users"]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(label, (i - 0.27, r["users"]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x))
     ax.set_xticklabels([r["key"] for r in rungs])
     ax.set_ylabel("users within the SLO")

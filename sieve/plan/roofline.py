@@ -237,3 +237,59 @@ def ladder(m: ModelShape, dev: Device, w: Workload, spec_tokens: int, acceptance
         base = base if base is not None else max(users, 1)
         rungs.append(Rung(name, users, users / base, binding, t))
     return rungs
+
+
+# ------------------------------------------------------------------------------------ a closed loop, calibrated
+@dataclass(frozen=True)
+class Calibration:
+    """The terms the roofline leaves out, each measured on the run it explains (`sieve bench ladder`)."""
+
+    fixed_ms: float = 0.0  # a step's cost no byte or FLOP accounts for (scheduling, sampling, Python, launches)
+    roofline_scale: float = 1.0  # measured seconds per roofline second of a step (kernels below the device's peak)
+    p99_over_mean: float = 1.0  # a user's TPOT p99 over the TPOT of the mean step at the same load
+    prefill_tokens_per_turn: float = 0.0  # new prompt tokens each turn of a closed loop brings (the rest is cached)
+
+
+def steady_prefill_rows(w: Workload, cal: Calibration, batch: int) -> float:
+    """A closed loop's steady prefill load: each of `batch` users brings `prefill_tokens_per_turn` new prompt tokens
+    every turn, and a turn decodes for output_tokens / expected-tokens-per-step steps, so each step carries on
+    average batch x tokens / steps-per-turn prompt rows beside the decodes (stall-free chunks)."""
+    steps_per_turn = max(w.output_tokens / expected_tokens_per_step(w), 1.0)
+    return batch * cal.prefill_tokens_per_turn / steps_per_turn
+
+
+def closed_loop_point(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> Point:
+    """The mean step of a closed loop of `batch` users: the decode step (weights, every sequence's KV, attention over
+    its context), plus the steady prefill rows' FLOPs (a prompt row attends to half the context on average; the
+    weights are read once for all rows), that floor times `roofline_scale`, plus the step's fixed cost."""
+    p = decode_point(m, dev, w, batch)
+    rows = steady_prefill_rows(w, cal, batch)
+    flops = p.flops_per_step + rows * m.flops_per_token(w.context // 2)
+    n = w.tensor_parallel
+    t_mem = p.bytes_per_step / n / (dev.bandwidth_gbps * 1e9)
+    t_cmp = flops / n / dev.flops(compute_dtype(dev, w.weights))
+    step = max(t_mem, t_cmp) * cal.roofline_scale + p.comm_ms / 1e3 + cal.fixed_ms / 1e3
+    per_step = expected_tokens_per_step(w)
+    return Point(batch, step * 1e3, p.bytes_per_step, flops, "bandwidth" if t_mem >= t_cmp else "compute",
+                 per_step / step, batch * per_step / step, p.comm_ms)
+
+
+def tpot_p99_ms(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> float:
+    return tpot_ms(closed_loop_point(m, dev, w, batch, cal), w) * cal.p99_over_mean
+
+
+def closed_loop_users(m: ModelShape, dev: Device, w: Workload, cal: Calibration) -> tuple[int, str]:
+    """Users a closed loop keeps within the TPOT objective at p99 (`tpot_p99_ms`), whose KV fits; and what binds."""
+    fit = sequences_that_fit(m, dev, w)
+    if fit < 1:
+        return 0, "memory capacity"
+    within = lambda b: tpot_p99_ms(m, dev, w, b, cal) <= w.slo_tpot_ms  # noqa: E731
+    if not within(1):
+        return 0, closed_loop_point(m, dev, w, 1, cal).bound
+    if within(fit):
+        return fit, "memory capacity"
+    lo, hi = 1, fit
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    return lo, closed_loop_point(m, dev, w, hi, cal).bound
