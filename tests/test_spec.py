@@ -1062,3 +1062,21 @@ def test_the_engine_takes_its_slo_to_auto(llama_engine_factory):
     for bad in (0, -5, True, "fast"):
         with pytest.raises(ConfigError, match="slo_tpot_ms"):
             llama_engine_factory(slo_tpot_ms=bad)
+
+
+def test_auto_says_when_it_steps_aside(llama_engine_factory, caplog):
+    """A rung whose premise does not hold says so: "auto" that drafts nothing for ASIDE_STEPS steps in a row (here every
+    drafted row costs 100 ms, so no draft pays) logs that speculation steps aside, once, and counts it."""
+    import logging
+
+    from sieve.spec_decode.speculator import ASIDE_STEPS
+
+    llm = llama_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
+    sp = llm.llm_engine.speculator
+    sp.cost = sp.controller.cost = fixed_step_cost(0.010, 0.010 + 255 * 0.1)
+    prompt = [5, 6, 7, 8] * 10  # n-gram drafts exist: they are refused for their cost, not missing
+    with caplog.at_level(logging.INFO, logger="sieve"):
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=ASIDE_STEPS + 20, temperature=0, ignore_eos=True))
+    aside = [r for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(aside) == 1 and aside[0].levelno == logging.WARNING and sp.stats.num_steps_aside == 1
+    assert sp.stats.num_drafts == 0

@@ -9,6 +9,7 @@ scheduler rolls back the slots of rejected tokens (they never enter the prefix c
 from __future__ import annotations
 
 import math
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,13 @@ if TYPE_CHECKING:
     import torch
 
 
+log = logging.getLogger("sieve")
 PROBE_SHARE = 0.01  # at most this share of the time goes to probing a proposer that costs something to ask
 MAX_PROBE_INTERVAL = 256  # steps: a sequence's evidence is never older
+# "auto" that drafts nothing for this many steps in a row, with sequences to draft for, says so in the log: on this
+# machine and load its premise (drafts accepted often enough for their rows' cost) does not hold, and it stays off
+# until it does (it keeps measuring acceptance, and says so again when it drafts)
+ASIDE_STEPS = 200
 
 
 def build_proposer(config: SpeculativeConfig, **context) -> Proposer:
@@ -71,6 +77,7 @@ class SpecStats:
         self.num_chains = 0  # chains verified: 1 a draft, and a draft tree's further ones
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * max_k
+        self.num_steps_aside = 0  # times "auto" stepped aside (drafted nothing for ASIDE_STEPS steps in a row)
 
 
 class Speculator:
@@ -98,6 +105,8 @@ class Speculator:
         self.num_prepares = 0
         self.evidence: dict[Sequence, int] = {}  # seq -> the prepare at which it last drafted or was probed
         self.clock = time.perf_counter
+        self.idle_steps = 0  # "auto": steps in a row it chose to draft nothing
+        self.aside = False  # ... past ASIDE_STEPS: it said so, and says so again when it drafts
 
     def prepare(self, running: list[Sequence], extra_tokens: int = 0) -> None:
         """Draft for every running sequence whose next step is a decode; clear everyone else's draft."""
@@ -133,6 +142,7 @@ class Speculator:
                 seq.draft_state.token_ids = _allowed(seq, d.token_ids[:k])
                 if w > 1 and seq.draft_state.token_ids:
                     seq.draft_state.alternatives = [a[:k] for a in d.alternatives[: w - 1] if a]
+            self._note_choice(ks)
             return
         auto = self.config.auto
         if auto:
@@ -146,6 +156,7 @@ class Speculator:
             ks = self.controller.choose(ready, caps, extra_tokens, self.budget, cost, contexts)
             widths = [self.branches if b else 1 for b in branchable]  # fixed k: every tree as wide as configured
         chosen = [(s, k, w) for s, k, w in zip(ready, ks, widths) if k > 0]
+        self._note_choice(ks)
         probed = [(s, k, 1) for s, k in self._due_for_probe(ready, caps, ks, extra_tokens)] if auto else []
         asked = chosen + probed
         if not asked:
@@ -175,6 +186,25 @@ class Speculator:
             self.evidence[seq] = self.num_prepares
             if d.token_ids:
                 self.probes[seq] = (seq.num_tokens, d.token_ids)
+
+    def _note_choice(self, ks: list[int]) -> None:
+        """"auto": log when it steps aside (nothing drafted for ASIDE_STEPS steps in a row) and when it drafts again."""
+        if not self.config.auto:
+            return
+        if any(ks):
+            if self.aside:
+                log.info("speculative decoding (auto) drafts again: drafts now pay for their rows")
+            self.idle_steps, self.aside = 0, False
+            return
+        self.idle_steps += 1
+        if self.idle_steps == ASIDE_STEPS:
+            self.aside = True
+            self.stats.num_steps_aside += 1
+            c = self.controller
+            first = (c.global_accepted[0] + 1.0) / (c.global_tried[0] + 2.0)
+            log.warning("speculative decoding (auto) steps aside: for %d steps no draft promised more tokens per second "
+                        "than its rows cost on this machine%s (first draft token accepted %.0f%% of the time); it drafts "
+                        "again when they do", ASIDE_STEPS, " within the TPOT objective" if c.tpot_slo_s else "", 100 * first)
 
     def _due_for_probe(self, seqs: list[Sequence], caps: list[int], ks: list[int], extra_tokens: int) -> list[tuple[Sequence, int]]:
         """Sequences given k = 0 whose last evidence is older than the probe interval, with how deep to probe each.
