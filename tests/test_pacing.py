@@ -26,29 +26,29 @@ def decoding(n: int, context: int = 20, drafts: int = 0):
 
 
 def test_the_budget_is_what_fits_in_the_share_of_the_objective():
-    """Hand arithmetic: 9.9 ms + 0.2 ms a token, a 100 ms objective of which a step may take 80 ms: 350 tokens. With
-    8 decodes (2 of them drafting 3 tokens) the step takes 350; with none, the configured budget; where the
+    """Hand arithmetic: 9.9 ms + 0.2 ms a token, a 100 ms objective of which a step may take 90 ms: 400 tokens. With
+    8 decodes (2 of them drafting 3 tokens) the step takes 400; with none, the configured budget; where the
     decodes alone pass the share, them and one minimal chunk."""
-    assert STEP_SHARE == 0.8
+    assert STEP_SHARE == 0.9
     pacer = SloPacer(linear_cost(0.0099, 0.0002), 0.100, max_budget=2048, min_chunk=16)
-    assert pacer.token_budget(decoding(8)) == 350
-    assert pacer.token_budget(decoding(6) + decoding(2, drafts=3)) == 350
+    assert pacer.token_budget(decoding(8)) == 400
+    assert pacer.token_budget(decoding(6) + decoding(2, drafts=3)) == 400
     assert pacer.token_budget([]) == 2048
     prefilling = [SimpleNamespace(num_tokens=500, num_computed_tokens=100, draft_state=SimpleNamespace(token_ids=[]))]
     assert pacer.token_budget(prefilling) == 2048  # no decode: no TPOT at stake
-    assert pacer.token_budget(decoding(400)) == 416
+    assert pacer.token_budget(decoding(450)) == 466
     assert SloPacer(linear_cost(0.0099, 0.0002), 0.100, max_budget=256, min_chunk=16).token_budget(decoding(8)) == 256
     assert SloPacer(StepCostModel(), 0.100, 2048, 16).token_budget(decoding(8)) == 2048  # nothing measured yet
 
     # Attention: 1 us a key. 8 decodes at 1000 tokens of context attend to 8000 keys: 8 ms less for tokens.
     cost = linear_cost(0.0099, 0.0002)
     cost.observe_keys(1, 1000, 0.001)
-    assert SloPacer(cost, 0.100, 2048, 16).token_budget(decoding(8, context=1000)) == 310
+    assert SloPacer(cost, 0.100, 2048, 16).token_budget(decoding(8, context=1000)) == 360
 
-    # Admission: with 54 running, a 55th decoding beside a 16-token chunk is predicted at 9.9 ms + 1 ms x 71 > 80 ms.
+    # Admission: with 64 running, a 65th decoding beside a 16-token chunk is predicted at 9.9 ms + 1 ms x 81 > 90 ms.
     steep = SloPacer(linear_cost(0.0099, 0.001), 0.100, 2048, 16)
     new = decoding(1)[0]
-    assert steep.admits(decoding(53), new) and not steep.admits(decoding(54), new)
+    assert steep.admits(decoding(63), new) and not steep.admits(decoding(64), new)
     assert steep.admits([], new)  # alone it always runs
 
 
@@ -72,13 +72,13 @@ def chunks_of_a_long_prompt(engine, short: int, long_prompt: list[int]) -> list[
 
 def test_a_long_prompt_joins_decodes_in_chunks_that_keep_their_tpot(llama_engine_factory):
     """Mixed load: 8 sequences decode when a 900-token prompt arrives. Under a 100 ms TPOT objective and a step cost
-    of 9.9 ms + 0.2 ms a token, the prompt runs in chunks of 342 tokens beside the 8 decodes (350 tokens, 80 ms
+    of 9.9 ms + 0.2 ms a token, the prompt runs in chunks of 392 tokens beside the 8 decodes (400 tokens, 90 ms
     predicted), and the decodes run every step. With the fixed budget of 2048 the whole prompt joins one step,
     predicted at 0.19 s: every decoding user's TPOT that step is past the objective."""
     long_prompt = [(7 * i) % 4000 + 5 for i in range(900)]
     paced = llama_engine_factory(slo_tpot_ms=100).llm_engine
     paced.scheduler.pacer.cost = linear_cost(0.0099, 0.0002)
-    assert chunks_of_a_long_prompt(paced, 8, long_prompt) == [342, 342, 216]
+    assert chunks_of_a_long_prompt(paced, 8, long_prompt) == [392, 392, 116]
     fixed = llama_engine_factory().llm_engine
     assert fixed.scheduler.pacer is None
     assert chunks_of_a_long_prompt(fixed, 8, long_prompt) == [900]
@@ -104,13 +104,13 @@ def test_decodes_keep_their_row_when_a_chunk_comes_first_in_order(llama_engine_f
 
 
 def test_admission_waits_while_a_newcomer_would_break_the_objective_and_pacing_is_lossless(llama_engine_factory):
-    """60 requests against a step cost of 9.9 ms + 1 ms a token: at most 54 run at once (a 55th decoding beside a
-    16-token chunk is predicted past 80 ms); the rest wait and run as others finish. The greedy tokens are those
+    """80 requests against a step cost of 9.9 ms + 1 ms a token: at most 64 run at once (a 65th decoding beside a
+    16-token chunk is predicted past 90 ms); the rest wait and run as others finish. The greedy tokens are those
     of the engine without an objective: pacing changes when tokens are computed, never which."""
-    prompts = [{"prompt_token_ids": [(3 * i + j) % 4000 + 5 for j in range(12 + i % 7)]} for i in range(60)]
+    prompts = [{"prompt_token_ids": [(3 * i + j) % 4000 + 5 for j in range(12 + i % 7)]} for i in range(80)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llama_engine_factory(max_num_seqs=64).generate(prompts, params)]
-    llm = llama_engine_factory(max_num_seqs=64, slo_tpot_ms=100)
+    reference = [o.outputs[0].token_ids for o in llama_engine_factory(max_num_seqs=128).generate(prompts, params)]
+    llm = llama_engine_factory(max_num_seqs=128, slo_tpot_ms=100)
     engine = llm.llm_engine
     engine.scheduler.pacer.cost = linear_cost(0.0099, 0.001)
     most = []
@@ -123,7 +123,7 @@ def test_admission_waits_while_a_newcomer_would_break_the_objective_and_pacing_i
 
     engine.scheduler.schedule = watched
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
-    assert max(most) == 54
+    assert max(most) == 64
 
 
 def test_a_prompt_the_free_blocks_cannot_hold_waits_instead_of_preempting_those_running(llama_engine_factory):

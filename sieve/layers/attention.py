@@ -189,7 +189,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta)
-        ops = cpu_ops() if q.device.type == "cpu" and q.dtype == torch.float32 and self.window is None else None
+        # (as the C++ layer loop: under float32, and over fp8 / int8 codes, which SDPA would need widened first)
+        quantized = cache.k_scale is not None
+        ops = cpu_ops() if q.device.type == "cpu" and (q.dtype == torch.float32 or quantized) and self.window is None else None
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             if ops is not None:  # native: each row alone over its context, as a decode row (and as decoder.cpp does)
