@@ -20,24 +20,24 @@ from types import SimpleNamespace
 
 import torch
 
+import sieve.model_runner as model_runner
 from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
-import sieve.model_runner as model_runner
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
 from sieve.models.default import resolve_default
 from sieve.models.loader import default_num_threads, load_model, open_checkpoint, resolve_dtype
 from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
-from sieve.sampling_params import SamplingParams
 from sieve.pacing import SloPacer
+from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence, WindowState
 from sieve.spec_decode.build import build_speculator
-from sieve.step_cost import StepCostModel, calibrate_step_cost, decode_keys
 from sieve.stats import EngineStats, KVTransferStats, SpecDecodeStats, StructuredStats
+from sieve.step_cost import StepCostModel, calibrate_step_cost, decode_keys
 from sieve.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("sieve")

@@ -136,7 +136,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.token_budget()
+        step_budget = budget = self.token_budget()
 
         # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks. A
         # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too.
@@ -206,7 +206,7 @@ class Scheduler:
                 self._fork(item, out)
 
         # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
-        budget = self.token_budget() - out.num_batched_tokens
+        budget = step_budget - out.num_batched_tokens
         for item in out.scheduled:
             if item.draft and item.seq.draft_state.alternatives and budget > 1:
                 budget -= self._branch(item, out, budget)

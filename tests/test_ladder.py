@@ -175,16 +175,21 @@ def test_ladder_refuses_bad_flags_before_starting_anything(demo_dir, flags, mess
         run_ladder(p.parse_args(["--model", str(demo_dir), *flags]))
 
 
+def demo_ladder_args(tmp_path, name: str, *flags: str) -> argparse.Namespace:
+    """A ladder on the random demo model fast enough for a test, with an SLO so loose that every point meets it, its
+    JSON, plot and logs under `tmp_path` (NAME.json, NAME.png), and `flags` on top."""
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    return p.parse_args(["--model", "demo", "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000", "--warmup", "0.2",
+                         "--measure", "1.0", "--ramp", "0", "--growth", "2", "--output-json", str(tmp_path / f"{name}.json"),
+                         "--plot", str(tmp_path / f"{name}.png"), "--log-dir", str(tmp_path / "logs"), *flags])
+
+
 def test_ladder_end_to_end_on_the_demo_model(tmp_path):
     """Three rungs on the random demo model, with an SLO so loose that every point meets it: the search grows to
     --max-users, the int8 rung gets quality figures, the planner a prediction, and the JSON and plot are written."""
-    p = argparse.ArgumentParser()
-    add_bench_ladder_args(p)
-    args = p.parse_args(["--model", "demo", "--rungs", "naive,batching,int8", "--naive", "sieve", "--slo-ttft-ms", "600000",
-                         "--slo-tpot-ms", "600000", "--max-tokens", "8", "--warmup", "0.2", "--measure", "1.0", "--ramp", "0",
-                         "--max-users", "3", "--growth", "2", "--memory-gb", "0.5", "--eval-windows", "1",
-                         "--eval-data", str(tmp_path / "eval.txt"), "--output-json", str(tmp_path / "ladder.json"),
-                         "--plot", str(tmp_path / "ladder.png"), "--log-dir", str(tmp_path / "logs")])
+    args = demo_ladder_args(tmp_path, "ladder", "--rungs", "naive,batching,int8", "--naive", "sieve", "--max-tokens", "8",
+                            "--max-users", "3", "--memory-gb", "0.5", "--eval-windows", "1", "--eval-data", str(tmp_path / "eval.txt"))
     (tmp_path / "eval.txt").write_text("The quick brown fox jumps over the lazy dog. " * 80)
     out = run_ladder(args)
     saved = json.loads((tmp_path / "ladder.json").read_text())
@@ -266,14 +271,8 @@ def test_each_workload_takes_its_own_slo_and_memory():
 def test_two_workloads_in_one_json_and_one_plot(tmp_path):
     """chat and long on the demo model (documents of 600 to 900 tokens), with an SLO every point meets: one JSON holding
     both ladders, each valid, the long one's prompts carrying its documents, and one plot."""
-    p = argparse.ArgumentParser()
-    add_bench_ladder_args(p)
-    args = p.parse_args(["--model", "demo", "--workload", "chat,long", "--rungs", "batching", "--slo-ttft-ms", "600000",
-                         "--slo-tpot-ms", "600000", "--max-tokens", "4", "--warmup", "0.2", "--measure", "1.0", "--ramp", "0",
-                         "--max-users", "2", "--growth", "2", "--memory-gb", "0.5,0.4", "--doc-tokens", "600,900",
-                         "--output-json", str(tmp_path / "ladders.json"), "--plot", str(tmp_path / "ladders.png"),
-                         "--log-dir", str(tmp_path / "logs")])
-    run_ladder(args)
+    run_ladder(demo_ladder_args(tmp_path, "ladders", "--workload", "chat,long", "--rungs", "batching", "--max-tokens", "4",
+                                "--max-users", "2", "--memory-gb", "0.5,0.4", "--doc-tokens", "600,900"))
     saved = json.loads((tmp_path / "ladders.json").read_text())
     assert saved["schema"] == "sieve.bench.ladders/1"
     chat, long = saved["ladders"]
@@ -285,6 +284,8 @@ def test_two_workloads_in_one_json_and_one_plot(tmp_path):
     assert (tmp_path / "ladders.png").stat().st_size > 1000
     # each batching rung's planner is calibrated by its probes; --replan recomputes that from the file alone
     assert all(lad["rungs"][0]["planner"]["calibrated"]["calibration"]["p99_over_mean"] >= 1 for lad in (chat, long))
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
     again = run_ladder(p.parse_args(["--replan", str(tmp_path / "ladders.json"), "--output-json", str(tmp_path / "again.json")]))
     assert [lad["workload"]["kind"] for lad in again["ladders"]] == ["chat", "long"]
     assert json.loads((tmp_path / "again.json").read_text())["ladders"][1]["rungs"][0]["users"] == long["rungs"][0]["users"]

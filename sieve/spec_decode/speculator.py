@@ -8,8 +8,8 @@ scheduler rolls back the slots of rejected tokens (they never enter the prefix c
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
