@@ -289,3 +289,39 @@ def test_two_workloads_in_one_json_and_one_plot(tmp_path):
     again = run_ladder(p.parse_args(["--replan", str(tmp_path / "ladders.json"), "--output-json", str(tmp_path / "again.json")]))
     assert [lad["workload"]["kind"] for lad in again["ladders"]] == ["chat", "long"]
     assert json.loads((tmp_path / "again.json").read_text())["ladders"][1]["rungs"][0]["users"] == long["rungs"][0]["users"]
+
+
+def test_repeats_measure_a_rung_again_and_report_the_median(monkeypatch, tmp_path):
+    """--repeats 2: the rung is measured twice (a fresh server each; here a stand-in that finds 3, then 6 users),
+    the second search starts at the first capacity, users is the median (4.5), every repeat's probes are kept and
+    checked, and a median that does not match its repeats is refused."""
+    from sieve.bench import ladder
+    from sieve.bench.serving_stats import SLO
+
+    starts = []
+
+    def once(args, served, rung, i, rep, o, kv_gb, start, log_dir, slo):
+        starts.append(start)
+        cap = (3, 6)[rep]
+        probes = [{"users": u, "within_slo": u <= cap, "ttft_p99_ms": 1.0, "tpot_p99_ms": 1.0, "output_tokens_per_s": 1.0,
+                   "requests": 4, "mean_prompt_tokens": 100.0, "mean_output_tokens": 10.0} for u in (cap, cap + 1)]
+        return {"users": cap, "at_capacity": probes[0], "probes": probes, "seconds": 1.0, "spec_acceptance_rate": None}, ["x", "y", "serve"]
+
+    monkeypatch.setattr(ladder, "measure_once", once)
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    args = p.parse_args(["--repeats", "2"])
+    rung = next(r for r in RUNGS if r.key == "batching")
+    means = {"prompt": [], "output": []}
+    res = ladder.measure_rung(args, "m", rung, 1, {}, 1000, 2, tmp_path, SLO(2.0, 0.1), means)
+    assert starts == [2, 3] and res["users"] == 4.5 and [r["users"] for r in res["repeats"]] == [3, 6]
+    assert len(res["probes"]) == 4 and len(means["prompt"]) == 4
+    assert ladder.median_users([3, 6]) == 4.5 and ladder.median_users([4, 4]) == 4 and ladder.median_users([1, 5, 9]) == 5
+    out = _ladder()
+    out["rungs"][1].update(users=res["users"], repeats=res["repeats"], probes=res["probes"])
+    validate_ladder(out)
+    out["rungs"][1]["users"] = 6
+    with pytest.raises(ValueError, match="not the median of its repeats"):
+        validate_ladder(out)
+    with pytest.raises(Exception, match="--repeats must be > 0"):
+        run_ladder(p.parse_args(["--repeats", "0"]))

@@ -18,7 +18,9 @@ the whole streamed answer, sends the next; a user starts at a random moment of t
 `--warmup` seconds and then `--measure` seconds; only requests sent in the measured window count. The point is
 within the SLO when none failed and TTFT p99 <= --slo-ttft-ms and TPOT p99 <= --slo-tpot-ms. Capacity is found
 by growing U by `--growth` from the previous rung's capacity until a point fails, then bisecting (users are
-integers; the search stops when the bracket is within `--resolution` of the lower end).
+integers; the search stops when the bracket is within `--resolution` of the lower end). With `--repeats N` each
+rung is measured N times, a fresh server each (its search from the first repeat's capacity), and its users are
+the median: a capacity is one sample of a noisy machine, and a rung's gain within that noise is no gain.
 
 Memory: `--memory-gb` is the device's memory budget (weights + KV cache, as a GPU's memory): each rung's KV pool
 is that budget minus its weights' bytes, so lighter weights and KV formats buy users as they do on a GPU. On a
@@ -426,6 +428,9 @@ def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of each point before measuring")
     p.add_argument("--measure", type=float, default=30.0, help="seconds each point is measured")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure each rung this many times, a fresh server each: its users are their median (the JSON "
+                        "keeps each repeat's capacity and probes)")
     p.add_argument("--ramp", type=float, default=5.0, help="users start at random moments of the first this many seconds")
     p.add_argument("--growth", type=float, default=1.5)
     p.add_argument("--resolution", type=float, default=0.1)
@@ -481,7 +486,8 @@ def check_args(args, rungs: list[RungSpec]) -> None:
 
     positive = {"--slo-ttft-ms": args.slo_ttft_ms, "--slo-tpot-ms": args.slo_tpot_ms, "--measure": args.measure,
                 "--turns": args.turns, "--max-tokens": args.max_tokens, "--max-users": args.max_users,
-                "--max-num-seqs": args.max_num_seqs, "--eval-windows": args.eval_windows, "--kv-cache-memory-gb": args.kv_cache_memory_gb}
+                "--max-num-seqs": args.max_num_seqs, "--repeats": args.repeats, "--eval-windows": args.eval_windows,
+                "--kv-cache-memory-gb": args.kv_cache_memory_gb}
     if args.memory_gb is not None:
         positive["--memory-gb"] = args.memory_gb
     bad = [f"{k} must be > 0 (got {v})" for k, v in positive.items() if not v > 0]
@@ -588,7 +594,7 @@ def ladder_of(args) -> dict:
         if rung.spec and res["spec_acceptance_rate"] is not None:
             acceptance = res["spec_acceptance_rate"]
         results.append(res)
-        previous_users = max(res["users"], 1)
+        previous_users = max(int(res["users"]), 1)
     eval_data = add_quality(args, model, options, results)
     dev, workload = add_planner(args, model, results, wbytes, means, acceptance)
     out = {"schema": SCHEMA_ID, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -616,12 +622,11 @@ def select_rungs(args) -> list:
 
 
 def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_users: int, log_dir: Path, slo, means: dict) -> dict:
-    """The most users `rung` keeps within the SLO: a fresh server, probed with closed-loop users (the probes'
-    mean prompt and answer go into `means`)."""
-    import httpx
+    """The most users `rung` keeps within the SLO, measured `--repeats` times (a fresh server each, the probes'
+    mean prompt and answer go into `means`): `users` is the repeats' median, and with more than one repeat,
+    `repeats` holds each one's capacity and probes."""
+    import statistics
 
-    from sieve.bench.llama_cpp import Server, free_port
-    from sieve.bench.serving import Target
     from sieve.config import ConfigError
 
     served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
@@ -631,21 +636,62 @@ def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_
             raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes / 1e9:.2f} GB")
     else:
         kv_gb = args.kv_cache_memory_gb
+    t_rung = time.perf_counter()
+    start = 1 if not rung.batching else max(1, previous_users)
+    runs = []
+    for rep in range(args.repeats):
+        run, cmd = measure_once(args, served_model, rung, i, rep, o, kv_gb, start, log_dir, slo)
+        runs.append(run)
+        start = max(1, run["users"]) if rung.batching else 1  # a repeat's search starts at the first one's capacity
+    for p in (p for run in runs for p in run["probes"]):
+        if p["requests"]:
+            means["prompt"].append(p["mean_prompt_tokens"])
+            means["output"].append(p["mean_output_tokens"])
+    users = median_users([run["users"] for run in runs])
+    rates = [run["spec_acceptance_rate"] for run in runs if run["spec_acceptance_rate"] is not None]
+    print(f"{rung.name}: {users:g} users" + (f" (median of {', '.join(str(r['users']) for r in runs)})" if len(runs) > 1 else "")
+          + f" ({time.perf_counter() - t_rung:.0f} s)", flush=True)
+    closest = min(runs, key=lambda run: abs(run["users"] - users))
+    return {"key": rung.key, "name": rung.name, "server": cmd[2:], "weights": rung.weights, "kv": rung.kv,
+            "weight_bytes": wbytes, "kv_pool_gb": round(kv_gb, 4), "users": users,
+            "at_capacity": closest["at_capacity"], "probes": [p for run in runs for p in run["probes"]],
+            "seconds": round(time.perf_counter() - t_rung, 1),
+            "spec_acceptance_rate": statistics.mean(rates) if rung.spec and rates else None,
+            "served_model": served_model, **({"repeats": runs} if len(runs) > 1 else {})}
+
+
+def median_users(values: list[int]) -> int | float:
+    """The median of the repeats' capacities: an int where it is one (an odd count, or two equal middles), else the
+    midpoint (x.5)."""
+    import statistics
+
+    m = statistics.median(values)
+    return int(m) if float(m).is_integer() else float(m)
+
+
+def measure_once(args, served_model: str, rung, i: int, rep: int, o: dict, kv_gb: float, start: int, log_dir: Path, slo):
+    """One repeat of a rung: a fresh server, probed with closed-loop users from `start`. Returns its capacity, its
+    probes' summaries, and the server's command."""
+    import httpx
+
+    from sieve.bench.llama_cpp import Server, free_port
+    from sieve.bench.serving import Target
+
     port = free_port()
     cmd = _server_cmd(args, served_model, rung, o, port, kv_gb)
     probes: list[Probe] = []
-    t_rung = time.perf_counter()
-    with Server(cmd, port, log_dir / f"{i}-{rung.key}.log", timeout=600) as server:
+    t_run = time.perf_counter()
+    log = log_dir / (f"{i}-{rung.key}.log" if rep == 0 else f"{i}-{rung.key}-{rep}.log")
+    with Server(cmd, port, log, timeout=600) as server:
         target = Target(server.base_url, SERVED, ignore_eos=False, timeout_s=600.0)
         _prime(target, args.max_tokens)
 
         def probe(users: int) -> Probe:
-            seed = args.seed + 7919 * (len(probes) + 1) + 104729 * i
+            seed = args.seed + 7919 * (len(probes) + 1) + 104729 * i + 15485863 * rep
             p = probe_users(args, target, rung, users, seed, slo)
             probes.append(p)
             return p
 
-        start = 1 if not rung.batching else max(1, previous_users)
         users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users, resolution=args.resolution)
         metrics = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text if rung.batching or args.naive == "sieve" else ""
     acceptance = None
@@ -653,16 +699,10 @@ def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_
         drafted = _metric(metrics, "sieve:spec_decode_num_draft_tokens_total")
         accepted = _metric(metrics, "sieve:spec_decode_num_accepted_tokens_total")
         acceptance = accepted / drafted if drafted else 0.0
-    for p in probes:
-        if p.summary["requests"]:
-            means["prompt"].append(p.summary["mean_prompt_tokens"])
-            means["output"].append(p.summary["mean_output_tokens"])
-    print(f"{rung.name}: {users} users ({time.perf_counter() - t_rung:.0f} s)", flush=True)
-    return {"key": rung.key, "name": rung.name, "server": cmd[2:], "weights": rung.weights, "kv": rung.kv,
-            "weight_bytes": wbytes, "kv_pool_gb": round(kv_gb, 4), "users": users,
-            "at_capacity": next((p.summary for p in probes if p.users == users), None), "probes": [p.summary for p in probes],
-            "seconds": round(time.perf_counter() - t_rung, 1), "spec_acceptance_rate": acceptance if rung.spec else None,
-            "served_model": served_model}
+    run = {"users": users, "at_capacity": next((p.summary for p in probes if p.users == users), None),
+           "probes": [p.summary for p in probes], "seconds": round(time.perf_counter() - t_run, 1),
+           "spec_acceptance_rate": acceptance}
+    return run, cmd
 
 
 def probe_users(args, target, rung, users: int, seed: int, slo) -> Probe:
@@ -752,7 +792,7 @@ def print_ladder(out: dict) -> None:
         pgain = f"{r['planner']['gain']:.2f}" if r["planner"]["gain"] else "-"
         cal = r["planner"].get("calibrated")
         qual = f"{q['kl_divergence']:>8.4f}{q['top1_agreement']:>7.3f}" if q else f"{'lossless':>15}"
-        print(f"  {r['name']:<46}{r['users']:>6}{r['factor']:>9.1f}{gain:>7}{r['planner']['users']:>9}{pgain:>9}"
+        print(f"  {r['name']:<46}{r['users']:>6g}{r['factor']:>9.1f}{gain:>7}{r['planner']['users']:>9}{pgain:>9}"
               f"{cal['users'] if cal else '-':>9}  {qual}")
 
 
@@ -771,7 +811,7 @@ LADDER_SCHEMA = {
             "required": ["key", "name", "users", "factor", "gain", "planner", "quality", "probes", "weights", "kv"],
             "properties": {
                 "key": {"enum": [r.key for r in RUNGS]},
-                "users": {"type": "integer", "minimum": 0},
+                "users": {"type": "number", "minimum": 0},
                 "factor": {"type": "number", "minimum": 0},
                 "gain": {"type": ["number", "null"]},
                 "planner": {"type": "object", "required": ["users", "factor", "gain", "binding"],
@@ -797,12 +837,16 @@ def validate_ladder(out: dict) -> None:
     except jsonschema.ValidationError as e:
         raise ValueError(f"ladder JSON: {'/'.join(map(str, e.absolute_path))}: {e.message}") from None
     for r in out["rungs"]:
-        passed = {p["users"] for p in r["probes"] if p["within_slo"]}
-        failed = {p["users"] for p in r["probes"] if not p["within_slo"]}
-        if r["users"] and r["users"] not in passed:
-            raise ValueError(f"ladder JSON: rung {r['key']}: capacity {r['users']} was never probed within the SLO")
-        if any(u <= r["users"] for u in failed):
-            raise ValueError(f"ladder JSON: rung {r['key']}: a probe at or below the capacity {r['users']} failed")
+        runs = r.get("repeats") or [r]
+        if r.get("repeats") and r["users"] != median_users([run["users"] for run in runs]):
+            raise ValueError(f"ladder JSON: rung {r['key']}: users {r['users']} is not the median of its repeats")
+        for run in runs:
+            passed = {p["users"] for p in run["probes"] if p["within_slo"]}
+            failed = {p["users"] for p in run["probes"] if not p["within_slo"]}
+            if run["users"] and run["users"] not in passed:
+                raise ValueError(f"ladder JSON: rung {r['key']}: capacity {run['users']} was never probed within the SLO")
+            if any(u <= run["users"] for u in failed):
+                raise ValueError(f"ladder JSON: rung {r['key']}: a probe at or below the capacity {run['users']} failed")
 
 
 def plot_ladder(ladders: list[dict], path: str) -> None:
@@ -827,7 +871,7 @@ def _plot_one(ax, out: dict) -> None:
     calibrated = [(r["planner"].get("calibrated") or {}).get("users", 0) for r in rungs]
     ax.bar([i + 0.27 for i in x], calibrated, width=0.27, alpha=0.6, label="planner (closed loop, calibrated)")
     for i, r in enumerate(rungs):
-        label = f"{r['users']}"
+        label = f"{r['users']:g}" + (f" ({', '.join(str(run['users']) for run in r['repeats'])})" if r.get("repeats") else "")
         if r["quality"]:
             label += f"\nKL {r['quality']['kl_divergence']:.3f}"
         ax.annotate(label, (i - 0.27, r["users"]), ha="center", va="bottom", fontsize=8)
