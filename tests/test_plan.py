@@ -196,10 +196,40 @@ def test_the_closed_loop_terms_against_hand_arithmetic():
     assert closed_loop_users(m, dev, w, Calibration())[0] > users  # each term costs users
 
 
+def test_a_paced_running_batch_and_its_queue_against_hand_arithmetic():
+    """A paced server holds its running batch B where the mean TPOT stays within its step share (0.9 of a 400 ms
+    objective here: 360 ms); the users beyond B wait in a FIFO queue that moves up one place every turn / B (a turn:
+    100 tokens at B's TPOT), so q queued turns wait q x turn / B on average, and 2x that at p99 (the calibrated
+    factor); users = B + the most q whose p99 wait plus one step fits the 20 s TTFT objective."""
+    import dataclasses
+
+    from sieve.plan.devices import Device
+    from sieve.plan.roofline import (Calibration, closed_loop_point, closed_loop_users, queued_users, running_capacity,
+                                     tpot_ms, turn_ms)
+
+    m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
+    w = Workload(weights="bf16", kv="bf16", context=1000, output_tokens=100, slo_tpot_ms=400, slo_ttft_ms=20000)
+    cal = Calibration(fixed_ms=5.0, roofline_scale=1.5, p99_over_mean=1.05, prefill_tokens_per_turn=50, step_share=0.9,
+                      queue_p99_over_mean=2.0)
+    b, binding = running_capacity(m, dev, w, cal)
+    mean_tpot = lambda n: tpot_ms(closed_loop_point(m, dev, w, n, cal), w)  # noqa: E731
+    assert mean_tpot(b) <= 360 < mean_tpot(b + 1) and binding == "compute"
+    assert turn_ms(m, dev, w, b, cal) == pytest.approx(100 * mean_tpot(b))
+    q = queued_users(m, dev, w, b, cal)
+    per_queued = 2.0 * 100 * mean_tpot(b) / b
+    step = closed_loop_point(m, dev, w, b, cal).step_ms
+    assert q == int((20000 - step) // per_queued) and q >= 1
+    assert closed_loop_users(m, dev, w, cal) == (b + q, f"compute, {q} more waiting within TTFT")
+    # no queue counted (factor 0), or no room in the TTFT objective: the running batch alone
+    assert closed_loop_users(m, dev, w, dataclasses.replace(cal, queue_p99_over_mean=0.0))[0] == b
+    tight = Workload(**{**w.__dict__, "slo_ttft_ms": step})
+    assert queued_users(m, dev, tight, b, cal) == 0
+
+
 def test_the_ladder_calibrates_the_terms_from_its_own_probes():
     """Probes made by a known closed loop (fixed 4 ms, the roofline x 2.5, p99 1.3 x p50, half of each 600-token prompt
     cached) give those terms back."""
-    from sieve.bench.ladder import calibration
+    from sieve.bench.ladder import calibration, running_batch
     from sieve.plan.devices import Device
     from sieve.plan.roofline import Calibration, closed_loop_point
 
@@ -207,10 +237,25 @@ def test_the_ladder_calibrates_the_terms_from_its_own_probes():
     w = Workload(weights="bf16", kv="bf16", context=700, output_tokens=100, slo_tpot_ms=400)
     truth = Calibration(fixed_ms=4.0, roofline_scale=2.5, p99_over_mean=1.3, prefill_tokens_per_turn=300)
     probes = []
-    for users in (4, 9, 6):
-        t = closed_loop_point(m, dev, w, users, truth).step_ms
-        probes.append({"users": users, "requests": 50, "tpot_p50_ms": t, "tpot_p99_ms": 1.3 * t,
-                       "mean_prompt_tokens": 600, "prefix_cache_hit_rate": 0.5})
-    got = calibration(m, dev, w, probes)
+    for running, queued in ((4, 0), (9, 3), (6, 2)):  # users = the running batch + those waiting in the queue
+        t = closed_loop_point(m, dev, w, running, truth).step_ms
+        wait = queued * 100 * t / running  # the FIFO queue's mean wait: queued x a turn (100 tokens) / running
+        probes.append({"users": running + queued, "requests": 50, "tpot_p50_ms": t, "tpot_p99_ms": 1.3 * t,
+                       "mean_prompt_tokens": 600, "prefix_cache_hit_rate": 0.5, "mean_output_tokens": 100,
+                       "output_tokens_per_s": running / (t / 1e3), "ttft_p99_ms": 2.5 * wait if queued else 50.0})
+    got = calibration(m, dev, w, probes, step_share=0.9)
     assert got.fixed_ms == pytest.approx(4.0) and got.roofline_scale == pytest.approx(2.5)
     assert got.p99_over_mean == pytest.approx(1.3) and got.prefill_tokens_per_turn == pytest.approx(300)
+    assert got.queue_p99_over_mean == pytest.approx(2.5) and got.step_share == 0.9
+    # without a throughput figure a probe's users all count as running (the fit then sees other batches)
+    assert running_batch({"users": 7, "tpot_p50_ms": 50.0}) == 7.0
+    assert running_batch({"users": 7, "tpot_p50_ms": 50.0, "output_tokens_per_s": 100.0}) == 5.0
+
+
+def test_the_step_fit_never_returns_a_negative_cost():
+    from sieve.bench.ladder import fit_step
+
+    assert fit_step([(10.0, 25.0), (20.0, 45.0), (30.0, 65.0)]) == pytest.approx((2.0, 5.0))
+    assert fit_step([(10.0, 5.0), (20.0, 35.0)]) == pytest.approx((4.0 / 3.0, 0.0))  # intercept < 0: through the means
+    assert fit_step([(10.0, 30.0), (20.0, 20.0)]) == pytest.approx((1.0, 10.0))  # decreasing (noise): scale 1, the mean gap
+    assert fit_step([(10.0, 30.0)]) == pytest.approx((1.0, 20.0))

@@ -327,6 +327,7 @@ def planner_ladder(model: str, device, context: float, output: float, shared_pre
     """Users the planner predicts for each rung of `weight_bytes_by_rung` on `device` (whose memory is the budget),
     with that rung's measured weight bytes (the planner's own formats differ from a GGUF file's): the roofline alone
     ("users"), and, given the rung's probes, the closed loop calibrated by them ("calibrated": `calibration`)."""
+    from sieve.pacing import STEP_SHARE
     from sieve.plan.command import load_shape
     from sieve.plan.roofline import Workload, closed_loop_users, decode_point, max_batch_within_slo, prefill_ms, tpot_ms
 
@@ -345,36 +346,76 @@ def planner_ladder(model: str, device, context: float, output: float, shared_pre
         out[r.key] = {"users": users, "binding": binding}
         probes = (probes_by_rung or {}).get(r.key)
         if r.batching and probes:
-            cal = calibration(m, device, w, probes)
+            cal = calibration(m, device, w, probes, STEP_SHARE)
             cal_users, cal_binding = closed_loop_users(m, device, w, cal)
             out[r.key]["calibrated"] = {"users": cal_users, "binding": cal_binding, "calibration": dataclasses.asdict(cal)}
     return out
 
 
-def calibration(m, device, w, probes: list[dict]):
-    """The closed-loop terms of one rung from its own probes: the new prompt tokens a turn brings (the mean prompt less
-    its prefix-cache hits); the step's measured mean (TPOT p50 x the tokens a step gives) at the fewest and the most
-    users probed against the roofline's step with that prefill load, a line through both: its slope is the roofline's
-    scale on this machine, its intercept the step's fixed cost (one probe: scale 1); and TPOT p99 over p50 (the
-    median over the probes)."""
+def calibration(m, device, w, probes: list[dict], step_share: float = 1.0):
+    """The closed-loop terms of one rung from its own probes.
+
+    - The new prompt tokens a turn brings: the mean prompt less its prefix-cache hits.
+    - Each probe's running batch, by Little's law: output tokens/s x mean TPOT (TPOT p50); the users beyond it
+      were waiting in the queue (a paced server admits no more than its TPOT objective allows).
+    - The step: each probe's measured mean step (TPOT p50 x the tokens a step gives) against the roofline's step
+      of its running batch with that prefill load, fitted by least squares: the slope is the roofline's scale on
+      this machine, the intercept the step's fixed cost (one running batch alone: scale 1).
+    - TPOT p99 over p50, and a queued turn's TTFT p99 over the FIFO queue's mean wait (`queued_users`), each the
+      median over the probes (the queue's over those that had one).
+    `step_share`: the share of the TPOT objective the server paces its steps to (`sieve.pacing.STEP_SHARE`)."""
     import statistics
 
     from sieve.plan.roofline import Calibration, closed_loop_point, expected_tokens_per_step
 
     seen = [p for p in probes if p.get("requests") and p.get("tpot_p50_ms") and p.get("tpot_p99_ms")]
     if not seen:
-        return Calibration()
+        return Calibration(step_share=step_share)
     hit = statistics.median(p.get("prefix_cache_hit_rate") or 0.0 for p in seen)
     new_tokens = statistics.mean(p["mean_prompt_tokens"] for p in seen) * (1 - hit)
     base = Calibration(prefill_tokens_per_turn=new_tokens)
     per_step = expected_tokens_per_step(w)
-    points = sorted((closed_loop_point(m, device, w, p["users"], base).step_ms, p["tpot_p50_ms"] * per_step)
-                    for p in (min(seen, key=lambda p: p["users"]), max(seen, key=lambda p: p["users"])))
-    (r0, t0), (r1, t1) = points
-    scale = (t1 - t0) / (r1 - r0) if r1 - r0 > 1e-9 and t1 > t0 else 1.0
-    fixed = max(0.0, t0 - scale * r0)
+    running = {id(p): running_batch(p) for p in seen}
+    points = [(closed_loop_point(m, device, w, max(1, round(running[id(p)])), base).step_ms, p["tpot_p50_ms"] * per_step)
+              for p in seen]
+    scale, fixed = fit_step(points)
     spread = statistics.median(p["tpot_p99_ms"] / p["tpot_p50_ms"] for p in seen)
-    return Calibration(fixed, scale, spread, new_tokens)
+    waits = []
+    for p in seen:
+        queued = p["users"] - running[id(p)]
+        if queued >= 1 and p.get("ttft_p99_ms") and p.get("mean_output_tokens"):
+            mean_wait = queued * p["mean_output_tokens"] * p["tpot_p50_ms"] / running[id(p)]
+            waits.append(p["ttft_p99_ms"] / mean_wait)
+    queue = statistics.median(waits) if waits else 0.0
+    return Calibration(fixed, scale, spread, new_tokens, step_share, queue)
+
+
+def running_batch(p: dict) -> float:
+    """A probe's mean running batch by Little's law (output tokens/s x mean TPOT), at most its users; its users
+    where the probe has no throughput figure."""
+    tps = p.get("output_tokens_per_s")
+    if not tps:
+        return float(p["users"])
+    return min(float(p["users"]), max(1.0, tps * p["tpot_p50_ms"] / 1e3))
+
+
+def fit_step(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(scale, fixed ms) of measured = scale x roofline + fixed over (roofline ms, measured ms) points, by least
+    squares. One roofline step alone (or a fit that is not increasing, noise over too narrow a span): scale 1
+    and the mean difference as the fixed cost, at least 0."""
+    import statistics
+
+    xs = [x for x, _ in points]
+    ys = [y for _, y in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx > 1e-9 * max(mx, 1e-9) ** 2:
+        scale = sum((x - mx) * (y - my) for x, y in points) / sxx
+        if scale > 0 and my - scale * mx >= 0:
+            return scale, my - scale * mx
+        if scale > 0:
+            return my / mx, 0.0  # through the origin: the fixed cost cannot be negative
+    return 1.0, max(0.0, my - mx)
 
 
 # ------------------------------------------------------------------------------------------- the command
@@ -444,7 +485,8 @@ def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--replan", default=None, metavar="RUN.json",
                    help="serve nothing: recompute a ladder run file's planner columns (the roofline's, and the closed loop "
-                        "calibrated by its probes) on this machine, print it, and write --output-json / --plot")
+                        "calibrated by its probes) with the bandwidth and FLOP/s the run measured, print it, and write "
+                        "--output-json / --plot")
 
 
 SERVED = "bench"  # the name peers.Server probes readiness with
@@ -540,8 +582,9 @@ def run_ladder(args) -> dict:
 
 
 def replan(path: str) -> list[dict]:
-    """The ladders of a run file with their planner columns computed again (by this version of the planner, on this
-    machine's measured bandwidth and compute), from what the run measured: each rung's weights, probes, acceptance."""
+    """The ladders of a run file with their planner columns computed again (by this version of the planner), from what
+    the run measured: the machine's bandwidth and FLOP/s (this machine's, measured now, where the file has none and
+    no memory budget), each rung's weights, probes and acceptance."""
     from sieve.config import ConfigError
 
     try:
@@ -558,10 +601,22 @@ def replan(path: str) -> list[dict]:
         results = out["rungs"]
         acceptance = next((r["spec_acceptance_rate"] for r in results if r.get("spec_acceptance_rate") is not None), None)
         means = {"prompt": [wl["mean_prompt_tokens"]], "output": [wl["mean_output_tokens"]]}
-        _, out["workload"] = add_planner(args, out["model"], results, {r["key"]: r["weight_bytes"] for r in results}, means, acceptance)
+        _, out["workload"] = add_planner(args, out["model"], results, {r["key"]: r["weight_bytes"] for r in results}, means,
+                                         acceptance, recorded_device(out))
         validate_ladder(out)
         print_ladder(out)
     return ladders
+
+
+def recorded_device(out: dict):
+    """The CPU a run file's ladder measured (its bandwidth and FLOP/s), where it has them and a memory budget, so
+    that --replan calibrates the planner by the run's own measurements; else None (measure this machine now)."""
+    from sieve.plan.devices import Device
+
+    mach = out.get("machine") or {}
+    if not (out.get("memory_gb") and mach.get("bandwidth_gbps") and mach.get("tflops")):
+        return None
+    return Device("cpu", out["memory_gb"], mach["bandwidth_gbps"], dict(mach["tflops"]), "recorded by the run")
 
 
 def ladder_of(args) -> dict:
@@ -742,13 +797,14 @@ def add_quality(args, model: str, options: dict, results: list[dict]) -> Path:
     return eval_data
 
 
-def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict, acceptance: float | None):
-    """The planner's users for the same rungs on this CPU with the memory budget, at the measured mean prompt and
-    answer, and each rung's factors against the first. Returns the device measured and the workload's summary."""
+def add_planner(args, model: str, results: list[dict], wbytes: dict, means: dict, acceptance: float | None, device=None):
+    """The planner's users for the same rungs on this CPU (`device`, else measured now) with the memory budget, at
+    the measured mean prompt and answer, and each rung's factors against the first. Returns the device and the
+    workload's summary."""
     from sieve.plan.devices import measure_cpu
     from sieve.plan.roofline import MEMORY_UTILIZATION
 
-    dev = measure_cpu()
+    dev = device or measure_cpu()
     if args.memory_gb:
         dev = dataclasses.replace(dev, memory_gb=args.memory_gb / MEMORY_UTILIZATION)
     prompt_mean = sum(means["prompt"]) / len(means["prompt"]) if means["prompt"] else 300.0

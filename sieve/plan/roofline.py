@@ -248,6 +248,8 @@ class Calibration:
     roofline_scale: float = 1.0  # measured seconds per roofline second of a step (kernels below the device's peak)
     p99_over_mean: float = 1.0  # a user's TPOT p99 over the TPOT of the mean step at the same load
     prefill_tokens_per_turn: float = 0.0  # new prompt tokens each turn of a closed loop brings (the rest is cached)
+    step_share: float = 1.0  # the share of the TPOT objective a paced server lets the mean step take (sieve: 0.9)
+    queue_p99_over_mean: float = 0.0  # a queued turn's TTFT p99 over the FIFO queue's mean wait (0: no queue counted)
 
 
 def steady_prefill_rows(w: Workload, cal: Calibration, batch: int) -> float:
@@ -278,12 +280,18 @@ def tpot_p99_ms(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibr
     return tpot_ms(closed_loop_point(m, dev, w, batch, cal), w) * cal.p99_over_mean
 
 
-def closed_loop_users(m: ModelShape, dev: Device, w: Workload, cal: Calibration) -> tuple[int, str]:
-    """Users a closed loop keeps within the TPOT objective at p99 (`tpot_p99_ms`), whose KV fits; and what binds."""
+def running_capacity(m: ModelShape, dev: Device, w: Workload, cal: Calibration) -> tuple[int, str]:
+    """The running batch a closed loop holds within the TPOT objective: the largest whose KV fits, whose mean TPOT
+    stays within `step_share` of the objective (a paced server admits no more) and whose p99 TPOT (`tpot_p99_ms`)
+    within it; and what binds."""
     fit = sequences_that_fit(m, dev, w)
     if fit < 1:
         return 0, "memory capacity"
-    within = lambda b: tpot_p99_ms(m, dev, w, b, cal) <= w.slo_tpot_ms  # noqa: E731
+
+    def within(b: int) -> bool:
+        p = closed_loop_point(m, dev, w, b, cal)
+        return tpot_ms(p, w) <= cal.step_share * w.slo_tpot_ms and tpot_ms(p, w) * cal.p99_over_mean <= w.slo_tpot_ms
+
     if not within(1):
         return 0, closed_loop_point(m, dev, w, 1, cal).bound
     if within(fit):
@@ -293,3 +301,28 @@ def closed_loop_users(m: ModelShape, dev: Device, w: Workload, cal: Calibration)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if within(mid) else (lo, mid)
     return lo, closed_loop_point(m, dev, w, hi, cal).bound
+
+
+def turn_ms(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> float:
+    """How long one turn decodes in a running batch of `batch`: its output tokens at the batch's mean TPOT."""
+    return w.output_tokens * tpot_ms(closed_loop_point(m, dev, w, batch, cal), w)
+
+
+def queued_users(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> int:
+    """Turns that can wait behind a full running batch of `batch` with TTFT p99 within its objective. A FIFO queue
+    moves up one place each time a running turn ends, every turn_ms / batch on average, so the last of q queued
+    turns waits q x turn_ms / batch on average; its p99 is `queue_p99_over_mean` times that, and its prompt then
+    takes a step."""
+    if batch < 1 or cal.queue_p99_over_mean <= 0:
+        return 0
+    room = w.slo_ttft_ms - closed_loop_point(m, dev, w, batch, cal).step_ms
+    per_turn = cal.queue_p99_over_mean * turn_ms(m, dev, w, batch, cal) / batch
+    return max(0, int(room // per_turn))
+
+
+def closed_loop_users(m: ModelShape, dev: Device, w: Workload, cal: Calibration) -> tuple[int, str]:
+    """Users a closed loop keeps within the SLO: the running batch (`running_capacity`) plus the turns that wait in
+    the queue within the TTFT objective (`queued_users`); and what binds the running batch."""
+    batch, binding = running_capacity(m, dev, w, cal)
+    queued = queued_users(m, dev, w, batch, cal)
+    return batch + queued, binding + (f", {queued} more waiting within TTFT" if queued else "")
