@@ -25,6 +25,7 @@ from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
+from sieve.kv_premise import KVPremise
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
 from sieve.models.default import resolve_default
@@ -127,6 +128,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        # a quantized KV cache says in the log where memory does not bind (its premise)
+        self.kv_premise = KVPremise(config.kv_cache_dtype) if config.kv_cache_dtype in ("fp8", "int8") else None
         # Everything loaded so far lives as long as the engine: keep it out of the cyclic collector's passes,
         # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
         gc.collect()
@@ -463,6 +466,8 @@ class LLMEngine:
             self.check_alive()  # ...unless a rank it needs is gone
             raise StepFailed(failed, e) from e
         self.num_steps += 1
+        if self.kv_premise is not None:  # the pool at its fullest: the step's blocks held, none freed yet
+            self.kv_premise.observe(self.block_manager.usage)
         for seq, first, dicts in result.prompt_logprobs:
             scored = seq.request.prompt_logprobs
             if first == len(scored):  # a sibling in the same step may have scored the same positions
