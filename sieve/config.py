@@ -129,8 +129,8 @@ class EngineConfig:
             raise ConfigError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.quantization not in (None, "int8", "fp8", "int4", "awq"):
-            raise ConfigError(f"quantization must be one of int8, fp8, int4, awq (or None), got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "fp8", "int4", "awq", "w8a8"):
+            raise ConfigError(f"quantization must be one of int8, fp8, int4, awq, w8a8 (or None), got {self.quantization!r}")
         if self.activation_quantization not in (None, "int8"):
             raise ConfigError(f"activation_quantization must be int8 (or None), got {self.activation_quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

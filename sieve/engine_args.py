@@ -15,8 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq"],
-                   help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "int4", "awq", "w8a8"],
+                   help="weight format of the linear layers (awq: a checkpoint written by `sieve quantize --method awq` or AutoAWQ; "
+                        "w8a8: int8 weights per channel against int8 activations per token, SmoothQuant's arithmetic)")
     g.add_argument("--quantization-group-size", type=int, default=128)
     g.add_argument("--activation-quantization", default=None, choices=["int8"],
                    help="int4 weights (GGUF Q4_0/Q4_1, int4, AWQ) against int8 activations per 32 inputs, as llama.cpp "

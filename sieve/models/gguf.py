@@ -349,6 +349,6 @@ def _take_rows(value, order: torch.Tensor):
     if isinstance(value, torch.Tensor):
         return value[order].contiguous()
     if isinstance(value, ChannelScaledWeight):
-        return ChannelScaledWeight(value.q[order].contiguous(), value.scale[order].contiguous())
+        return value.like(value.q[order].contiguous(), value.scale[order].contiguous())
     return Int4Weight(value.packed[order].contiguous(), value.scale[order].contiguous(),
                       None if value.min is None else value.min[order].contiguous(), value.group, value.k)

@@ -2,6 +2,8 @@
 
     int8   symmetric, a scale per output channel:        w = q * s[n],                q in [-127, 127]
            or per group of inputs (GGUF Q8_0, 32):      w = q * s[n, g]
+    w8a8   int8 per output channel, multiplied against int8 activations quantized per token on every call
+           (`acts="int8"`; sieve/quant/w8a8.py): SmoothQuant's and llm-compressor's W8A8
     fp8    e4m3, a scale per output channel:             w = float(q) * s[n],         |q| <= 448, no subnormals
     int4   groups of `group` inputs, a scale and a min:  w = q * s[n, g] + m[n, g],   q in [0, 15]
            (GGUF Q4_1 as stored; zero-point int4 and AWQ are m = -z s, rounded to 16 bits; GGUF Q4_0
@@ -17,6 +19,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,7 @@ class ChannelScaledWeight:
 
     q: torch.Tensor  # [N, K] int8 or float8_e4m3fn
     scale: torch.Tensor  # [N] float32, or [N, G] float16
+    acts: str | None = None  # "int8": the kernel quantizes its input per token and multiplies integers (W8A8)
 
     @property
     def group(self) -> int:
@@ -58,10 +62,16 @@ class ChannelScaledWeight:
         return "fp8" if self.q.dtype == torch.float8_e4m3fn else "int8"
 
     def describe(self) -> str:
+        if self.acts:
+            return f"w8a8 ({self.kind} per channel, {self.acts} activations per token)"
         return f"{self.kind} g{self.group}" if self.scale.dim() == 2 else f"{self.kind} per channel"
 
     def to(self, device) -> "ChannelScaledWeight":
-        return ChannelScaledWeight(self.q.to(device), self.scale.to(device))
+        return ChannelScaledWeight(self.q.to(device), self.scale.to(device), self.acts)
+
+    def like(self, q: torch.Tensor, scale: torch.Tensor) -> "ChannelScaledWeight":
+        """Other codes and scales (a slice, a stack) in this weight's format, its activations' included."""
+        return ChannelScaledWeight(q, scale, self.acts)
 
 
 @dataclass
@@ -166,6 +176,8 @@ def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
 def quantize(w: torch.Tensor, method: str, group: int = 128):
     if method == "int8":
         return quantize_int8(w)
+    if method == "w8a8":
+        return dataclasses.replace(quantize_int8(w), acts="int8")
     if method == "fp8":
         return quantize_fp8(w)
     if method in ("int4", "awq"):
@@ -177,7 +189,7 @@ def concat_rows(parts: list) -> ChannelScaledWeight | Int4Weight:
     """Stack weights of one format along the output dimension (q | k | v, gate | up)."""
     a = parts[0]
     if isinstance(a, ChannelScaledWeight):
-        return ChannelScaledWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+        return a.like(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     mins = None if a.min is None else torch.cat([p.min for p in parts])
     return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]), mins, a.group, a.k)
 
@@ -187,7 +199,7 @@ def same_layout(parts: list) -> bool:
     a = parts[0]
     if isinstance(a, ChannelScaledWeight):
         return all(isinstance(p, ChannelScaledWeight) and p.q.dtype == a.q.dtype and p.q.shape[1] == a.q.shape[1]
-                   and p.scale.dim() == a.scale.dim() and p.group == a.group for p in parts)
+                   and p.scale.dim() == a.scale.dim() and p.group == a.group and p.acts == a.acts for p in parts)
     return all(isinstance(p, Int4Weight) and p.group == a.group and p.k == a.k and (p.min is None) == (a.min is None) for p in parts)
 
 
@@ -199,7 +211,7 @@ def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
 def narrow_rows(w, start: int, length: int):
     """Output rows start..start+length of a quantized weight (a tensor-parallel shard of a column-parallel layer)."""
     if isinstance(w, ChannelScaledWeight):
-        return ChannelScaledWeight(w.q[start : start + length].contiguous(), w.scale[start : start + length].contiguous())
+        return w.like(w.q[start : start + length].contiguous(), w.scale[start : start + length].contiguous())
     mins = None if w.min is None else w.min[start : start + length].contiguous()
     return Int4Weight(w.packed[start : start + length].contiguous(), w.scale[start : start + length].contiguous(), mins, w.group, w.k)
 
@@ -214,7 +226,7 @@ def narrow_cols(w, start: int, length: int):
                          f"the cut must fall on its groups of {group}")
     if isinstance(w, ChannelScaledWeight):
         scale = w.scale if per_channel else w.scale[:, start // group : (start + length) // group]
-        return ChannelScaledWeight(w.q[:, start : start + length].contiguous(), scale.contiguous())
+        return w.like(w.q[:, start : start + length].contiguous(), scale.contiguous())
     g0, g1 = start // group, (start + length) // group
     mins = None if w.min is None else w.min[:, g0:g1].contiguous()
     return Int4Weight(w.packed[:, start // 2 : (start + length) // 2].contiguous(), w.scale[:, g0:g1].contiguous(), mins, group, length)

@@ -192,6 +192,10 @@ def _native_ops(w, dtype: torch.dtype):
 
 def make_kernel(w, dtype: torch.dtype, bias: torch.Tensor | None = None):
     """The kernel for weight `w` and activations of `dtype`: called as `kernel(x)`, bias included."""
+    if isinstance(w, ChannelScaledWeight) and w.acts == "int8":
+        from sieve.quant.w8a8 import W8A8Kernel
+
+        return W8A8Kernel(w, dtype, bias)
     ops = _native_ops(w, dtype)
     if ops is not None:
         return BlockedKernel(w, ops, bias)
