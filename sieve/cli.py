@@ -154,6 +154,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from sieve.config import ConfigError
+
+    if args.method == "smoothquant":
+        return cmd_smoothquant(args)
+    if args.alpha is not None:
+        raise ConfigError("--alpha is SmoothQuant's (--method smoothquant)")
     from sieve.quant.awq import awq_quantize
 
     report = awq_quantize(args.model, args.calib, args.out, group=args.group_size, seq_len=args.seq_len,
@@ -162,6 +168,26 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     plain = sum(v["plain"] for v in report.values())
     print(f"output error of the quantized linears on the calibration text: AWQ {awq:.4g} vs plain rounding {plain:.4g} "
           f"({awq / plain:.2f}x)")
+    return 0
+
+
+def cmd_smoothquant(args: argparse.Namespace) -> int:
+    from sieve.config import ConfigError
+    from sieve.quant.smoothquant import smoothquant
+
+    alpha = args.alpha or "auto"
+    if alpha != "auto":
+        try:
+            alpha = float(alpha)
+        except ValueError:
+            alpha = -1.0
+        if not 0 <= alpha <= 1:
+            raise ConfigError(f"--alpha takes auto or a number in [0, 1], got {args.alpha!r}")
+    report = smoothquant(args.model, args.calib, args.out, alpha=alpha, seq_len=args.seq_len, max_windows=args.max_windows)
+    smoothed = sum(v["smoothed"] for v in report.values())
+    plain = sum(v["plain"] for v in report.values())
+    print(f"W8A8 output error of the linears on the calibration text: smoothed {smoothed:.4g} vs unsmoothed {plain:.4g} "
+          f"({smoothed / plain:.2f}x)")
     return 0
 
 
@@ -328,9 +354,12 @@ def add_tool_parsers(sub) -> None:
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
-    qz = sub.add_parser("quantize", help="write an AWQ (INT4, AutoAWQ layout) checkpoint from calibration text")
+    qz = sub.add_parser("quantize", help="write an AWQ (INT4, AutoAWQ layout) or SmoothQuant W8A8 (compressed-tensors "
+                                         "layout) checkpoint from calibration text")
     qz.add_argument("--model", required=True)
-    qz.add_argument("--method", default="awq", choices=["awq"])
+    qz.add_argument("--method", default="awq", choices=["awq", "smoothquant"])
+    qz.add_argument("--alpha", default=None, help="SmoothQuant's migration strength: auto (searched per layer and group, "
+                                                  "the default) or a number in [0, 1]")
     qz.add_argument("--calib", required=True, help="calibration text file")
     qz.add_argument("--out", required=True)
     qz.add_argument("--group-size", type=int, default=128)
@@ -388,9 +417,12 @@ def add_throughput_benches(bench) -> None:
     add_peers_args(pe)
     pe.set_defaults(func=run_peers)
     bq = bench.add_parser("quant", help="each weight format against bf16 (batch 1, many at once) and KV capacity per KV dtype")
-    bq.add_argument("--model", required=True)
-    bq.add_argument("--formats", default="bf16,int8,fp8,int4,awq")
+    bq.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (a GGUF file is widened to bf16 first)")
+    bq.add_argument("--formats", default="bf16,int8,fp8,int4,awq",
+                    help="comma list of bf16, int8, fp8, int4, awq, w8a8, smoothquant (the last two: int8 activations)")
     bq.add_argument("--awq-model", default=None, help="AWQ checkpoint of the same model (from `sieve quantize`)")
+    bq.add_argument("--smoothquant-model", default=None,
+                    help="W8A8 checkpoint of the same model (from `sieve quantize --method smoothquant`, or llm-compressor)")
     bq.add_argument("--group-size", type=int, default=128)
     bq.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (it is tied to the embedding in many models)")
     bq.add_argument("--batch1-tokens", type=int, default=96)

@@ -106,6 +106,15 @@ def checkpoints(tmp_path_factory, demo_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """stories260K, a tiny trained llama (grouped-query attention) in ../shared: for statistical and quantization tests."""
+    path = SHARED / "models" / "stories260K"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: ../shared holds the real checkpoint these tests measure")
+    return path
+
+
+@pytest.fixture(scope="session")
 def llama_dir(checkpoints) -> Path:
     return checkpoints["llama"]
 

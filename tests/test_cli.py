@@ -106,6 +106,20 @@ def test_bench_offline_profiles_a_model_whose_layer_loop_runs_in_cpp(llama_dir, 
     assert (prof["linear_ms"] is None) == ("layer loop runs in C++" in r.stdout)
 
 
+def test_bench_quant_compares_w8a8_with_bf16_and_int8(llama_dir, tmp_path):
+    """`sieve bench quant` with the W8A8 formats: each format's batch-1, prefill and decode rates against bf16 in one
+    run; a SmoothQuant checkpoint not given is skipped by name, not failed."""
+    out = tmp_path / "q.json"
+    r = run_cli("bench", "quant", "--model", str(llama_dir), "--formats", "bf16,int8,w8a8,smoothquant", "--batch1-tokens", "4",
+                "--concurrent", "3", "--rounds", "1", "--prompt-len", "16", "--output-len", "4", "--kv-context", "64",
+                "--kv-memory-gb", "0.01", "--kv-cache-memory-gb", "0.05", "--output-json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["formats"]
+    assert list(rows) == ["bf16", "int8", "w8a8"] and "smoothquant: skipped (give --smoothquant-model" in r.stdout
+    assert rows["w8a8"]["concurrent_prefill_ratio"] > 0 and rows["w8a8"]["batch1_ratio"] > 0
+    assert rows["w8a8"]["linear_weight_bytes"] == rows["int8"]["linear_weight_bytes"]  # the same bytes as int8 weights
+
+
 def test_bench_offline_small_run(llama_dir, tmp_path):
     out = tmp_path / "r.json"
     r = run_cli("bench", "offline", "--model", str(llama_dir), "--dtype", "float32", "--num-prompts", "6",

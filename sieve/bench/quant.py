@@ -79,18 +79,26 @@ def interleaved_batch1(llms: dict, tokens: int, burst: int = 4, prompt_len: int 
 def run_quant_benchmark(args) -> dict:
     from sieve.layers.linear import Linear
 
+    from sieve.models.default import resolve_default
+
+    model, _ = resolve_default(args.model)
     formats = [f for f in args.formats.split(",") if f != "bf16"]
     common = dict(kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(64, args.concurrent))
-    llms = {"bf16": _llm(args.model, **common)}
+    widen = {"dequantize": True} if str(model).endswith(".gguf") else {}  # a GGUF file's codes widened to bf16 first
+    llms = {"bf16": _llm(model, **widen, **common)}
+    checkpoints = {"awq": (args.awq_model, "--awq-model, a checkpoint from `sieve quantize --method awq`"),
+                   "smoothquant": (args.smoothquant_model,
+                                   "--smoothquant-model, a checkpoint from `sieve quantize --method smoothquant`")}
     for fmt in formats:
-        if fmt == "awq":
-            if not args.awq_model:
-                print("awq: skipped (give --awq-model, a checkpoint from `sieve quantize --method awq`)")
+        if fmt in checkpoints:
+            path, hint = checkpoints[fmt]
+            if not path:
+                print(f"{fmt}: skipped (give {hint})")
                 continue
-            llms[fmt] = _llm(args.awq_model, quantize_lm_head=args.quantize_lm_head, **common)
+            llms[fmt] = _llm(path, quantize_lm_head=args.quantize_lm_head, **common)
         else:
-            llms[fmt] = _llm(args.model, quantization=fmt, quantization_group_size=args.group_size,
-                             quantize_lm_head=args.quantize_lm_head, **common)
+            llms[fmt] = _llm(model, quantization=fmt, quantization_group_size=args.group_size,
+                             quantize_lm_head=args.quantize_lm_head, **widen, **common)
 
     head = "quantized too" if args.quantize_lm_head else "kept in bf16"
     print(f"formats {', '.join(llms)}; LM head {head}; {torch.get_num_threads()} threads; measured interleaved")
@@ -127,7 +135,7 @@ def run_quant_benchmark(args) -> dict:
 
     kv = {}
     for kind in ("auto", "fp8", "int8"):
-        llm = _llm(args.model, kv_cache_dtype=kind, kv_cache_memory_gb=args.kv_memory_gb, max_num_seqs=4096,
+        llm = _llm(model, kv_cache_dtype=kind, kv_cache_memory_gb=args.kv_memory_gb, max_num_seqs=4096,
                    max_model_len=max(args.kv_context + 16, 32))
         e = llm.llm_engine
         per_seq = -(-(args.kv_context + 1) // e.config.block_size)
@@ -137,7 +145,7 @@ def run_quant_benchmark(args) -> dict:
               f"sequences of {args.kv_context} tokens ({kv[kind]['ratio']:.2f}x)")
         del llm, e
         gc.collect()
-    return {"model": args.model, "threads": torch.get_num_threads(), "quantize_lm_head": args.quantize_lm_head,
+    return {"model": str(model), "threads": torch.get_num_threads(), "quantize_lm_head": args.quantize_lm_head,
             "formats": rows, "kv_capacity": kv,
             "settings": {k: getattr(args, k) for k in ("batch1_tokens", "concurrent", "prompt_len", "output_len", "rounds",
                                                       "kv_context", "kv_memory_gb", "group_size")}}

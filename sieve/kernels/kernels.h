@@ -297,13 +297,29 @@ int64_t set_greedy_head_q8_amx_rows(int64_t rows);
 #endif
 #endif
 
+// The bias as a kernel reads it: float32, one per output, or null (`keep` holds the float32 copy)
+inline const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+// w8a8.cpp: int8 weights (blocked [blocks, K4, 64], a float32 scale and an int32 128 * row sum per padded row) against
+// int8 activations quantized per row on each call (AVX512-VNNI builds; w8a8_native() says whether this one has it)
+bool w8a8_native();
+void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, int64_t blocks, int64_t K4, const int32_t* comp,
+               const float* scale, const float* bias, int64_t n, void* y);
+torch::Tensor w8a8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor comp, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                          int64_t n);
+
 // linear.cpp: a linear layer's weight in a native kernel's layout, callable on any batch
 struct NativeLinear {
-  enum Kind : int64_t { kBF16 = 0, kQ8 = 1, kInt4 = 2 };
+  enum Kind : int64_t { kBF16 = 0, kQ8 = 1, kInt4 = 2, kW8A8 = 3 };
   int64_t kind, n, group;
   bool fp8;
   int64_t k;  // inputs the layer takes (the blocked layouts may pad them: K2)
-  torch::Tensor w, packed, scale, aux;  // aux: int4 mins (undefined: w = (q - 8) s)
+  torch::Tensor w, packed, scale, aux;  // aux: int4 mins (undefined: w = (q - 8) s); W8A8: 128 * each row's sum (int32)
   c10::optional<torch::Tensor> bias;
   torch::Tensor bias_bf16, bias_f32;  // the bias as the kernels read it
   // bf16: every batch through the GEMV, kGemvMaxRows rows at a time, so that a row's result never depends on

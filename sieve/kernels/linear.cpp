@@ -8,6 +8,7 @@
 //   q8     int8 / fp8 codes in the blocked layout of qmatmul.cpp, per-row float32 or per-group float16 scales
 //   int4   the blocked int4 layout of qmatmul.cpp, float16 scale and min per group (GGUF Q4_0: no min); with
 //          `q8_activations`, against int8 activations (qmatmul_q8act.cpp)
+//   w8a8   int8 codes blocked for vpdpbusd, a float32 scale per row, against int8 activations per row (w8a8.cpp)
 // Shapes and dtypes are checked once, here; the calls check only the input.
 #include "kernels.h"
 
@@ -26,14 +27,6 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           c10::optional<c10::string_view>(c10::string_view(""))};
   op.callBoxed(&stack);
   return stack[0].toTensor();
-}
-
-// The bias as a kernel reads it: float32, one per output, or null
-const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t n, torch::Tensor& keep) {
-  if (!t.has_value() || !t->defined()) return nullptr;
-  TORCH_CHECK(t->numel() == n, "bias must have one value per output");
-  keep = t->to(at::kFloat).contiguous();
-  return keep.data_ptr<float>();
 }
 
 }  // namespace
@@ -177,6 +170,14 @@ NativeLinear::NativeLinear(int64_t kind, torch::Tensor w, c10::optional<torch::T
                   "int4 linear: float16 scale and min [N/16, G, 16]");
       break;
     }
+    case kW8A8:
+      TORCH_CHECK(w8a8_native(), "this CPU build (", SIEVE_ISA, ") has no int8 dot products for a W8A8 linear");
+      TORCH_CHECK(W.scalar_type() == at::kChar && W.dim() == 3 && W.size(2) == 64 && n <= W.size(0) * 16 && k <= W.size(1) * 4,
+                  "w8a8 linear takes blocked int8 [N/16, K/4, 64]");
+      TORCH_CHECK(this->scale.scalar_type() == at::kFloat && this->scale.numel() == W.size(0) * 16 && this->aux.defined() &&
+                  this->aux.scalar_type() == at::kInt && this->aux.numel() == W.size(0) * 16,
+                  "w8a8 linear: float32 scales and int32 row sums [N/16 * 16]");
+      return;  // no SIEVE_HAS_QUANT needed: the AVX512-VNNI build has it, and no other builds the kind
     default: TORCH_CHECK(false, "unknown native linear kind ", kind);
   }
 #if !defined(SIEVE_HAS_QUANT)
@@ -209,6 +210,9 @@ void NativeLinear::forward_into(const T* x, int64_t M, T* y) const {
     case kQ8:
       return qmatmul_q8_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 2, fp8, group == 0 ? scale.data_ptr<float>() : nullptr,
                              group == 0 ? nullptr : scale.data_ptr<c10::Half>(), group, bf, n, y);
+    case kW8A8:
+      return w8a8_into(x, f32, M, k, w.data_ptr<int8_t>(), w.size(0), w.size(1), aux.data_ptr<int32_t>(), scale.data_ptr<float>(), bf,
+                       n, y);
     case kInt4:
       if (q8_activations)
         return qmatmul_int4_q8act_into(x, f32, M, k, w.data_ptr<uint8_t>(), w.size(0), w.size(1) * 4, scale.data_ptr<c10::Half>(),

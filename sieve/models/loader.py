@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from sieve.device import available_memory_bytes
-from sieve.models.arch import ModelArch
+from sieve.models.arch import ModelArch, UnsupportedModelError
 from sieve.models.decoder import DecoderModel
 from sieve.models.gguf import GGUFCheckpoint, find_gguf
 
@@ -67,10 +67,30 @@ class HFCheckpoint:
         self.quantization, self.group_size = checkpoint_quantization(self.config)
 
     def tensors(self):
-        for file in safetensors_files(self.path):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+        """(name, tensor) pairs; a W8A8 checkpoint's quantized linears come as one W8A8 weight each (its `weight`
+        and `weight_scale`, wherever the shards keep them)."""
+        files = safetensors_files(self.path)
+        if self.quantization != "w8a8":
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            return
+        from contextlib import ExitStack
+
+        from sieve.quant.compressed_tensors import from_tensors
+
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(file), framework="pt", device="cpu")) for file in files]
+            where = {name: h for h in handles for name in h.keys()}
+            for name, h in where.items():
+                if name.endswith(".weight_scale"):
+                    continue
+                scale = name.removesuffix(".weight") + ".weight_scale" if name.endswith(".weight") else None
+                if scale in where:
+                    yield name, from_tensors(name.removesuffix(".weight"), h.get_tensor(name), where[scale].get_tensor(scale))
+                else:
+                    yield name, h.get_tensor(name)
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -117,14 +137,21 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def checkpoint_quantization(config: dict) -> tuple[str | None, int | None]:
-    """('awq', group size) for an AWQ checkpoint, (None, None) for an unquantized one."""
+    """('awq', group size) for an AWQ checkpoint, ('w8a8', None) for llm-compressor's W8A8 (compressed-tensors), (None,
+    None) for an unquantized one; UnsupportedModelError for any other."""
     qc = config.get("quantization_config")
     if not qc:
         return None, None
     method = qc.get("quant_method")
     if method == "awq" and qc.get("bits", 4) == 4 and qc.get("version", "gemm").lower() == "gemm":
         return "awq", int(qc.get("group_size", 128))
-    raise ValueError(f"checkpoint quantization {qc!r} is not supported: sieve loads AWQ 4-bit 'gemm' checkpoints")
+    if method == "compressed-tensors":
+        from sieve.quant.compressed_tensors import check_config
+
+        check_config(qc)
+        return "w8a8", None
+    raise UnsupportedModelError(f"checkpoint quantization {qc!r} is not supported: sieve loads AWQ 4-bit 'gemm' and "
+                                "compressed-tensors W8A8 checkpoints")
 
 
 def load_model(ckpt: HFCheckpoint | GGUFCheckpoint, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_positions: int,

@@ -22,11 +22,11 @@ padded (AutoAWQ itself would refuse them); the loader trims them back.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
+from sieve.quant.calibration import capture_inputs, reference_model, windows
 from sieve.quant.formats import Int4Weight, quantize_int4
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -96,56 +96,13 @@ def _search_scale(x: torch.Tensor, weights: list[torch.Tensor], group: int, grid
     return best_s, best, plain
 
 
-@torch.no_grad()
 def calibration_inputs(model, tok, texts: list[str], seq_len: int, max_windows: int):
     """Inputs of every linear of every layer on calibration windows: {(layer, name): [T, K]}."""
-    ids = tok("\n\n".join(texts), return_tensors="pt").input_ids[0]
-    windows = [ids[i : i + seq_len] for i in range(0, max(1, len(ids) - seq_len + 1), seq_len)][:max_windows]
     captured: dict[tuple[int, str], list[torch.Tensor]] = {}
-    hooks = []
-    for li, layer in enumerate(model.model.layers):
-        for name in LINEARS:
-            mod = layer.get_submodule(name)
-            hooks.append(mod.register_forward_hook(
-                lambda m, inp, out, key=(li, name): captured.setdefault(key, []).append(inp[0].reshape(-1, inp[0].shape[-1]).float())))
-    try:
-        for w in windows:
-            model(w[None])
-    finally:
-        for h in hooks:
-            h.remove()
-    return {k: torch.cat(v) for k, v in captured.items()}, sum(len(w) for w in windows)
-
-
-def _reference_model(model_path: Path):
-    """(transformers model in float32, tokenizer, config.json dict, function saving the tokenizer files)
-    for a Hugging Face folder or a GGUF file. A GGUF file's weights come dequantized through sieve's own
-    reader (q/k rows in Hugging Face order, its config) into a model built from that config."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from sieve.models.gguf import GGUFCheckpoint, find_gguf
-
-    gguf_file = find_gguf(model_path)
-    if gguf_file is None:
-        def copy_tokenizer(out: Path) -> None:
-            for f in model_path.iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-                    shutil.copy(f, out / f.name)
-
-        return (AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(model_path),
-                json.loads((model_path / "config.json").read_text()), copy_tokenizer)
-    ckpt = GGUFCheckpoint(gguf_file, dequantize=True)
-    cfg = dict(ckpt.config, torch_dtype="float32")
-    if (cfg.get("rope_scaling") or {}).get("rope_type") == "freq_factors":
-        raise ValueError(f"{gguf_file}: AWQ calibrates in transformers, whose configs cannot express this file's rope_freqs")
-    config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict({name: t.float() for name, t in ckpt.tensors()}, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise ValueError(f"{gguf_file}: its tensors do not fit {cfg['architectures'][0]} (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    model.tie_weights()
-    tok = ckpt.tokenizer()
-    return model.eval(), tok, cfg, lambda out: tok.save_pretrained(str(out))
+    targets = {(li, name): layer.get_submodule(name) for li, layer in enumerate(model.model.layers) for name in LINEARS}
+    wins = windows(tok, texts, seq_len, max_windows)
+    capture_inputs(model, wins, targets, lambda key, x: captured.setdefault(key, []).append(x))
+    return {k: torch.cat(v) for k, v in captured.items()}, sum(len(w) for w in wins)
 
 
 @torch.no_grad()
@@ -158,7 +115,7 @@ def awq_quantize(model_path: str | Path, calib_file: str | Path, out: str | Path
     from tqdm import tqdm
 
     model_path, out = Path(model_path), Path(out)
-    model, tok, src_config, save_tokenizer = _reference_model(model_path)
+    model, tok, src_config, save_tokenizer = reference_model(model_path)
     cfg = model.config
     texts = [t for t in Path(calib_file).read_text().split("\n\n") if t.strip()]
     inputs, n_tokens = calibration_inputs(model, tok, texts, seq_len, max_windows)

@@ -13,8 +13,11 @@ Dynamic per-token scales are what keep the activations' outliers from wrecking t
 scales took Llama-2's perplexity from 6.37 to ~15.7 in vLLM's PR #1112 thread); SmoothQuant's smoothing moves the
 outlier channels' range into the weights beforehand (sieve/quant/smoothquant.py).
 
-The reference here multiplies with `torch._int_mm` (CPU and CUDA). On CUDA that is the int8 tensor cores (rows
-padded to what the kernel takes); on a CPU it is PyTorch's generic loop, ~10x slower than a bf16 GEMM.
+Kernels: on a CPU whose native build has AVX512-VNNI, sieve's own (sieve/kernels/w8a8.cpp: vpdpbusd on a blocked
+copy of the codes, `block_w8a8`), a `NativeLinear` the native layer loop calls too. Elsewhere `torch._int_mm`: on
+CUDA the int8 tensor cores (rows padded to what that kernel takes); on a CPU without int8 dot products PyTorch's
+generic loop, ~10x slower than a bf16 GEMM (the kernel's name in the load log says which). Every kernel gives the
+same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (int8 codes [T, K], float32 scales [T]): symmetric, per token, as the module docstring says."""
     x = x.to(torch.float32)
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division (`127.0 / tensor` is torch's reciprocal times 127: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int8)
     return q, amax / 127.0
 
@@ -44,6 +48,26 @@ def int8_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(q, w.t())
 
 
+def block_w8a8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K] -> (int8 [N/16, K/4, 64]: for each 16 rows and quad u of inputs, row r's w[4u .. 4u + 3] at
+    bytes 4r .. 4r + 3; int32 [N/16 * 16]: 128 x each row's sum), rows and inputs zero-padded (w8a8.cpp)."""
+    n, k = q.shape
+    v = F.pad(q, (0, -k % 4, 0, -n % 16))
+    nb, k4 = v.shape[0] // 16, v.shape[1] // 4
+    blocked = v.view(nb, 16, k4, 4).permute(0, 2, 1, 3).reshape(nb, k4, 64).contiguous()
+    return blocked, (128 * v.to(torch.int32).sum(dim=1)).to(torch.int32)
+
+
+def native_w8a8_ops(device: torch.device, dtype: torch.dtype):
+    """sieve's CPU kernels where they multiply W8A8 (an AVX512-VNNI build, bf16 or float32 activations), else None."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    from sieve.kernels import cpu_ops
+
+    ops = cpu_ops()
+    return ops if ops is not None and hasattr(ops, "w8a8_native") and ops.w8a8_native() else None
+
+
 class W8A8Kernel:
     """`kernel(x)` for a W8A8 weight: quantize x per token, integer products, both scales (module docstring)."""
 
@@ -55,14 +79,34 @@ class W8A8Kernel:
         n, k = w.q.shape
         if w.q.device.type == "cuda" and (n % 8 or k % 8):
             raise ValueError(f"W8A8 on CUDA multiplies with torch._int_mm, which takes sizes in multiples of 8, got {n}x{k}")
-        self.w, self.dtype = w, dtype
-        self.q = w.q.contiguous()
+        self.dtype, self.n, self.k = dtype, n, k
         self.scale = w.scale.to(torch.float32)
         self.bias = None if bias is None else bias.to(torch.float32)
         self.nbytes = w.nbytes
-        self.name = f"{w.describe()} (torch._int_mm)"
+        self.native = None
+        ops = native_w8a8_ops(w.q.device, dtype)
+        if ops is not None:  # the blocked copy replaces the plain codes
+            blocked, comp = block_w8a8(w.q)
+            scale = F.pad(self.scale, (0, comp.numel() - n))
+            self.native = ops.NativeLinear(ops.LINEAR_W8A8, blocked, None, scale, comp, False, 0, n, k, bias)
+            self.q = None
+            self.name = f"{w.describe()} ({ops.isa} kernel, AVX512-VNNI)"
+        else:
+            self.q = w.q.contiguous()
+            where = "int8 tensor cores" if w.q.device.type == "cuda" else "no int8 dot products in this CPU build: PyTorch's loop"
+            self.name = f"{w.describe()} (torch._int_mm; {where})"
+
+    def codes(self) -> ChannelScaledWeight:
+        """The weight as this kernel holds it (the native kernel's blocked copy, unblocked)."""
+        if self.native is None:
+            return ChannelScaledWeight(self.q, self.scale, "int8")
+        b = self.native.weight
+        q = b.view(b.shape[0], b.shape[1], 16, 4).permute(0, 2, 1, 3).reshape(b.shape[0] * 16, b.shape[1] * 4)
+        return ChannelScaledWeight(q[: self.n, : self.k].contiguous(), self.scale, "int8")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.native is not None:
+            return self.native(x)
         q, s = quantize_tokens(x)
         y = int8_matmul(q, self.q).to(torch.float32) * s[:, None] * self.scale[None, :]
         if self.bias is not None:

@@ -1,0 +1,166 @@
+// W8A8 (sieve/quant/w8a8.py): int8 weights with a float32 scale per output row, against activations quantized to
+// int8 per row on every call, multiplied as integers with AVX512-VNNI's vpdpbusd. Per row t of x and output n:
+//   a_t = max_k |x_tk|,  s_t = a_t / 127,  q_tk = round-half-even(x_tk * (127 / a_t)) in [-127, 127]  (0 where a_t = 0)
+//   acc_tn = sum_k q_tk w_nk (int32, exact),  y_tn = (float(acc_tn) * s_t) * c_n (+ bias_n), rounded once to y's dtype
+// which is what sieve/quant/w8a8.py computes with torch._int_mm, bit for bit (tests/test_w8a8.py).
+//
+// vpdpbusd multiplies unsigned bytes by signed ones, 4 per 32-bit lane, and adds them to the lane's int32: the
+// activations go in as q + 128 (1 .. 255) and the weights as they are, and the 128 * sum_k w_nk this adds is taken
+// off at the end (`comp`, computed at load). A lane sums at most 4 x 255 x 127 per step, so K up to ~66k inputs
+// cannot overflow. Layout (block_w8a8 in sieve/quant/w8a8.py): for each block of 16 output rows and each quad u of
+// inputs, 64 bytes: row r's w[4u .. 4u + 3] in lane r. One broadcast quad of an input row against one such register
+// gives 16 outputs' 4 products summed; a tile keeps MR input rows x NB blocks of accumulators in registers.
+//
+// Other builds (AVX2 without VNNI, generic) have no kernel here; the Python side multiplies with torch._int_mm
+// there and its kernel name says so.
+#include "kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace sieve {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+bool w8a8_native() { return true; }
+
+namespace {
+
+// The build runs -ffast-math, which may turn a / b into a * (1 / b) and (a * b) * c into a * (b * c): the divisions and
+// the two scalings use the explicit-rounding forms, which it leaves as written (the bits of sieve/quant/w8a8.py).
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+inline float div_exact(float a, float b) { return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kRound)); }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Rows of x -> bytes q + 128 [M, Kp] (the padding past K: 128, i.e. q = 0) and scales s [M]
+template <class T>
+void quantize_tokens(const T* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xq, float* s) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * K;
+      uint8_t* qr = xq + m * Kp;
+      __m512 vmax = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(xr + k)));
+      float amax = _mm512_reduce_max_ps(vmax);
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
+      const float inv = amax > 0.f ? div_exact(127.0f, amax) : 0.0f;
+      s[m] = div_exact(amax, 127.0f);
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
+      for (k = 0; k + 16 <= K; k += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_round_ps(load16(xr + k), vinv, kRound));  // round half to even (MXCSR default)
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtepi32_epi8(q));
+      }
+      for (; k < K; ++k) {
+        const float q = std::nearbyint(static_cast<float>(xr[k]) * inv);
+        qr[k] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, q))) + 128);
+      }
+      for (; k < Kp; ++k) qr[k] = 128;
+    }
+  });
+}
+
+struct W8A8Args {
+  const uint8_t* xq;
+  int64_t Kp, K4;
+  const int8_t* w;
+  const int32_t* comp;
+  const float* scale;
+  const float* s;
+  const float* bias;
+  int64_t n;
+  void* y;
+  bool f32;
+};
+
+// MR rows from m0 against NB blocks blk[0 .. NB): the int32 sums in registers, then both scales, the bias, y's dtype
+template <int MR, int NB>
+void w8a8_tile(const W8A8Args& a, int64_t m0, const int64_t* blk) {
+  __m512i acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_si512();
+  const int8_t* wp[NB];
+  for (int j = 0; j < NB; ++j) wp[j] = a.w + blk[j] * a.K4 * 64;
+  for (int64_t u = 0; u < a.K4; ++u) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wp[j] + u * 64);
+    for (int r = 0; r < MR; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, a.xq + (m0 + r) * a.Kp + 4 * u, 4);
+      const __m512i xv = _mm512_set1_epi32(quad);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = blk[j] * 16, cnt = std::min<int64_t>(16, a.n - n0);
+    const __m512i comp = _mm512_loadu_si512(a.comp + n0);
+    const __m512 scale = _mm512_loadu_ps(a.scale + n0);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], comp));
+      f = _mm512_mul_round_ps(_mm512_mul_round_ps(f, _mm512_set1_ps(a.s[m]), kRound), scale, kRound);
+      alignas(64) float v[16];
+      _mm512_store_ps(v, f);
+      for (int64_t i = 0; i < cnt; ++i) {
+        const float out = a.bias ? v[i] + a.bias[n0 + i] : v[i];
+        if (a.f32) static_cast<float*>(a.y)[m * a.n + n0 + i] = out;
+        else static_cast<bf16*>(a.y)[m * a.n + n0 + i] = bf16(out);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, int64_t blocks, int64_t K4, const int32_t* comp,
+               const float* scale, const float* bias, int64_t n, void* y) {
+  if (M == 0) return;
+  const int64_t Kp = K4 * 4;
+  std::vector<uint8_t> xq(M * Kp);
+  std::vector<float> s(M);
+  if (f32) quantize_tokens(static_cast<const float*>(x), M, K, Kp, xq.data(), s.data());
+  else quantize_tokens(static_cast<const bf16*>(x), M, K, Kp, xq.data(), s.data());
+  const W8A8Args a{xq.data(), Kp, K4, w, comp, scale, s.data(), bias, n, y, f32};
+  sweep<6, 2>(M, blocks, [&]<int MR, int NB>(int64_t m0, const int64_t* blk) { w8a8_tile<MR, NB>(a, m0, blk); });
+}
+
+#else
+
+bool w8a8_native() { return false; }
+
+void w8a8_into(const void*, bool, int64_t, int64_t, const int8_t*, int64_t, int64_t, const int32_t*, const float*, const float*,
+               int64_t, void*) {
+  TORCH_CHECK(false, "this CPU build (", SIEVE_ISA, ") has no int8 dot products: W8A8 runs through torch._int_mm");
+}
+
+#endif
+
+// w [blocks, K4, 64] int8 (block_w8a8), comp int32 and scale float32 [blocks * 16], bias [n] or none; x [M, K <= 4 K4]
+// bf16 or float32; returns [M, n] in x's dtype
+torch::Tensor w8a8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor comp, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                          int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.size(2) == 64 && w.is_contiguous(), "w8a8_matmul takes blocked int8 [N/16, K/4, 64]");
+  const int64_t blocks = w.size(0), K4 = w.size(1);
+  TORCH_CHECK(n <= blocks * 16 && comp.scalar_type() == at::kInt && comp.numel() == blocks * 16 && scale.scalar_type() == at::kFloat &&
+              scale.numel() == blocks * 16, "w8a8_matmul: comp int32 and scale float32 [N/16 * 16]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= K4 * 4 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or float32 [M, K] with K <= ", K4 * 4);
+  auto xc = x.contiguous();
+  auto cc = comp.contiguous();
+  auto sc = scale.contiguous();
+  torch::Tensor bkeep;
+  const float* bp = bias_pointer(bias, n, bkeep);
+  auto y = torch::empty({xc.size(0), n}, x.options());
+  w8a8_into(xc.data_ptr(), xc.scalar_type() == at::kFloat, xc.size(0), xc.size(1), w.data_ptr<int8_t>(), blocks, K4,
+            cc.data_ptr<int32_t>(), sc.data_ptr<float>(), bp, n, y.data_ptr());
+  return y;
+}
+
+}  // namespace sieve
