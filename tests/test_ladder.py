@@ -325,3 +325,19 @@ def test_repeats_measure_a_rung_again_and_report_the_median(monkeypatch, tmp_pat
         validate_ladder(out)
     with pytest.raises(Exception, match="--repeats must be > 0"):
         run_ladder(p.parse_args(["--repeats", "0"]))
+
+
+def test_w8a8_rung_is_measured_when_named_beside_int8():
+    """The W8A8 rung (issue 63) serves `--quantization w8a8` and plans with int8's bytes at the int8 rate; the default
+    ladder leaves it out, `--rungs ...,int8,w8a8` measures it right after int8 (its gain is over int8)."""
+    from sieve.bench.ladder import engine_options, per_workload, select_rungs
+
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    assert "w8a8" not in p.parse_args(["--model", "demo"]).rungs.split(",")
+    keys = [r.key for r in select_rungs(per_workload(p.parse_args(["--model", "demo", "--rungs", "w8a8,int8,prefix"]))[0])]
+    assert keys == ["prefix", "int8", "w8a8"]
+    w8a8 = next(r for r in RUNGS if r.key == "w8a8")
+    assert w8a8.lossy and w8a8.prefix and not w8a8.spec
+    assert engine_options(w8a8, native_int4=True) == {"dtype": "bfloat16", "enable_prefix_caching": True,
+                                                      "dequantize": True, "quantization": "w8a8"}

@@ -259,3 +259,20 @@ def test_the_step_fit_never_returns_a_negative_cost():
     assert fit_step([(10.0, 5.0), (20.0, 35.0)]) == pytest.approx((4.0 / 3.0, 0.0))  # intercept < 0: through the means
     assert fit_step([(10.0, 30.0), (20.0, 20.0)]) == pytest.approx((1.0, 10.0))  # decreasing (noise): scale 1, the mean gap
     assert fit_step([(10.0, 30.0)]) == pytest.approx((1.0, 20.0))
+
+
+def test_w8a8_reads_int8_bytes_and_multiplies_at_the_int8_rate():
+    """W8A8 moves the bytes of int8 weights; where a step is bound by arithmetic (a long prefill) it runs at the
+    device's int8 rate (twice bf16 on an H100), and a device without int8 figures computes it at its 16-bit rate."""
+    from sieve.plan.devices import Device
+    from sieve.plan.roofline import prefill_ms
+    from sieve.plan.shape import WEIGHT_FORMATS
+
+    m, h100 = shape("llama-2-7b"), get_device("h100-sxm")
+    int8, w8a8 = Workload(weights="int8", kv="bf16", context=4096), Workload(weights="w8a8", kv="bf16", context=4096)
+    assert m.weight_bytes("w8a8") == m.weight_bytes("int8") < m.weight_bytes("bf16")
+    assert decode_point(m, h100, w8a8, 1).step_ms == pytest.approx(decode_point(m, h100, int8, 1).step_ms)
+    assert prefill_ms(m, h100, w8a8) == pytest.approx(prefill_ms(m, h100, int8) / 2, rel=0.05)
+    bf16_only = Device("cpu-like", 64, 100, {"bf16": 2.0})
+    assert prefill_ms(m, bf16_only, w8a8) == pytest.approx(prefill_ms(m, bf16_only, int8))
+    assert "w8a8" in WEIGHT_FORMATS  # `sieve plan --weights w8a8`

@@ -246,12 +246,13 @@ def compact(users: int, s: dict) -> dict:
 class RungSpec:
     key: str
     name: str
-    weights: str  # bf16 | int8 | int4 (planner and quality)
+    weights: str  # bf16 | int8 | w8a8 | int4 (planner and quality)
     kv: str  # bf16 | fp8
     batching: bool = True
     prefix: bool = False
     spec: bool = False
     lossy: bool = False  # changes the tokens' distribution (quality is measured)
+    default: bool = True  # measured unless --rungs names the rungs
 
 
 RUNGS = [
@@ -259,6 +260,8 @@ RUNGS = [
     RungSpec("batching", "continuous batching, paged KV", "bf16", "bf16"),
     RungSpec("prefix", "+ prefix caching", "bf16", "bf16", prefix=True),
     RungSpec("int8", "+ int8 weights", "int8", "bf16", prefix=True, lossy=True),
+    # int8 weights against int8 activations (issue 63): an alternative to the int8 rung, compared with it by name
+    RungSpec("w8a8", "+ W8A8 (int8 weights and activations)", "w8a8", "bf16", prefix=True, lossy=True, default=False),
     RungSpec("speculative", "+ speculative decoding (n-gram, auto depth)", "int8", "bf16", prefix=True, spec=True),
     RungSpec("kv-fp8", "+ FP8 KV cache", "int8", "fp8", prefix=True, spec=True, lossy=True),
     RungSpec("int4", "+ int4 weights", "int4", "fp8", prefix=True, spec=True, lossy=True),
@@ -458,7 +461,8 @@ def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-tokens", type=_span, default="2000,6000", help="the long workload's documents: MIN,MAX tokens")
     p.add_argument("--turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128, help="answer length cap (answers stop at EOS)")
-    p.add_argument("--rungs", default=",".join(r.key for r in RUNGS), help="which rungs to measure (comma list)")
+    p.add_argument("--rungs", default=",".join(r.key for r in RUNGS if r.default),
+                   help="which rungs to measure (comma list; known: " + ", ".join(r.key for r in RUNGS) + ")")
     p.add_argument("--naive", default="hf", choices=["hf", "sieve"], help="the naive rung: transformers generate, or sieve with --max-num-seqs 1")
     p.add_argument("--memory-gb", type=_floats, default=None,
                    help="device memory budget for weights + KV cache, or one per workload (default: no budget: the KV pool "

@@ -43,8 +43,11 @@ class Point:
 
 
 def compute_dtype(device: Device, weights: str) -> str:
-    """FP8 weights use FP8 tensor cores where the device has them; everything else computes in 16-bit."""
-    return "fp8" if weights == "fp8" and device.has("fp8") else "bf16"
+    """FP8 weights use FP8 tensor cores where the device has them, W8A8 its int8 ones; everything else computes in
+    16-bit (a device without the faster path falls back to its 16-bit rate: `Device.flops`)."""
+    if weights == "fp8" and device.has("fp8"):
+        return "fp8"
+    return "int8" if weights == "w8a8" else "bf16"
 
 
 def decode_point(m: ModelShape, dev: Device, w: Workload, batch: int) -> Point:

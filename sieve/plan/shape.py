@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # bytes per parameter of a quantized linear weight, and how scales are counted
-WEIGHT_FORMATS = ("fp16", "bf16", "fp8", "int8", "int4")
+WEIGHT_FORMATS = ("fp16", "bf16", "fp8", "int8", "w8a8", "int4")  # w8a8: int8 weights against int8 activations
 KV_FORMATS = ("fp16", "bf16", "fp8", "int8")
 INT4_GROUP = 128
 
@@ -101,7 +101,7 @@ class ModelShape:
         for l in linears:
             if fmt in ("fp16", "bf16"):
                 total += 2 * l.params
-            elif fmt in ("fp8", "int8"):  # one byte a weight + a 16-bit scale per output channel
+            elif fmt in ("fp8", "int8", "w8a8"):  # one byte a weight + a 16-bit scale per output channel
                 total += l.params + 2 * l.out_features * l.count
             elif fmt == "int4":  # half a byte a weight + per group of 128: 16-bit scale and 4-bit zero point
                 groups = l.out_features * -(-l.in_features // INT4_GROUP) * l.count
