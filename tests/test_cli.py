@@ -78,10 +78,15 @@ def test_bench_bandwidth_prints_the_floor(llama_dir):
 def test_bench_kv_times_each_cache_dtype_and_counts_what_fits(llama_dir, tmp_path):
     out = tmp_path / "kv.json"
     r = run_cli("bench", "kv", "--model", str(llama_dir), "--kv-dtypes", "auto,float16,int8", "--contexts", "20,40",
-                "--batch-sizes", "1,2", "--steps", "3", "--memory-gb", "0.02", "--output-json", str(out))
+                "--batch-sizes", "1,2", "--steps", "3", "--memory-gb", "0.02", "--attention-rows", "1,30",
+                "--output-json", str(out))
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     rows = res["rows"]
+    # the kernel alone on a sequence's rows, at each context that holds them (30 rows: not at 20 tokens)
+    assert all(set(rows[k]["attention_rows_ms"]) == {"20x1", "40x1", "40x30"} for k in ("auto", "float16", "int8"))
+    assert all(v > 0 for k in rows for v in rows[k]["attention_rows_ms"].values())
+    assert "30 rows of one sequence at context    40" in r.stdout
     assert rows["float16"]["kv_bytes_per_token"] * 2 == rows["auto"]["kv_bytes_per_token"]  # a float32 model
     assert rows["float16"]["sequences_fit"]["40"] >= 2 * rows["auto"]["sequences_fit"]["40"] - 1
     for k in ("auto", "float16", "int8"):

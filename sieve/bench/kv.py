@@ -48,6 +48,9 @@ def add_bench_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per engine, context and batch size")
     p.add_argument("--memory-gb", type=float, default=1.0, help="KV memory of each engine, and of the 'sequences that fit' column")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--attention-rows", type=_positive_ints, default=None,
+                   help="also time the attention kernel alone on N rows of one sequence at each context (a prefill "
+                        "chunk's or speculation's verified rows: each row over its own prefix), e.g. 1,16,64 (CPU)")
     p.add_argument("--output-json", default=None)
 
 
@@ -80,6 +83,49 @@ def interleaved_decode_ms(engines: dict, batch: int, context: int, steps: int, b
     return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
 
 
+def attention_rows_ms(engine, context: int, rows: int, reps: int = 20) -> float:
+    """Median ms of the native attention kernel on `rows` query rows of one sequence of `context` tokens (the last
+    `rows` positions, each over its own prefix: how a prefill chunk and speculation's verified rows attend), in
+    the first attention layer of `engine`'s pool, every layer's K/V as the engine wrote them. The rows of one
+    sequence share their key tiles (sieve/kernels/attention.cpp), so a cache that widens codes does so once for all
+    of them."""
+    import torch
+
+    from sieve.kernels import cpu_ops
+    from sieve.sampling_params import SamplingParams
+
+    ops = cpu_ops()
+    if ops is None:
+        raise RuntimeError("--attention-rows times sieve's native CPU kernel, which this build does not have")
+    a = engine.arch
+    rng = random.Random(context * 7 + rows)
+    rid = f"attention-{context}-{rows}"
+    engine.add_request(rid, {"prompt_token_ids": [rng.randrange(3, a.vocab_size) for _ in range(context)]},
+                       SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    seq = None
+    while seq is None or seq.num_computed_tokens < context:  # the prompt's prefill writes its K/V
+        engine.step()
+        seq = next(s for s in engine.scheduler.running if s.request.request_id == rid)
+    cache = next(c for c in engine.runner.caches if c is not None and hasattr(c, "k"))
+    gen = torch.Generator().manual_seed(context + rows)
+    q = torch.randn(rows, a.num_heads, a.head_dim, generator=gen).to(engine.runner.dtype)
+    table = torch.tensor(seq.block_table, dtype=torch.int64)
+    tables, lens = table.expand(rows, -1).contiguous(), torch.arange(context - rows + 1, context + 1)
+    run = lambda: ops.paged_decode_attention(q, cache.k, cache.v, tables, lens, a.head_dim ** -0.5,  # noqa: E731
+                                             cache.k_scale, cache.v_scale, None)
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return 1000 * statistics.median(times)
+
+
 def run_bench_kv(args: argparse.Namespace) -> dict:
     from sieve.config import EngineConfig
     from sieve.engine import LLMEngine
@@ -106,12 +152,22 @@ def run_bench_kv(args: argparse.Namespace) -> dict:
             ms = interleaved_decode_ms(engines, b, c, args.steps)
             for k in kinds:
                 rows[k]["step_ms"][f"{c}x{b}"] = ms[k]
+            # a batch larger than what fits runs as a smaller one (the rest wait): the point says so
+            short = {k: rows[k]["sequences_fit"][c] for k in kinds if rows[k]["sequences_fit"][c] < b}
             print(f"context {c:>5}, batch {b:>3}: " + "; ".join(
-                f"{k} {ms[k]:.2f} ms ({ms[ref] / ms[k]:.2f}x)" for k in kinds))
+                f"{k} {ms[k]:.2f} ms ({ms[ref] / ms[k]:.2f}x)" + (f" [only {short[k]} fit: not comparable]" if k in short else "")
+                for k in kinds))
+    for n in args.attention_rows or []:
+        for c in (c for c in contexts if c >= n):
+            ms = {k: attention_rows_ms(e, c, n) for k, e in engines.items()}
+            for k in kinds:
+                rows[k].setdefault("attention_rows_ms", {})[f"{c}x{n}"] = ms[k]
+            print(f"attention kernel, {n:>3} rows of one sequence at context {c:>5}: " + "; ".join(
+                f"{k} {ms[k]:.3f} ms ({ms[ref] / ms[k]:.2f}x)" for k in kinds))
     for k in kinds:
         r = rows[k]
         fit = ", ".join(f"{n} of {c} tokens" for c, n in r["sequences_fit"].items())
         print(f"{k:>9}: {r['kv_bytes_per_token'] / 1024:.1f} KiB per token of context; sequences that fit in "
               f"{args.memory_gb:g} GiB: {fit}; layer loop {'native' if r['native_layer_loop'] else 'Python'}")
     return {"model": first.config.model, "dtype": args.dtype, "steps": args.steps, "memory_gb": args.memory_gb,
-            "contexts": contexts, "batch_sizes": batches, "reference": ref, "rows": rows}
+            "contexts": contexts, "batch_sizes": batches, "attention_rows": args.attention_rows, "reference": ref, "rows": rows}
