@@ -126,6 +126,25 @@ def test_avx2_attention_widens_every_fp8_code_exactly(avx2):
     assert out["isa"] == "avx2" and out["equal"], out
 
 
+def test_avx2_w8a8_kernel_is_the_integer_arithmetic_exactly(avx2):
+    """The AVX2 build multiplies W8A8 itself (vpmaddubsw with the sign trick, no int8 dot-product instruction): the
+    same bits as torch._int_mm's exact sums and the two scalings, at every row count and on short blocks and quads
+    (tests/test_w8a8.py holds the check), and the load log names that kernel."""
+    out = run_with_isa("avx2", """
+        import json, torch
+        from sieve.kernels import cpu_ops
+        from sieve.quant.formats import quantize
+        from sieve.quant.kernels import make_kernel
+        from test_w8a8 import test_the_kernel_is_the_integer_arithmetic_exactly as check
+        for rows in (1, 3, 5, 17, 64):
+            for n, k in ((48, 160), (40, 161), (8, 4)):
+                check(rows, n, k)
+        name = make_kernel(quantize(torch.randn(32, 64), "w8a8"), torch.float32, None).name
+        print(json.dumps({"isa": cpu_ops().isa, "native": cpu_ops().w8a8_native(), "name": name}))
+    """)
+    assert out["isa"] == "avx2" and out["native"] and "AVX2 vpmaddubsw" in out["name"], out
+
+
 def test_engine_output_with_and_without_the_forced_isa(avx2, checkpoints, tmp_path):
     """float32 where the arithmetic is PyTorch's (a Hugging Face checkpoint, a GGUF file dequantized):
     the same tokens and logprobs. The native quantized kernels differ by design (AVX512-BF16 rounds their

@@ -306,8 +306,10 @@ inline const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t 
 }
 
 // w8a8.cpp: int8 weights (blocked [blocks, K4, 64], a float32 scale and an int32 128 * row sum per padded row) against
-// int8 activations quantized per row on each call (AVX512-VNNI builds; w8a8_native() says whether this one has it)
+// int8 activations quantized per row on each call (AVX512-VNNI and AVX2 builds; w8a8_native() says whether this one has
+// a kernel, w8a8_kernel() names it)
 bool w8a8_native();
+std::string w8a8_kernel();
 void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, int64_t blocks, int64_t K4, const int32_t* comp,
                const float* scale, const float* bias, int64_t n, void* y);
 torch::Tensor w8a8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor comp, torch::Tensor scale, c10::optional<torch::Tensor> bias,

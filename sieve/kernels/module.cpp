@@ -67,7 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LINEAR_Q8") = static_cast<int64_t>(sieve::NativeLinear::kQ8);
   m.attr("LINEAR_INT4") = static_cast<int64_t>(sieve::NativeLinear::kInt4);
   m.attr("LINEAR_W8A8") = static_cast<int64_t>(sieve::NativeLinear::kW8A8);
-  m.def("w8a8_native", &sieve::w8a8_native, "whether this build multiplies W8A8 weights with int8 dot products (AVX512-VNNI)");
+  m.def("w8a8_native", &sieve::w8a8_native, "whether this build multiplies W8A8 weights with int8 dot products (AVX512-VNNI, AVX2)");
+  m.def("w8a8_kernel", &sieve::w8a8_kernel, "the instructions this build's W8A8 kernel multiplies with (empty: none)");
   m.def("w8a8_matmul", &sieve::w8a8_matmul, "int8 weights per row against int8 activations per row, blocked layout", nogil);
   py::class_<sieve::NativeDecoder>(m, "NativeDecoder")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())

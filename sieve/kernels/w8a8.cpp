@@ -2,7 +2,7 @@
 // int8 per row on every call, multiplied as integers with AVX512-VNNI's vpdpbusd. Per row t of x and output n:
 //   a_t = max_k |x_tk|,  s_t = a_t / 127,  q_tk = round-half-even(x_tk * (127 / a_t)) in [-127, 127]  (0 where a_t = 0)
 //   acc_tn = sum_k q_tk w_nk (int32, exact),  y_tn = (float(acc_tn) * s_t) * c_n (+ bias_n), rounded once to y's dtype
-// which is what sieve/quant/w8a8.py computes with torch._int_mm, bit for bit (tests/test_w8a8.py).
+// which is what sieve/quant/w8a8.py computes with exact integer sums, bit for bit (tests/test_w8a8.py).
 //
 // vpdpbusd multiplies unsigned bytes by signed ones, 4 per 32-bit lane, and adds them to the lane's int32: the
 // activations go in as q + 128 (1 .. 255) and the weights as they are, and the 128 * sum_k w_nk this adds is taken
@@ -11,19 +11,54 @@
 // inputs, 64 bytes: row r's w[4u .. 4u + 3] in lane r. One broadcast quad of an input row against one such register
 // gives 16 outputs' 4 products summed; a tile keeps MR input rows x NB blocks of accumulators in registers.
 //
-// Other builds (AVX2 without VNNI, generic) have no kernel here; the Python side multiplies with torch._int_mm
-// there and its kernel name says so.
+// AVX2 builds (no int8 dot product of unsigned by signed bytes summed into int32): the same layout read as two
+// 256-bit halves (rows 0-7, 8-15 of a block), and llama.cpp's sign trick. vpmaddubsw multiplies unsigned bytes by
+// signed ones into int16 pairs, saturating: |w| goes in as the unsigned operand and q carries w's sign
+// (vpsignb), so each product is q w exactly and a pair at most 2 x 127 x 127 = 32,258 < 32,767; vpmaddwd by ones
+// then sums the pairs into int32. The activations stay signed (no + 128, no compensation).
+//
+// The generic build has no kernel here; the Python side multiplies there (float64 products, exact) and its kernel
+// name says so.
 #include "kernels.h"
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 namespace sieve {
 
+namespace {
+
+struct W8A8Args {
+  const uint8_t* xq;  // the activations' codes [M, Kp]: q + 128 (VNNI) or q as signed bytes (AVX2)
+  int64_t Kp, K4;
+  const int8_t* w;
+  const int32_t* comp;  // VNNI: 128 x each row's sum, taken off
+  const float* scale;
+  const float* s;
+  const float* bias;
+  int64_t n;
+  void* y;
+  bool f32;
+};
+
+// y[m, n0 .. n0 + cnt) = v (+ bias), in y's dtype
+inline void store_outputs(const W8A8Args& a, const float* v, int64_t m, int64_t n0, int64_t cnt) {
+  for (int64_t i = 0; i < cnt; ++i) {
+    const float out = a.bias ? v[i] + a.bias[n0 + i] : v[i];
+    if (a.f32) static_cast<float*>(a.y)[m * a.n + n0 + i] = out;
+    else static_cast<bf16*>(a.y)[m * a.n + n0 + i] = bf16(out);
+  }
+}
+
+}  // namespace
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 bool w8a8_native() { return true; }
+std::string w8a8_kernel() { return "AVX512-VNNI vpdpbusd"; }
 
 namespace {
 
@@ -67,19 +102,6 @@ void quantize_tokens(const T* x, int64_t M, int64_t K, int64_t Kp, uint8_t* xq, 
   });
 }
 
-struct W8A8Args {
-  const uint8_t* xq;
-  int64_t Kp, K4;
-  const int8_t* w;
-  const int32_t* comp;
-  const float* scale;
-  const float* s;
-  const float* bias;
-  int64_t n;
-  void* y;
-  bool f32;
-};
-
 // MR rows from m0 against NB blocks blk[0 .. NB): the int32 sums in registers, then both scales, the bias, y's dtype
 template <int MR, int NB>
 void w8a8_tile(const W8A8Args& a, int64_t m0, const int64_t* blk) {
@@ -108,11 +130,7 @@ void w8a8_tile(const W8A8Args& a, int64_t m0, const int64_t* blk) {
       f = _mm512_mul_round_ps(_mm512_mul_round_ps(f, _mm512_set1_ps(a.s[m]), kRound), scale, kRound);
       alignas(64) float v[16];
       _mm512_store_ps(v, f);
-      for (int64_t i = 0; i < cnt; ++i) {
-        const float out = a.bias ? v[i] + a.bias[n0 + i] : v[i];
-        if (a.f32) static_cast<float*>(a.y)[m * a.n + n0 + i] = out;
-        else static_cast<bf16*>(a.y)[m * a.n + n0 + i] = bf16(out);
-      }
+      store_outputs(a, v, m, n0, cnt);
     }
   }
 }
@@ -131,13 +149,121 @@ void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, i
   sweep<6, 2>(M, blocks, [&]<int MR, int NB>(int64_t m0, const int64_t* blk) { w8a8_tile<MR, NB>(a, m0, blk); });
 }
 
+#elif defined(__AVX2__)
+
+bool w8a8_native() { return true; }
+std::string w8a8_kernel() { return "AVX2 vpmaddubsw"; }
+
+namespace {
+
+// -ffast-math may turn a / b into a * (1 / b) and (a * b) * c into a * (b * c): the division is the divss
+// instruction's builtin, and a barrier between the two scalings keeps their order (the bits of sieve/quant/w8a8.py).
+inline float div_exact(float a, float b) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b))); }
+inline __m256 keep(__m256 v) {
+  asm volatile("" : "+x"(v));
+  return v;
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// Rows of x -> signed codes q [M, Kp] (the padding past K: 0) and scales s [M]
+template <class T>
+void quantize_tokens(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* xq, float* s) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * K;
+      int8_t* qr = xq + m * Kp;
+      __m256 vmax = _mm256_setzero_ps();
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8(xr + k)));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      float amax = 0.f;
+      for (float v : lanes) amax = std::max(amax, v);
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
+      const float inv = amax > 0.f ? div_exact(127.0f, amax) : 0.0f;
+      s[m] = div_exact(amax, 127.0f);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+      for (k = 0; k + 8 <= K; k += 8) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), vinv));  // round half to even (MXCSR default)
+        q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+        alignas(32) int32_t v[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v), q);
+        for (int i = 0; i < 8; ++i) qr[k + i] = static_cast<int8_t>(v[i]);
+      }
+      for (; k < K; ++k) qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(xr[k]) * inv))));
+      for (; k < Kp; ++k) qr[k] = 0;
+    }
+  });
+}
+
+// MR rows from m0 against NB blocks (each two halves of 8 rows): int32 sums in registers, then both scales, the bias
+template <int MR, int NB>
+void w8a8_tile(const W8A8Args& a, int64_t m0, const int64_t* blk) {
+  __m256i acc[MR][2 * NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_si256();
+  const int8_t* wp[NB];
+  for (int j = 0; j < NB; ++j) wp[j] = a.w + blk[j] * a.K4 * 64;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t u = 0; u < a.K4; ++u) {
+    __m256i wv[2 * NB], aw[2 * NB];
+    for (int j = 0; j < 2 * NB; ++j) {
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[j / 2] + u * 64 + 32 * (j % 2)));
+      aw[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w|
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, a.xq + (m0 + r) * a.Kp + 4 * u, 4);
+      const __m256i xv = _mm256_set1_epi32(quad);
+      for (int j = 0; j < 2 * NB; ++j) {
+        const __m256i pairs = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, wv[j]));
+        acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int j = 0; j < 2 * NB; ++j) {
+    const int64_t n0 = blk[j / 2] * 16 + 8 * (j % 2);
+    if (n0 >= a.n) continue;
+    const int64_t cnt = std::min<int64_t>(8, a.n - n0);
+    const __m256 scale = _mm256_loadu_ps(a.scale + n0);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const __m256 f = _mm256_mul_ps(keep(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][j]), _mm256_set1_ps(a.s[m]))), scale);
+      alignas(32) float v[8];
+      _mm256_store_ps(v, f);
+      store_outputs(a, v, m, n0, cnt);
+    }
+  }
+}
+
+}  // namespace
+
+void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, int64_t blocks, int64_t K4, const int32_t*,
+               const float* scale, const float* bias, int64_t n, void* y) {
+  if (M == 0) return;
+  const int64_t Kp = K4 * 4;
+  std::vector<int8_t> xq(M * Kp);
+  std::vector<float> s(M);
+  if (f32) quantize_tokens(static_cast<const float*>(x), M, K, Kp, xq.data(), s.data());
+  else quantize_tokens(static_cast<const bf16*>(x), M, K, Kp, xq.data(), s.data());
+  const W8A8Args a{reinterpret_cast<const uint8_t*>(xq.data()), Kp, K4, w, nullptr, scale, s.data(), bias, n, y, f32};
+  sweep<4, 1>(M, blocks, [&]<int MR, int NB>(int64_t m0, const int64_t* blk) { w8a8_tile<MR, NB>(a, m0, blk); });
+}
+
 #else
 
 bool w8a8_native() { return false; }
+std::string w8a8_kernel() { return ""; }
 
 void w8a8_into(const void*, bool, int64_t, int64_t, const int8_t*, int64_t, int64_t, const int32_t*, const float*, const float*,
                int64_t, void*) {
-  TORCH_CHECK(false, "this CPU build (", SIEVE_ISA, ") has no int8 dot products: W8A8 runs through torch._int_mm");
+  TORCH_CHECK(false, "this CPU build (", SIEVE_ISA, ") has no W8A8 kernel: W8A8 runs in Python (sieve/quant/w8a8.py)");
 }
 
 #endif

@@ -13,11 +13,11 @@ Dynamic per-token scales are what keep the activations' outliers from wrecking t
 scales took Llama-2's perplexity from 6.37 to ~15.7 in vLLM's PR #1112 thread); SmoothQuant's smoothing moves the
 outlier channels' range into the weights beforehand (sieve/quant/smoothquant.py).
 
-Kernels: on a CPU whose native build has AVX512-VNNI, sieve's own (sieve/kernels/w8a8.cpp: vpdpbusd on a blocked
-copy of the codes, `block_w8a8`), a `NativeLinear` the native layer loop calls too. Elsewhere `torch._int_mm`: on
-CUDA the int8 tensor cores (rows padded to what that kernel takes); on a CPU without int8 dot products PyTorch's
-generic loop, ~10x slower than a bf16 GEMM (the kernel's name in the load log says which). Every kernel gives the
-same bits.
+Kernels: on a CPU whose native build has AVX512-VNNI or AVX2, sieve's own (sieve/kernels/w8a8.cpp: vpdpbusd, or
+AVX2's vpmaddubsw with llama.cpp's sign trick, on a blocked copy of the codes, `block_w8a8`), a `NativeLinear` the
+native layer loop calls too. On CUDA `torch._int_mm` (the int8 tensor cores, rows padded to what that kernel takes);
+in a generic CPU build a float64 GEMM of the codes, exact and much slower than a bf16 one (the kernel's name in the
+load log says which). Every kernel gives the same bits.
 """
 
 from __future__ import annotations
@@ -40,12 +40,17 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Exact int32 products [T, N] of int8 q [T, K] and int8 w [N, K]. CUDA's int8 kernel wants more than 16 rows
-    and sizes in multiples of 8: rows are padded (zeros add nothing), the sizes checked at load."""
+    and sizes in multiples of 8: rows are padded (zeros add nothing), the sizes checked at load.
+
+    On a CPU, not torch._int_mm: where the CPU has no VNNI, oneDNN's int8 GEMM multiplies with vpmaddubsw, whose
+    int16 pair sums saturate, and its sums come out wrong (by up to ~2e4 on random codes under
+    ONEDNN_MAX_CPU_ISA=AVX2, what a Zen 3 runs; tests/test_isa.py). float64 holds every product and every partial
+    sum exactly (|sum| <= 127^2 K < 2^53), so its GEMM gives the exact sums in any order."""
     if q.device.type == "cuda":
         t = q.shape[0]
         pad = max(17, -(-t // 8) * 8) - t
         return torch._int_mm(F.pad(q, (0, 0, 0, pad)), w.t())[:t]
-    return torch._int_mm(q, w.t())
+    return (q.double() @ w.double().t()).to(torch.int32)
 
 
 def block_w8a8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +64,8 @@ def block_w8a8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def native_w8a8_ops(device: torch.device, dtype: torch.dtype):
-    """sieve's CPU kernels where they multiply W8A8 (an AVX512-VNNI build, bf16 or float32 activations), else None."""
+    """sieve's CPU kernels where they multiply W8A8 (an AVX512-VNNI or AVX2 build, bf16 or float32 activations), else
+    None."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     from sieve.kernels import cpu_ops
@@ -90,11 +96,11 @@ class W8A8Kernel:
             scale = F.pad(self.scale, (0, comp.numel() - n))
             self.native = ops.NativeLinear(ops.LINEAR_W8A8, blocked, None, scale, comp, False, 0, n, k, bias)
             self.q = None
-            self.name = f"{w.describe()} ({ops.isa} kernel, AVX512-VNNI)"
+            self.name = f"{w.describe()} ({ops.isa} kernel, {ops.w8a8_kernel()})"
         else:
             self.q = w.q.contiguous()
-            where = "int8 tensor cores" if w.q.device.type == "cuda" else "no int8 dot products in this CPU build: PyTorch's loop"
-            self.name = f"{w.describe()} (torch._int_mm; {where})"
+            where = "torch._int_mm, int8 tensor cores" if w.q.device.type == "cuda" else "no int8 kernel in this CPU build: exact float64 products"
+            self.name = f"{w.describe()} ({where})"
 
     def codes(self) -> ChannelScaledWeight:
         """The weight as this kernel holds it (the native kernel's blocked copy, unblocked)."""
