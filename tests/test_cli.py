@@ -147,3 +147,11 @@ def test_serve_takes_an_slo_with_defaults():
     assert (served.slo_ttft_ms, served.slo_tpot_ms) == (2000.0, 100.0)
     assert parser.parse_args(["serve", "--slo-tpot-ms", "50"]).slo_tpot_ms == 50.0
     assert parser.parse_args(["generate", "--prompt", "x"]).slo_tpot_ms is None
+
+
+def test_bench_kv_attention_rows_needs_the_native_kernels(llama_dir):
+    """Without sieve's native CPU kernels (SIEVE_NO_NATIVE=1) --attention-rows has nothing to time: one error line,
+    exit status 2, before any engine loads."""
+    r = subprocess.run([sys.executable, "-m", "sieve.cli", "bench", "kv", "--model", str(llama_dir), "--attention-rows", "4"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "SIEVE_NO_NATIVE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--attention-rows times sieve's native" in r.stderr

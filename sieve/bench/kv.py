@@ -95,8 +95,6 @@ def attention_rows_ms(engine, context: int, rows: int, reps: int = 20) -> float:
     from sieve.sampling_params import SamplingParams
 
     ops = cpu_ops()
-    if ops is None:
-        raise RuntimeError("--attention-rows times sieve's native CPU kernel, which this build does not have")
     a = engine.arch
     rng = random.Random(context * 7 + rows)
     rid = f"attention-{context}-{rows}"
@@ -130,7 +128,12 @@ def run_bench_kv(args: argparse.Namespace) -> dict:
     from sieve.config import EngineConfig
     from sieve.engine import LLMEngine
 
+    from sieve.config import ConfigError
+    from sieve.kernels import cpu_ops
+
     kinds, contexts, batches = args.kv_dtypes, args.contexts, args.batch_sizes
+    if args.attention_rows and cpu_ops() is None:
+        raise ConfigError("--attention-rows times sieve's native CPU kernel, which this machine's build does not have")
     options = dict(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=max(batches),
                    max_model_len=max(contexts) + args.steps + 16, kv_cache_memory_gb=args.memory_gb, seed=0,
                    enable_prefix_caching=False)
