@@ -86,11 +86,12 @@ def interleaved_decode_ms(engines: dict, batch: int, context: int, steps: int, b
 def attention_rows_ms(engine, context: int, rows: int, reps: int = 20) -> float:
     """Median ms of the native attention kernel on `rows` query rows of one sequence of `context` tokens (the last
     `rows` positions, each over its own prefix: how a prefill chunk and speculation's verified rows attend), in
-    the first attention layer of `engine`'s pool, every layer's K/V as the engine wrote them. The rows of one
+    the first full-attention layer of `engine`'s pool, every layer's K/V as the engine wrote them. The rows of one
     sequence share their key tiles (sieve/kernels/attention.cpp), so a cache that widens codes does so once for all
     of them."""
     import torch
 
+    from sieve.config import ConfigError
     from sieve.kernels import cpu_ops
     from sieve.sampling_params import SamplingParams
 
@@ -104,7 +105,11 @@ def attention_rows_ms(engine, context: int, rows: int, reps: int = 20) -> float:
     while seq is None or seq.num_computed_tokens < context:  # the prompt's prefill writes its K/V
         engine.step()
         seq = next(s for s in engine.scheduler.running if s.request.request_id == rid)
-    cache = next(c for c in engine.runner.caches if c is not None and hasattr(c, "k"))
+    # a full-attention layer: the sequence's block table is that pool's (sliding-window layers keep their own tables)
+    windows = a.layer_windows or (None,) * len(engine.runner.caches)
+    cache = next((c for c, w in zip(engine.runner.caches, windows) if w is None and hasattr(c, "k")), None)
+    if cache is None:
+        raise ConfigError(f"--attention-rows: {engine.config.model} has no full-attention layer to time")
     gen = torch.Generator().manual_seed(context + rows)
     q = torch.randn(rows, a.num_heads, a.head_dim, generator=gen).to(engine.runner.dtype)
     table = torch.tensor(seq.block_table, dtype=torch.int64)
