@@ -83,6 +83,9 @@ class BlockManager:
         self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
         self.num_hit_tokens = 0
         self.num_evictions = 0  # cached blocks handed out again for other contents
+        # (chained hash, block, its tokens) of every block `commit` entered in the cache, while someone takes them
+        # (the KV tiers write them down): None when nobody does
+        self.new_cached: list[tuple[bytes, int, list[int]]] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -260,7 +263,16 @@ class BlockManager:
             if block != PAD and hashes[j] not in self.cached and self.block_hash[block] is None:
                 self.cached[hashes[j]] = block
                 self.block_hash[block] = hashes[j]
+                if self.new_cached is not None:
+                    self.new_cached.append((hashes[j], block, seq.token_ids[j * self.block_size : (j + 1) * self.block_size]))
         self.set_registered(seq, full)
+
+    def take_new_cached(self) -> list[tuple[bytes, int, list[int]]]:
+        """The blocks entered in the cache since the last call (`new_cached` on), and forget them here."""
+        if self.new_cached is None:
+            return []
+        new, self.new_cached = self.new_cached, []
+        return new
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks (finish, abort or preemption). Cached ones stay cached."""

@@ -258,6 +258,12 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_window, args)
 
 
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from sieve.bench.tiers import run_bench_tiers
+
+    return _write_json_result(run_bench_tiers, args)
+
+
 def cmd_bench_kv(args: argparse.Namespace) -> int:
     from sieve.bench.kv import run_bench_kv
 
@@ -464,6 +470,12 @@ def add_feature_benches(bench) -> None:
 
     add_bench_kv_args(bkv)
     bkv.set_defaults(func=cmd_bench_kv)
+    bti = bench.add_parser("tiers", help="the KV tiers: returning conversations' TTFT with a disk tier and without, a restart, "
+                                         "a tier slower than recomputing")
+    from sieve.bench.tiers import add_bench_tiers_args
+
+    add_bench_tiers_args(bti)
+    bti.set_defaults(func=cmd_bench_tiers)
     bfa = bench.add_parser("families", help="dense, MoE, latent attention, sliding windows, Mamba hybrid: KV or state per sequence, fit, step time")
     from sieve.bench.families import add_bench_families_args
 

@@ -49,7 +49,18 @@ class EngineConfig:
     # auto (the model dtype) | bfloat16 | float16 (16-bit floats under a float32 model: half the bytes, as llama.cpp's
     # default f16 cache) | fp8 (e4m3, per-layer scales) | int8 (per token-head scales)
     kv_cache_dtype: str = "auto"
+    # The KV tiers below the pool (sieve/kv_tiers): a directory where prefix-cache blocks are written down and found
+    # again (after eviction, and after a restart), up to kv_cache_disk_gb GB; each block carries a MAC under
+    # kv_cache_secret_file's secret (default: a secret kept in the directory, made on first use)
+    kv_cache_disk: str | None = None
+    kv_cache_disk_gb: float = 10.0
+    kv_cache_secret_file: str | None = None
+    # A KV tier shared by replicas: redis://HOST:PORT/DB (it needs kv_cache_secret_file, the same on every replica)
+    kv_cache_remote: str | None = None
 
+    @property
+    def kv_tiers_on(self) -> bool:
+        return self.kv_cache_disk is not None or self.kv_cache_remote is not None
 
     # Scheduler
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -107,6 +118,21 @@ class EngineConfig:
             raise ConfigError(f"hf_overrides must be a JSON object of config fields, got {type(value).__name__}")
         return value
 
+    def _check_kv_tiers(self) -> None:
+        if self.kv_tiers_on and not self.enable_prefix_caching:
+            raise ConfigError("the KV tiers (kv_cache_disk, kv_cache_remote) write down and find blocks through the prefix "
+                              "cache: they need prefix caching on")
+        if isinstance(self.kv_cache_disk_gb, bool) or not isinstance(self.kv_cache_disk_gb, (int, float)) or not self.kv_cache_disk_gb > 0:
+            raise ConfigError(f"kv_cache_disk_gb must be a number of GB > 0, got {self.kv_cache_disk_gb!r}")
+        if self.kv_cache_secret_file is not None and not self.kv_tiers_on:
+            raise ConfigError("kv_cache_secret_file signs the KV tiers' blocks: it needs kv_cache_disk or kv_cache_remote")
+        if self.kv_cache_remote is not None:
+            if not str(self.kv_cache_remote).startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"kv_cache_remote must be a Redis URL (redis://HOST:PORT/DB), got {self.kv_cache_remote!r}")
+            if self.kv_cache_secret_file is None:
+                raise ConfigError("kv_cache_remote is written by other servers: it needs kv_cache_secret_file, a secret (mode "
+                                  "600, at least 16 bytes) every replica shares; a block without its MAC is never loaded")
+
     def validate(self) -> None:
         from sieve.spec_decode.config import SpeculativeConfig
 
@@ -135,6 +161,7 @@ class EngineConfig:
             raise ConfigError(f"activation_quantization must be int8 (or None), got {self.activation_quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self._check_kv_tiers()
         if self.quantization_group_size < 1:
             raise ConfigError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

@@ -25,6 +25,7 @@ from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
+from sieve.kv_fingerprint import kv_layout, kv_scales_digest
 from sieve.kv_premise import KVPremise
 from sieve.model_runner import ModelRunner
 from sieve.models.arch import ModelArch
@@ -101,7 +102,7 @@ class LLMEngine:
         ckpt = self._open(config)
         self._fit_config(config)
         self._load(ckpt, config)
-        self._build_cache(ckpt.path, config)
+        self._build_cache(ckpt, config)
         # What a step costs on this machine, where a run-time choice needs it: SLO pacing, speculation's "auto"
         spec_auto = config.speculative_config is not None and config.speculative_config.auto
         self.step_cost = StepCostModel() if spec_auto or config.slo_tpot_ms or config.slo_reject else None
@@ -125,6 +126,7 @@ class LLMEngine:
         if spec_auto:  # drafting's choice needs the cost of every small row count from the first step
             calibrate_step_cost(self.step_cost, self._time_decode_rows, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
                                 self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
+        self.kv_tiers = self._build_tiers(config) if config.kv_tiers_on else None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -137,6 +139,20 @@ class LLMEngine:
 
     def _time_decode_rows(self, num_rows: int, tables, context: int = 0) -> float:
         return model_runner.time_decode_rows(self.runner, num_rows, tables, context)
+
+    def _build_tiers(self, config: EngineConfig):
+        """The KV tiers (sieve/kv_tiers), their cost model told what a prefill token costs here: decode rows at
+        position 0 (a prompt's tokens without their attention, so recomputing looks, if anything, cheaper)."""
+        from sieve.kv_tiers import build_kv_tiers
+
+        if self.tp_workers is not None:
+            raise ConfigError("the KV tiers are not built together with tensor parallelism yet")
+        rows = min(64, config.max_num_batched_tokens)
+        with self._borrowed_blocks(1) as tables:
+            self._time_decode_rows(rows, tables)  # first calls allocate
+            per_token = min(self._time_decode_rows(rows, tables) for _ in range(3)) / rows
+        return build_kv_tiers(config, self.kv_layout, kv_scales_digest(self.runner.caches), self.arch, self.runner,
+                              self.block_manager, per_token)
 
     def _open(self, config: EngineConfig):
         """The checkpoint, and what its config says: the architecture, the dtype, the tokenizer, the EOS ids."""
@@ -190,12 +206,13 @@ class LLMEngine:
             self.shutdown()
             raise
 
-    def _build_cache(self, path, config: EngineConfig) -> None:
+    def _build_cache(self, ckpt, config: EngineConfig) -> None:
         """The block manager over the runner's pool; the context length capped to what the pool holds for one
         sequence; FP8 KV scales calibrated where the checkpoint gives none."""
-        # Blocks are only shared within one engine's pool, but the namespace still names what their
-        # contents depend on, so a cache that outlives a pool can never mix models or KV dtypes.
-        namespace = f"{path}|{self.dtype}|kv:{self.runner.kv_dtype}|bs:{config.block_size}"
+        # The namespace names what the blocks' contents depend on (sieve/kv_fingerprint.py), never the model's path,
+        # so that a cache that outlives the pool (the KV tiers: a restart, another replica) can never mix models or
+        # KV layouts, and finds its blocks again wherever the same model is served.
+        namespace = self.kv_layout = kv_layout(ckpt.path, ckpt.config, self.dtype, self.runner.kv_dtype, self.runner.kv_pool.shape)
         self.block_manager = build_block_manager(self.arch, self.runner.num_blocks, self.runner.num_window_blocks, config.block_size,
                                                  config.max_num_seqs, config.enable_prefix_caching, namespace)
         capacity = self.runner.num_blocks * config.block_size
@@ -216,6 +233,9 @@ class LLMEngine:
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.close()
             self.kv_connector = None
+        if getattr(self, "kv_tiers", None) is not None:
+            self.kv_tiers.close()
+            self.kv_tiers = None
 
     def _calibrate_kv(self) -> None:
         """FP8 KV scales the checkpoint does not give are fixed here, once, from fixed text, so no request's
@@ -280,7 +300,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
                     kv_fetch=None) -> None:
-        """`kv_fetch`: a decode server's blocks for this prompt, fetched already off this thread (`KVConnector.fetch`,
+        """`kv_fetch`: the KV for this prompt fetched already off this thread: a decode server's blocks (`fetch_kv`) or
+        the KV tiers' (`fetch_tiers`),
         as the server does); without it a remote-prefill request fetches them here, as the offline API does."""
         # The request's own copy: the engine fills defaults in it (max_tokens), and the caller's object may be
         # shared by other prompts and requests.
@@ -319,7 +340,13 @@ class LLMEngine:
                            grammar=grammar.matcher() if grammar is not None else None)
             init_offsets(seq)
             req.seqs.append(seq)
-        self._kv_transfer(req, ids, params.kv_transfer_params, kv_fetch)
+        if params.kv_transfer_params is not None:
+            self._kv_transfer(req, ids, params.kv_transfer_params, kv_fetch)
+        elif self.kv_tiers is not None:  # the prompt's blocks a tier holds beyond the pool's, into the prefix cache
+            fetched = kv_fetch if kv_fetch is not None else self.kv_tiers.fetch(ids, params.cache_salt)
+            loaded = self.kv_tiers.admit(ids, fetched, params.cache_salt)
+            if loaded:
+                req.kv_tier_tokens[fetched.tier] = loaded
         # Choice 0 computes the prompt; the others fork from it when its last chunk runs (see the scheduler).
         self.scheduler.add(req.seqs[0])
         req.unforked = req.seqs[1:]
@@ -340,6 +367,11 @@ class LLMEngine:
         if params.get("do_remote_prefill") and not conn.cfg.consumes:
             raise RequestError("kv_transfer_params.do_remote_prefill: this server is a prefill server (--role prefill)")
         return bool(params.get("do_remote_prefill"))
+
+    def fetch_tiers(self, ids: list[int], salt: str | None):
+        """The KV tiers' blocks for one prompt (any thread: it reads the prefix cache's index, changes nothing), for
+        `add_request(kv_fetch=...)`; None without tiers."""
+        return self.kv_tiers.fetch(ids, salt) if self.kv_tiers is not None else None
 
     def fetch_kv(self, ids: list[int], params: dict):
         """A decode server's transfer for one prompt (any thread: it touches no engine state); RequestError naming
@@ -408,7 +440,7 @@ class LLMEngine:
         return EngineStats(self.num_running, self.num_waiting, bm.usage, bm.num_queried_tokens, bm.num_hit_tokens, bm.hit_rate,
                            bm.num_cached_blocks,
                            StructuredStats(st.mask_seconds, st.num_masked_steps, st.num_masked_rows, g.num_compiled, g.num_cache_hits,
-                                           g.compile_seconds), spec, kv)
+                                           g.compile_seconds), spec, kv, self.kv_tiers.snapshot() if self.kv_tiers is not None else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -508,6 +540,8 @@ class LLMEngine:
         if result.hidden:
             self.speculator.observe_hidden(result.hidden)
         self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
+        if self.kv_tiers is not None:  # written down off this thread, as they enter the cache
+            self.kv_tiers.written(self.block_manager.take_new_cached())
         for seq in finished:
             self.scheduler.remove(seq)
             if self.speculator is not None:

@@ -35,6 +35,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
+    g.add_argument("--kv-cache-disk", default=None, metavar="PATH",
+                   help="a KV tier on local disk: prefix-cache blocks are written down (asynchronously) and loaded back "
+                        "when a prompt's prefix is no longer in the pool and loading beats recomputing; kept across "
+                        "restarts. A directory private to this user")
+    g.add_argument("--kv-cache-disk-gb", type=float, default=10.0, help="the disk tier's size (least recently used out)")
+    g.add_argument("--kv-cache-remote", default=None, metavar="redis://HOST:PORT/DB",
+                   help="a KV tier shared by replicas (Redis): blocks one server computed, another loads; needs "
+                        "--kv-cache-secret-file, the same on every replica")
+    g.add_argument("--kv-cache-secret-file", default=None,
+                   help="a file (mode 600) with the secret the KV tiers' blocks are signed with (default: one kept in "
+                        "the --kv-cache-disk directory); a block without a valid MAC is never loaded")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -85,6 +85,7 @@ class OutputProcessor:
             finished=finished,
             metrics=req.metrics,
             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
+            kv_tier_tokens=dict(req.kv_tier_tokens),
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             deltas=deltas,
         )

@@ -59,6 +59,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # Of those, the tokens whose KV was loaded from a KV tier below the pool (sieve/kv_tiers), per tier
+    kv_tier_tokens: dict[str, int] = field(default_factory=dict)
     # With prompt_logprobs: one dict per prompt token (None for the first), the token's entry plus the top-N.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per choice, the text and token ids produced since the previous output (for streaming).

@@ -34,6 +34,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     kv_export: bool = False  # a prefill server's request ({"do_remote_decode": true}): its KV is saved when it finishes
     num_transferred_tokens: int = 0  # a decode server's request: prompt tokens whose KV came from the prefill server
+    kv_tier_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens whose KV a KV tier held, per tier
 
     @property
     def finished(self) -> bool:

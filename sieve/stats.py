@@ -26,6 +26,24 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True)
+class KVTierStats:
+    """The KV tiers below the pool: blocks loaded (hits), held and evicted per tier; bytes and seconds per tier and
+    direction (write, read); blocks failing their check; writes failed per tier or dropped (queue full); blocks left
+    to recompute, by reason."""
+
+    hits: dict = field(default_factory=dict)
+    blocks_held: dict = field(default_factory=dict)
+    evictions: dict = field(default_factory=dict)
+    bytes: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    checksum_failures: int = 0
+    write_errors: dict = field(default_factory=dict)
+    read_errors: dict = field(default_factory=dict)
+    dropped_writes: int = 0
+    recomputed: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class StructuredStats:
     mask_seconds: float = 0.0
     num_masked_steps: int = 0
@@ -47,3 +65,4 @@ class EngineStats:
     structured: StructuredStats
     spec_decode: SpecDecodeStats | None = None  # None: speculation off
     kv_transfer: KVTransferStats | None = None  # None: no KV transfer
+    kv_tiers: KVTierStats | None = None  # None: no KV tiers

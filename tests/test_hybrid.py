@@ -128,3 +128,10 @@ def test_planner_agrees_on_kv_state_and_parameters(bamba):
     assert shape.kv_bytes(1000, "bf16") == 1000 * shape.kv_bytes_per_token("bf16") + shape.state_bytes_per_sequence
     loaded = sum(p.numel() for n, p in runner.model.named_parameters() if "rotary" not in n)
     assert loaded == pytest.approx(shape.total_params, rel=1e-6)
+
+
+def test_the_kv_tiers_refuse_a_recurrent_state_by_name(bamba, tmp_path):
+    from sieve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="Mamba-2 layer's state"):
+        engine(bamba, kv_cache_disk=str(tmp_path / "kv"))

@@ -165,6 +165,7 @@ def test_ladder_schema_accepts_a_ladder_and_names_what_is_wrong():
     (["--kv-checkpoint", "/no/such/dir"], "no such file"),
     (["--kv-checkpoint", ".", "--rungs", "naive,batching"], "leaves out"),
     (["--workload", "chat,long", "--memory-gb", "1,2,3"], "one value or one per workload"),
+    (["--at-users", "0"], "--at-users must be >= 1"), (["--at-users", "4", "--plot", "x.png"], "--plot belongs to a ladder"),
 ])
 def test_ladder_refuses_bad_flags_before_starting_anything(demo_dir, flags, message):
     from sieve.config import ConfigError
@@ -325,6 +326,34 @@ def test_repeats_measure_a_rung_again_and_report_the_median(monkeypatch, tmp_pat
         validate_ladder(out)
     with pytest.raises(Exception, match="--repeats must be > 0"):
         run_ladder(p.parse_args(["--repeats", "0"]))
+
+
+def test_at_users_measures_each_rung_at_one_load_with_the_repeats_interleaved(monkeypatch, tmp_path):
+    """--at-users 30 --repeats 2: no search; every rung once at 30 users, then every rung again (a fresh server each),
+    so that a machine's drift between the first and the last minutes falls on both rungs; the medians per rung."""
+    from sieve.bench import ladder
+
+    calls = []
+
+    def once(args, served, rung, i, rep, o, kv_gb, start, log_dir, slo, search=True):
+        calls.append((rung.key, rep, start, search))
+        tok_s = {"speculative": 400.0, "kv-fp8": 380.0}[rung.key] + 10 * rep
+        probe = {"users": start, "within_slo": rep == 0, "ttft_p50_ms": 500.0, "ttft_p99_ms": 1500.0 + 1000 * rep,
+                 "tpot_p99_ms": 80.0, "output_tokens_per_s": tok_s, "requests": 100}
+        return {"users": start if rep == 0 else 0, "at_capacity": probe, "probes": [probe], "seconds": 1.0,
+                "spec_acceptance_rate": 0.8}, ["x", "y", "serve", rung.key]
+
+    monkeypatch.setattr(ladder, "measure_once", once)
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    out = run_ladder(p.parse_args(["--rungs", "speculative,kv-fp8", "--at-users", "30", "--repeats", "2",
+                                   "--output-json", str(tmp_path / "ab.json"), "--log-dir", str(tmp_path)]))
+    assert calls == [("speculative", 0, 30, False), ("kv-fp8", 0, 30, False), ("speculative", 1, 30, False), ("kv-fp8", 1, 30, False)]
+    assert json.loads((tmp_path / "ab.json").read_text()) == out
+    assert [(p["key"], p["repeat"]) for p in out["points"]] == [("speculative", 0), ("kv-fp8", 0), ("speculative", 1), ("kv-fp8", 1)]
+    assert out["summary"]["kv-fp8"] == {"within_slo": 1, "repeats": 2, "output_tokens_per_s_median": 385.0,
+                                        "ttft_p50_ms_median": 500.0, "ttft_p99_ms_median": 2000.0, "tpot_p99_ms_median": 80.0}
+    assert out["at_users"] == 30 and out["schema"] == ladder.FIXED_SCHEMA_ID
 
 
 def test_w8a8_rung_is_measured_when_named_beside_int8():

@@ -160,3 +160,21 @@ def test_unsupported_deepseek_routing_is_refused(mla_checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="DeepSeek routing"):
         engine(path)
+
+
+def test_the_kv_tiers_hold_latent_blocks(mla_checkpoints, tmp_path):
+    """An MLA pool's blocks (the compressed latent and the rotary key) written down, evicted, loaded back: the same
+    tokens as an engine without tiers."""
+    path = mla_checkpoints["v3"]
+    prompt, others = PROMPTS[-1], [[(11 + 53 * i + 7 * k) % 4000 + 3 for i in range(57)] for k in range(3)]
+    ref = run(engine(path), [prompt])[0].outputs[0].token_ids
+    llm = engine(path, num_gpu_blocks_override=24, kv_cache_disk=str(tmp_path / "kv"))
+    tiers = llm.llm_engine.kv_tiers
+    tiers.recompute_s_per_block = float("inf")  # a tiny model recomputes as fast as the disk reads: price it as a real one
+    assert run(llm, [prompt])[0].outputs[0].token_ids == ref
+    for other in others:  # more than the pool holds: the prompt's blocks leave it
+        assert tiers.flush()
+        run(llm, [other])
+    assert tiers.flush()
+    again = run(llm, [prompt])[0]
+    assert again.kv_tier_tokens["disk"] == 4 * ((len(prompt) - 1) // 4) and again.outputs[0].token_ids == ref

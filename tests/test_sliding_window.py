@@ -355,3 +355,10 @@ def test_avx2_decode_kernel_attends_to_each_rows_window(avx2):
     out = run_with_isa("avx2", WINDOW_KERNEL_CHECK)
     assert out["worst"] < 2e-2 and out["grouped"] < 2e-2, out  # the AVX2 loop takes each row alone: no grouping
 
+
+
+def test_the_kv_tiers_refuse_sliding_window_pools_by_name(sliding_checkpoints, tmp_path):
+    from sieve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        engine(sliding_checkpoints["gemma3"], kv_cache_disk=str(tmp_path / "kv"))

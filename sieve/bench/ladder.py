@@ -487,6 +487,10 @@ def add_bench_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: measured users per rung beside the planner's")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--at-users", type=int, default=None, metavar="N",
+                   help="no capacity search: each rung of --rungs at N users, the --repeats interleaved (rung by rung, "
+                        "then again), so that the machine's drift falls on every rung alike; JSON of the points and "
+                        "their medians")
     p.add_argument("--replan", default=None, metavar="RUN.json",
                    help="serve nothing: recompute a ladder run file's planner columns (the roofline's, and the closed loop "
                         "calibrated by its probes) with the bandwidth and FLOP/s the run measured, print it, and write "
@@ -540,6 +544,11 @@ def check_args(args, rungs: list[RungSpec]) -> None:
     bad += [f"{k} must be >= 0 (got {v})" for k, v in (("--warmup", args.warmup), ("--ramp", args.ramp), ("--resolution", args.resolution)) if not v >= 0]
     if not args.growth > 1:
         bad.append(f"--growth must be > 1 (got {args.growth})")
+    if getattr(args, "at_users", None) is not None:
+        if args.at_users < 1:
+            bad.append(f"--at-users must be >= 1 (got {args.at_users})")
+        bad += [f"{flag} belongs to a ladder: --at-users measures rungs at one load" for flag, v in
+                (("--plot", args.plot), ("--replan", args.replan)) if v]
     if args.kv_checkpoint:
         if not Path(args.kv_checkpoint).exists():
             bad.append(f"--kv-checkpoint {args.kv_checkpoint}: no such file or folder")
@@ -550,6 +559,7 @@ def check_args(args, rungs: list[RungSpec]) -> None:
 
 
 SET_SCHEMA_ID = "sieve.bench.ladders/1"
+FIXED_SCHEMA_ID = "sieve.bench.ladder-at-users/1"
 
 
 def per_workload(args) -> list[argparse.Namespace]:
@@ -576,6 +586,11 @@ def per_workload(args) -> list[argparse.Namespace]:
 def run_ladder(args) -> dict:
     """The ladder of each workload of --workload in turn; the JSON and the plot hold them all (one workload: its
     ladder as it is; several: {"schema": SET_SCHEMA_ID, "ladders": [...]})."""
+    if args.at_users:
+        out = fixed_load(per_workload(args)[0])
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(out, indent=2))
+        return out
     ladders = replan(args.replan) if args.replan else [ladder_of(one) for one in per_workload(args)]
     out = ladders[0] if len(ladders) == 1 else {"schema": SET_SCHEMA_ID, "ladders": ladders}
     if args.output_json:
@@ -686,15 +701,7 @@ def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_
     `repeats` holds each one's capacity and probes."""
     import statistics
 
-    from sieve.config import ConfigError
-
-    served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
-    if args.memory_gb:
-        kv_gb = (args.memory_gb * 1e9 - wbytes) / 2**30
-        if kv_gb <= 0:
-            raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes / 1e9:.2f} GB")
-    else:
-        kv_gb = args.kv_cache_memory_gb
+    served_model, kv_gb = served_and_pool(args, model, rung, wbytes)
     t_rung = time.perf_counter()
     start = 1 if not rung.batching else max(1, previous_users)
     runs = []
@@ -719,6 +726,63 @@ def measure_rung(args, model: str, rung, i: int, o: dict, wbytes: int, previous_
             "served_model": served_model, **({"repeats": runs} if len(runs) > 1 else {})}
 
 
+def served_and_pool(args, model: str, rung, wbytes: int) -> tuple[str, float]:
+    """The checkpoint a rung serves (the --kv-checkpoint for the FP8 KV rung) and its KV pool in GiB: the memory
+    budget less its weights, or --kv-cache-memory-gb without one."""
+    from sieve.config import ConfigError
+
+    served_model = args.kv_checkpoint if (args.kv_checkpoint and rung.kv == "fp8" and rung.weights != "int4") else model
+    if not args.memory_gb:
+        return served_model, args.kv_cache_memory_gb
+    kv_gb = (args.memory_gb * 1e9 - wbytes) / 2**30
+    if kv_gb <= 0:
+        raise ConfigError(f"--memory-gb {args.memory_gb}: the {rung.key} rung's weights alone take {wbytes / 1e9:.2f} GB")
+    return served_model, kv_gb
+
+
+def fixed_load(args) -> dict:
+    """--at-users N: each rung of --rungs at N users, no capacity search, the --repeats interleaved (every rung once,
+    then every rung again...), a fresh server each point. Two rungs measured minutes apart differ by the shared
+    machine's drift as well as by themselves; interleaved at one load, the drift falls on both alike."""
+    import statistics
+
+    from sieve.bench.serve_command import quiet_http_logs
+    from sieve.bench.serving_stats import SLO
+    from sieve.models.default import resolve_default
+
+    quiet_http_logs()
+    model, _ = resolve_default(args.model)
+    rungs = [r for r in select_rungs(args) if r.batching]
+    native_int4 = model.endswith(".gguf")
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sieve-ladder-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    options = {r.key: engine_options(r, native_int4) for r in rungs}
+    print(f"bench ladder: {model}; {', '.join(r.key for r in rungs)} at {args.at_users} users, {args.repeats} repeats "
+          f"interleaved; {args.workload} workload", flush=True)
+    points = []
+    for rep in range(args.repeats):
+        for i, rung in enumerate(rungs):
+            served, kv_gb = served_and_pool(args, model, rung, weight_bytes(model, options[rung.key]) if args.memory_gb else 0)
+            run, cmd = measure_once(args, served, rung, i, rep, options[rung.key], kv_gb, args.at_users, log_dir, slo, search=False)
+            points.append({"key": rung.key, "repeat": rep, "server": cmd[2:], "spec_acceptance_rate": run["spec_acceptance_rate"],
+                           "spec_draft_tokens": run.get("spec_draft_tokens"), **run["probes"][0]})
+    summary = {}
+    for rung in rungs:
+        mine = [p for p in points if p["key"] == rung.key]
+        summary[rung.key] = {"within_slo": sum(p["within_slo"] for p in mine), "repeats": len(mine),
+                             **{f"{k}_median": statistics.median(p[k] for p in mine)
+                                for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms")}}
+        print(f"{rung.key:>12}: within the SLO {summary[rung.key]['within_slo']} of {len(mine)}; median "
+              f"{summary[rung.key]['output_tokens_per_s_median']:.0f} tok/s, TTFT p99 {summary[rung.key]['ttft_p99_ms_median']:.0f} ms, "
+              f"TPOT p99 {summary[rung.key]['tpot_p99_ms_median']:.1f} ms", flush=True)
+    return {"schema": FIXED_SCHEMA_ID, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpus": os.cpu_count(), "threads": args.num_threads},
+            "slo": {"ttft_p99_ms": args.slo_ttft_ms, "tpot_p99_ms": args.slo_tpot_ms}, "workload": args.workload,
+            "memory_gb": args.memory_gb, "at_users": args.at_users, "points": points, "summary": summary}
+
+
 def median_users(values: list[int]) -> int | float:
     """The median of the repeats' capacities: an int where it is one (an odd count, or two equal middles), else the
     midpoint (x.5)."""
@@ -728,9 +792,10 @@ def median_users(values: list[int]) -> int | float:
     return int(m) if float(m).is_integer() else float(m)
 
 
-def measure_once(args, served_model: str, rung, i: int, rep: int, o: dict, kv_gb: float, start: int, log_dir: Path, slo):
-    """One repeat of a rung: a fresh server, probed with closed-loop users from `start`. Returns its capacity, its
-    probes' summaries, and the server's command."""
+def measure_once(args, served_model: str, rung, i: int, rep: int, o: dict, kv_gb: float, start: int, log_dir: Path, slo,
+                 search: bool = True):
+    """One repeat of a rung: a fresh server, probed with closed-loop users from `start` (without `search`, at `start`
+    alone). Returns its capacity, its probes' summaries, and the server's command."""
     import httpx
 
     from sieve.bench.llama_cpp import Server, free_port
@@ -751,16 +816,19 @@ def measure_once(args, served_model: str, rung, i: int, rep: int, o: dict, kv_gb
             probes.append(p)
             return p
 
-        users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users, resolution=args.resolution)
+        if search:
+            users, _ = find_capacity(probe, start=start, growth=args.growth, max_users=args.max_users, resolution=args.resolution)
+        else:
+            users = start if probe(start).within_slo else 0
         metrics = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text if rung.batching or args.naive == "sieve" else ""
-    acceptance = None
+    acceptance = drafted = None
     if rung.spec and metrics:
         drafted = _metric(metrics, "sieve:spec_decode_num_draft_tokens_total")
         accepted = _metric(metrics, "sieve:spec_decode_num_accepted_tokens_total")
         acceptance = accepted / drafted if drafted else 0.0
     run = {"users": users, "at_capacity": next((p.summary for p in probes if p.users == users), None),
            "probes": [p.summary for p in probes], "seconds": round(time.perf_counter() - t_run, 1),
-           "spec_acceptance_rate": acceptance}
+           "spec_acceptance_rate": acceptance, "spec_draft_tokens": drafted}
     return run, cmd
 
 

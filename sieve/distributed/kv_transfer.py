@@ -344,11 +344,10 @@ class KVConnector:
 def build_kv_connector(config, ckpt, arch, dtype, runner, block_manager) -> KVConnector:
     """An engine's end of KV transfer (prefill/decode disaggregation), checked against what it can move: one pool of
     full-attention blocks, found through the prefix cache."""
-    import hashlib
     import uuid
-    from pathlib import Path
 
     from sieve.config import ConfigError
+    from sieve.kv_fingerprint import kv_layout
 
     cfg = KVTransferConfig.parse(config.kv_transfer_config, config.kv_role)
     if len(runner.layer_groups) > 1 or arch.mamba_layers:
@@ -357,10 +356,5 @@ def build_kv_connector(config, ckpt, arch, dtype, runner, block_manager) -> KVCo
         raise ConfigError("KV transfer enters and finds blocks through the prefix cache: it needs prefix caching on")
     # Both ends must hold the same bytes for the same tokens: the model (its config and the size of its weight
     # files), the dtypes, the block size and the pool's shape. Paths may differ between hosts; contents may not.
-    files = sorted(p for p in Path(ckpt.path).rglob("*") if p.is_file()) if Path(ckpt.path).is_dir() else [Path(ckpt.path)]
-    model_id = hashlib.blake2b((json.dumps(ckpt.config, sort_keys=True, default=str)
-                                + "|".join(f"{p.name}:{p.stat().st_size}" for p in files if p.suffix in (".safetensors", ".gguf"))
-                                ).encode(), digest_size=8).hexdigest()
-    shape = tuple(runner.kv_pool.shape[:2]) + tuple(runner.kv_pool.shape[3:])
-    layout = f"{model_id}|{dtype}|{runner.kv_dtype}|{shape}"
+    layout = kv_layout(ckpt.path, ckpt.config, dtype, runner.kv_dtype, runner.kv_pool.shape)
     return KVConnector(cfg, layout, runner, block_manager, uuid.uuid4().hex[:12])

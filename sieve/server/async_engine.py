@@ -114,19 +114,23 @@ class AsyncEngine:
         return streams
 
     async def _fetch_kv(self, requests) -> dict:
-        """A decode server's KV transfers, before admission and off the engine thread (each within its deadline), so
-        that a slow or dead producer delays only its own request. Params it may not act on are refused here."""
+        """A decode server's KV transfers, and the KV tiers' reads, before admission and off the engine thread (each
+        within its deadline), so that a slow or dead producer or tier delays only its own request. Params it may not
+        act on are refused here."""
         fetched = {}
         for rid, prompt, params, _ in requests:
-            if not self.engine.check_kv_transfer(params.kv_transfer_params):
-                continue
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
-            if ids is None:
-                raise RequestError("kv_transfer_params.do_remote_prefill needs the prompt as token ids")
+            if self.engine.check_kv_transfer(params.kv_transfer_params):
+                if ids is None:
+                    raise RequestError("kv_transfer_params.do_remote_prefill needs the prompt as token ids")
+                fetch, args = self.engine.fetch_kv, (list(ids), params.kv_transfer_params)
+            elif self.engine.kv_tiers is not None and ids is not None and params.kv_transfer_params is None:
+                fetch, args = self.engine.fetch_tiers, (list(ids), params.cache_salt)  # the KV tiers' blocks, read here
+            else:
+                continue
             if self._kv_pool is None:
                 self._kv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sieve-kv-fetch")
-            fetched[rid] = await asyncio.get_running_loop().run_in_executor(
-                self._kv_pool, self.engine.fetch_kv, list(ids), params.kv_transfer_params)
+            fetched[rid] = await asyncio.get_running_loop().run_in_executor(self._kv_pool, fetch, *args)
         return fetched
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -76,6 +76,8 @@ class EngineCollector:
             yield from self.spec_decode(s.spec_decode)
         if s.kv_transfer is not None:
             yield from self.kv_transfer(s.kv_transfer)
+        if s.kv_tiers is not None:
+            yield from self.kv_tiers(s.kv_tiers)
 
     def structured(self, st):
         """Time spent on token masks (computing and applying them), per step and per row, and grammar compilation."""
@@ -116,6 +118,39 @@ class EngineCollector:
             for reason, n in sorted(counts.items()):
                 family.add_metric([self.model_name, reason], n)
             yield family
+
+
+    def kv_tiers(self, s):
+        """The KV tiers below the pool (sieve/kv_tiers): per tier, blocks loaded, held, evicted, failed writes; per tier
+        and direction, bytes and seconds; blocks failing their check; blocks left to recompute, by reason."""
+        m = self.model_name
+        for name, doc, counts, kind in (("hits", "KV blocks loaded from a tier into the pool", s.hits, CounterMetricFamily),
+                                        ("blocks", "KV blocks a tier holds", s.blocks_held, GaugeMetricFamily),
+                                        ("evictions", "KV blocks a tier dropped for room", s.evictions, CounterMetricFamily),
+                                        ("write_errors", "KV block writes a tier failed (a full disk, a dead store)",
+                                         s.write_errors, CounterMetricFamily),
+                                        ("read_errors", "KV tier reads that failed (a dead store): recomputed",
+                                         s.read_errors, CounterMetricFamily)):
+            family = kind(f"sieve:kv_tier_{name}", doc, labels=["model_name", "tier"])
+            for tier in sorted(set(s.blocks_held) | set(counts)):
+                family.add_metric([m, tier], counts.get(tier, 0))
+            yield family
+        for name, doc, counts in (("bytes", "KV bytes moved to and from a tier", s.bytes),
+                                  ("seconds", "Seconds spent moving KV to and from a tier", s.seconds)):
+            family = CounterMetricFamily(f"sieve:kv_tier_{name}", doc, labels=["model_name", "tier", "direction"])
+            for tier in sorted(s.blocks_held):
+                for direction in ("write", "read"):
+                    family.add_metric([m, tier, direction], counts.get((tier, direction), 0))
+            yield family
+        yield from _counters("sieve:kv_tier_", m, (
+            ("checksum_failures", "KV blocks that failed their check (MAC, layout, size): deleted and recomputed",
+             s.checksum_failures),
+            ("dropped_writes", "KV blocks not written because the writer's queue was full", s.dropped_writes)))
+        family = CounterMetricFamily("sieve:kv_tier_recomputed_blocks", "KV blocks a tier held or was asked for that were "
+                                     "recomputed instead, by reason", labels=["model_name", "reason"])
+        for reason, n in sorted(s.recomputed.items()):
+            family.add_metric([m, reason], n)
+        yield family
 
 
 def _family(kind, name: str, doc: str, label: list[str], value):

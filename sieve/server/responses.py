@@ -104,8 +104,19 @@ class ResponseFormat:
         extra = {"prompt_logprobs": self.prompt_logprobs_vllm(finals[0])} if chat and body.prompt_logprobs is not None else {}
         if finals[0].kv_transfer_params is not None:  # a prefill server's answer: where the decode server finds the KV
             extra["kv_transfer_params"] = finals[0].kv_transfer_params
-        cached = sum(o.num_cached_tokens for o in finals) if self.report_cached else 0
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, **extra,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}}
+                          "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": self.cached_details(finals)}}
+
+    def cached_details(self, finals: list[RequestOutput]) -> dict:
+        """usage.prompt_tokens_details: `cached_tokens` (the prefix cache's hits), and of those, per KV tier below the
+        pool, the tokens loaded from it (`kv_tier_tokens`, only where a tier served some). Neither where the prefix cache
+        is shared between tenants."""
+        if not self.report_cached:
+            return {"cached_tokens": 0}
+        tiers: dict[str, int] = {}
+        for o in finals:
+            for tier, n in o.kv_tier_tokens.items():
+                tiers[tier] = tiers.get(tier, 0) + n
+        return {"cached_tokens": sum(o.num_cached_tokens for o in finals), **({"kv_tier_tokens": tiers} if tiers else {})}

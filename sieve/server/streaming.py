@@ -26,7 +26,7 @@ class EventStream:
         self.parsers = {} if chat and getattr(body, "tool_mode", False) else None  # choice index -> ToolCallParser
         self.prompt_lp_due = [set(range(n)) for _ in streams]  # choices whose prompt_logprobs are still to be sent
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        self.cached_tokens = 0
+        self.finals: list = []  # each prompt's final output (usage)
 
     def chunk(self, choices: list, **extra) -> str:
         return self.fmt.chunk(self.rid, self.obj, self.created, choices, **extra)
@@ -78,13 +78,13 @@ class EventStream:
     def finished(self, out) -> None:
         self.usage["prompt_tokens"] += len(out.prompt_token_ids)
         self.usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
-        self.cached_tokens += out.num_cached_tokens
+        self.finals.append(out)
 
     def usage_chunk(self) -> str | None:
         if not (self.body.stream_options and self.body.stream_options.include_usage):
             return None
         usage = dict(self.usage, total_tokens=self.usage["prompt_tokens"] + self.usage["completion_tokens"])
-        usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens if self.fmt.report_cached else 0}
+        usage["prompt_tokens_details"] = self.fmt.cached_details(self.finals)
         return self.chunk([], usage=usage)
 
     async def events(self, raw: Request) -> AsyncIterator[str]:

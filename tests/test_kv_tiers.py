@@ -1,0 +1,361 @@
+"""The KV tiers (sieve/kv_tiers): prefix-cache blocks written down to disk as they are cached, loaded back when the
+pool no longer holds them, and after a restart; outputs equal those of an engine without tiers. A corrupt block, a
+block signed under another secret, another model's blocks, a full disk and a tier slower than recomputing each
+cost a recomputed prompt, a counter and a log line, never a wrong token or a failed request."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import openai
+import pytest
+
+from sieve import LLM, SamplingParams
+from sieve.config import ConfigError
+from sieve.kv_tiers import DiskStore
+
+# 72 tokens or so under the test tokenizer: 18 blocks of 4, in a pool of 40 that three such prompts overflow
+DOC = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi "
+       "chi psi omega one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen")
+OTHERS = [f"{w} " * 30 + "and that is all" for w in ("red", "green", "blue", "black", "white")]
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def engine(path, tiers: str | None, measured_cost: bool = False, **kwargs) -> LLM:
+    """An engine over a pool of 40 blocks of 4 tokens, with a disk tier at `tiers` (other tiers in kwargs). The tiny test model recomputes a
+    block about as fast as the disk gives it back (tens of microseconds each), so the cost model's choice would
+    depend on the machine: unless `measured_cost`, recomputing is priced as a real model's (never cheaper)."""
+    kwargs = {"dtype": "float32", "device": "cpu", "num_gpu_blocks_override": 40, "block_size": 4, **kwargs}
+    if tiers is not None:
+        kwargs["kv_cache_disk"] = tiers
+    llm = LLM(str(path), **kwargs)
+    if llm.llm_engine.kv_tiers is not None and not measured_cost:
+        llm.llm_engine.kv_tiers.recompute_s_per_block = float("inf")
+    return llm
+
+
+def run(llm: LLM, prompt: str):
+    out = llm.generate([prompt], GREEDY)[0]
+    if llm.llm_engine.kv_tiers is not None:
+        assert llm.llm_engine.kv_tiers.flush()
+    return out
+
+
+def evict_with_others(llm: LLM) -> None:
+    """Fill the pool with other prompts until none of DOC's blocks is left in it."""
+    for p in OTHERS:
+        run(llm, p)
+    bm = llm.llm_engine.block_manager
+    ids = llm.llm_engine.tokenize(DOC)[1]
+    assert bm.cached_block(bm.prompt_hashes(ids)[0]) is None, "the test's pool must have evicted DOC's first block"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    llm = engine(checkpoints["llama"], None)
+    yield {p: llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in [DOC] + OTHERS}
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_evicted_blocks_come_back_from_disk_with_the_same_tokens(checkpoints, reference, tmp_path, kv_cache_dtype):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_cache_dtype=kv_cache_dtype)
+    ref = reference if kv_cache_dtype == "auto" else None
+    first = run(llm, DOC)
+    assert first.kv_tier_tokens == {}
+    evict_with_others(llm)
+    again = run(llm, DOC)
+    tiers = llm.llm_engine.kv_tiers
+    n_blocks = (len(first.prompt_token_ids) - 1) // 4
+    assert again.kv_tier_tokens == {"disk": 4 * n_blocks} and again.num_cached_tokens == 4 * n_blocks
+    assert tiers.stats.hits["disk"] == n_blocks and tiers.stats.checksum_failures == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    if ref is not None:
+        assert first.outputs[0].token_ids == ref[DOC]
+    stats = llm.llm_engine.stats().kv_tiers
+    assert stats.hits == {"disk": n_blocks} and stats.bytes[("disk", "read")] > 0 and stats.bytes[("disk", "write")] > 0
+    llm.shutdown()
+
+
+def test_outputs_equal_with_tiers_on_and_off(checkpoints, reference, tmp_path):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    for _ in range(2):
+        for p in [DOC] + OTHERS:
+            assert run(llm, p).outputs[0].token_ids == reference[p]
+    assert llm.llm_engine.kv_tiers.stats.hits["disk"] > 0
+    llm.shutdown()
+
+
+def test_salted_prefixes_stay_apart_in_the_tiers(checkpoints, reference, tmp_path):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    salted = {t: SamplingParams(max_tokens=8, temperature=0, cache_salt=t) for t in ("tenant-a", "tenant-b")}
+    llm.generate([DOC], salted["tenant-a"])
+    assert llm.llm_engine.kv_tiers.flush()
+    evict_with_others(llm)
+    other = llm.generate([DOC], salted["tenant-b"])[0]  # another tenant's salt: nothing of tenant-a's is loaded
+    assert other.kv_tier_tokens == {} and other.outputs[0].token_ids == reference[DOC]
+    assert llm.llm_engine.kv_tiers.flush()
+    same = llm.generate([DOC], salted["tenant-a"])[0]
+    assert same.kv_tier_tokens["disk"] > 0 and same.outputs[0].token_ids == reference[DOC]
+    llm.shutdown()
+
+
+def test_a_restart_keeps_the_cache(checkpoints, reference, tmp_path):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    run(llm, DOC)
+    llm.shutdown()
+    again = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    out = run(again, DOC)
+    assert out.kv_tier_tokens["disk"] >= 4 * ((len(out.prompt_token_ids) - 1) // 4)
+    assert out.outputs[0].token_ids == reference[DOC]
+    again.shutdown()
+
+
+def _block_files(tmp_path):
+    return sorted(p for p in (tmp_path / "kv").rglob("*.kv"))
+
+
+def test_a_corrupt_block_is_recomputed_counted_logged_and_deleted(checkpoints, reference, tmp_path, caplog):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    run(llm, DOC)
+    evict_with_others(llm)
+    ids = llm.llm_engine.tokenize(DOC)[1]
+    first = tmp_path / "kv" / llm.llm_engine.kv_tiers.stores[0].dir.name / (llm.llm_engine.block_manager.prompt_hashes(ids)[2].hex() + ".kv")
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    first.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="sieve"):
+        out = run(llm, DOC)
+    tiers = llm.llm_engine.kv_tiers
+    assert out.outputs[0].token_ids == reference[DOC]
+    assert out.kv_tier_tokens == {"disk": 8}  # the two blocks before the corrupt one
+    assert tiers.stats.checksum_failures == 1 and tiers.stats.recomputed["failed check"] > 0
+    assert "failed its check" in caplog.text
+    assert first.read_bytes() != bytes(data)  # deleted, and written again when the recomputed block was cached
+    assert llm.llm_engine.stats().kv_tiers.checksum_failures == 1
+    evict_with_others(llm)
+    assert run(llm, DOC).kv_tier_tokens == {"disk": 4 * ((len(ids) - 1) // 4)}
+    llm.shutdown()
+
+
+def test_blocks_signed_under_another_secret_are_never_loaded(checkpoints, reference, tmp_path):
+    keys = []
+    for name in ("a.key", "b.key"):
+        path = tmp_path / name
+        path.write_bytes(os.urandom(32))
+        path.chmod(0o600)
+        keys.append(str(path))
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_cache_secret_file=keys[0])
+    run(llm, DOC)
+    llm.shutdown()
+    other = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_cache_secret_file=keys[1])
+    out = run(other, DOC)
+    assert out.kv_tier_tokens == {} and out.outputs[0].token_ids == reference[DOC]
+    assert other.llm_engine.kv_tiers.stats.checksum_failures == 1
+    other.shutdown()
+
+
+def test_another_model_or_kv_layout_never_sees_the_blocks(checkpoints, reference, tmp_path):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    run(llm, DOC)
+    llm.shutdown()
+    for path, kwargs in ((checkpoints["mistral"], {}), (checkpoints["llama"], {"kv_cache_dtype": "int8"})):
+        other = engine(path, str(tmp_path / "kv"), **kwargs)
+        out = run(other, DOC)
+        assert out.kv_tier_tokens == {} and other.llm_engine.kv_tiers.stats.checksum_failures == 0
+        if not kwargs:
+            plain = engine(path, None)
+            assert out.outputs[0].token_ids == plain.generate([DOC], GREEDY)[0].outputs[0].token_ids
+            plain.shutdown()
+        other.shutdown()
+    assert len({p.parent for p in _block_files(tmp_path)}) == 3  # a directory per KV fingerprint
+
+
+def test_a_full_disk_costs_the_copy_never_the_request(checkpoints, reference, tmp_path, monkeypatch, caplog):
+    def full(self, key, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    monkeypatch.setattr(DiskStore, "write", full)
+    with caplog.at_level(logging.WARNING, logger="sieve"):
+        outs = [run(llm, p) for p in [DOC] + OTHERS + [DOC]]
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in [DOC] + OTHERS + [DOC]]
+    tiers = llm.llm_engine.kv_tiers
+    assert tiers.stats.write_errors["disk"] > 0 and tiers.stats.hits["disk"] == 0
+    assert "No space left on device" in caplog.text
+    llm.shutdown()
+
+
+def test_a_tier_slower_than_recomputing_is_left_alone(checkpoints, reference, tmp_path):
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
+    run(llm, DOC)
+    evict_with_others(llm)
+    tiers = llm.llm_engine.kv_tiers
+    tiers.fetch_s_per_block["disk"] = 2 * tiers.recompute_s_per_block  # as a throttled disk measures
+    out = run(llm, DOC)
+    assert out.kv_tier_tokens == {} and out.outputs[0].token_ids == reference[DOC]
+    assert tiers.stats.recomputed["slower"] > 0 and tiers.stats.hits["disk"] == 0
+    llm.shutdown()
+
+
+def test_the_cost_model_is_measured_at_start(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("SIEVE_KV_TIER_READ_DELAY_S", "0.5")  # an injected slow tier: half a second a block
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"), measured_cost=True)
+    tiers = llm.llm_engine.kv_tiers
+    assert tiers.fetch_s_per_block["disk"] >= 0.5 > tiers.recompute_s_per_block > 0
+    llm.shutdown()
+
+
+def test_what_the_tiers_cannot_hold_is_refused_with_a_reason(checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="prefix caching"):
+        engine(checkpoints["llama"], str(tmp_path / "kv"), enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="kv_cache_disk"):
+        engine(checkpoints["llama"], None, kv_cache_secret_file=str(tmp_path / "none.key"))
+    shared = tmp_path / "open"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ConfigError, match="private"):
+        engine(checkpoints["llama"], str(shared))
+
+
+def test_the_server_reports_tier_tokens_and_metrics(checkpoints, tmp_path):
+    import httpx
+    from live_server import API_KEY, MODEL, start_server
+
+    from sieve import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(checkpoints["llama"]), dtype="float32", num_gpu_blocks_override=40, block_size=4,
+                                 kv_cache_disk=str(tmp_path / "kv")))
+    eng.kv_tiers.recompute_s_per_block = float("inf")  # as `engine` does
+    url, stop = start_server(eng)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        first = client.completions.create(model=MODEL, prompt=DOC, max_tokens=8, temperature=0)
+        assert eng.kv_tiers.flush()
+        for p in OTHERS:
+            client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+        assert eng.kv_tiers.flush()
+        again = client.completions.create(model=MODEL, prompt=DOC, max_tokens=8, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        details = again.usage.prompt_tokens_details
+        assert details.cached_tokens > 0 and details.model_extra["kv_tier_tokens"]["disk"] == details.cached_tokens
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        assert f'sieve:kv_tier_hits_total{{model_name="{MODEL}",tier="disk"}}' in metrics
+        assert "sieve:kv_tier_checksum_failures_total" in metrics and "sieve:kv_tier_bytes_total" in metrics
+    finally:
+        stop()
+        eng.shutdown()
+
+
+# ---- a tier shared by replicas: Redis ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real redis-server on a free port of 127.0.0.1 (make install installs Debian's)."""
+    import redis
+
+    assert shutil.which("redis-server"), "redis-server is missing: `make install` installs Debian's"
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=0.2).ping():
+                break
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _key(tmp_path, name: str) -> str:
+    path = tmp_path / name
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_replica_loads_what_another_computed_through_redis(checkpoints, reference, tmp_path, redis_url):
+    secret = _key(tmp_path, "shared.key")
+    one = engine(checkpoints["llama"], None, kv_cache_remote=redis_url, kv_cache_secret_file=secret)
+    first = run(one, DOC)
+    assert first.kv_tier_tokens == {}
+    two = engine(checkpoints["llama"], None, kv_cache_remote=redis_url, kv_cache_secret_file=secret)
+    out = run(two, DOC)
+    assert out.kv_tier_tokens == {"redis": 4 * ((len(out.prompt_token_ids) - 1) // 4)}
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids == reference[DOC]
+    intruder = engine(checkpoints["llama"], None, kv_cache_remote=redis_url, kv_cache_secret_file=_key(tmp_path, "other.key"))
+    forged = run(intruder, DOC)  # what another secret's server wrote is never loaded
+    assert forged.kv_tier_tokens == {} and forged.outputs[0].token_ids == reference[DOC]
+    assert intruder.llm_engine.kv_tiers.stats.checksum_failures == 1
+    for llm in (one, two, intruder):
+        llm.shutdown()
+
+
+def test_a_disk_tier_in_front_of_redis_answers_first(checkpoints, reference, tmp_path, redis_url):
+    secret = _key(tmp_path, "shared.key")
+    llm = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_cache_remote=redis_url, kv_cache_secret_file=secret)
+    run(llm, DOC)
+    evict_with_others(llm)
+    out = run(llm, DOC)
+    assert list(out.kv_tier_tokens) == ["disk"] and out.outputs[0].token_ids == reference[DOC]
+    assert llm.llm_engine.kv_tiers.stats.bytes[("redis", "write")] > 0
+    llm.shutdown()
+
+
+def test_an_unreachable_redis_costs_a_recompute_never_the_request(checkpoints, reference, tmp_path, caplog):
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    with caplog.at_level(logging.WARNING, logger="sieve"):
+        llm = engine(checkpoints["llama"], None, kv_cache_remote=dead, kv_cache_secret_file=_key(tmp_path, "k.key"))
+        started = time.monotonic()
+        outs = [run(llm, p) for p in [DOC] + OTHERS + [DOC]]
+        elapsed = time.monotonic() - started
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in [DOC] + OTHERS + [DOC]]
+    tiers = llm.llm_engine.kv_tiers
+    assert tiers.stats.write_errors["redis"] + tiers.stats.read_errors["redis"] > 0 and tiers.stats.hits["redis"] == 0
+    assert "KV tier redis" in caplog.text
+    assert elapsed < 30  # one timeout, then the store's back-off: never a timeout per block
+    llm.shutdown()
+
+
+def test_a_shared_store_needs_a_shared_secret(checkpoints, redis_url):
+    with pytest.raises(ConfigError, match="kv_cache_secret_file"):
+        engine(checkpoints["llama"], None, kv_cache_remote=redis_url)
+    with pytest.raises(ConfigError, match="Redis URL"):
+        engine(checkpoints["llama"], None, kv_cache_remote="http://127.0.0.1:1/", kv_cache_secret_file="x")
+
+
+def test_bench_tiers_end_to_end_on_the_demo_model(demo_dir, tmp_path):
+    """`sieve bench tiers` on the random demo model, small enough for a test: every part runs, the answers with the
+    disk tier and the slow tier are those without tiers (a slow tier is left alone), a restarted engine answers what
+    it answered; a part it does not know, or replicas without a Redis, are refused before anything loads. (Whether a
+    tier pays on a model this small depends on the machine: the figures come from SmolLM2, docs/benchmarks.md.)"""
+    import argparse
+
+    from sieve.bench.tiers import add_bench_tiers_args, run_bench_tiers
+
+    p = argparse.ArgumentParser()
+    add_bench_tiers_args(p)
+    args = p.parse_args(["--model", "demo", "--conversations", "3", "--turns", "2", "--doc-tokens", "120,160",
+                         "--pool-tokens", "256", "--restart-doc-tokens", "180", "--max-tokens", "4"])
+    out = run_bench_tiers(args)
+    assert out["outputs_identical"] and out["no_tiers"]["returning_ttft_p50_ms"] > 0
+    assert out["slow_disk"]["tier_blocks_loaded"] == 0 and out["slow_disk"]["blocks_recomputed"]["slower"] > 0
+    assert out["restart"]["outputs_identical"] and out["restart"]["prompt_tokens"] >= 180
+    for parts, message in (("returning,nope", "--parts takes"), ("replicas", "--redis-url")):
+        with pytest.raises(ConfigError, match=message):
+            run_bench_tiers(p.parse_args(["--model", "demo", "--parts", parts]))
