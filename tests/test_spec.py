@@ -503,6 +503,29 @@ def test_adaptive_depth_follows_the_cost_of_a_step():
     assert fixed.choose([good, bad], [6, 2]) == [3, 2]
 
 
+def test_drafts_never_take_the_time_waiting_prompts_need():
+    """Prefill first: under a TPOT objective (100 ms, of which the pacer fills 90 ms a step) drafted rows take only the
+    time that the prompt tokens waiting for the next step leave. With none waiting the sequences draft deep; with 150
+    waiting (87 ms) the 6 rows that still fit; with 200 (112 ms, past the share) none. Without an objective, drafting
+    is priced as before, prompts or not (the FP8 KV rung drafted twice the rows of a 16-bit cache at the same
+    throughput, and newcomers' TTFT p99 doubled)."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 6})
+    cost = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        cost.observe(n, 0.010 + 0.0005 * n)  # rows are cheap: drafting pays
+    seqs = [object() for _ in range(4)]
+    c = DepthController(config, cost, tpot_slo_s=0.1)
+    free = DepthController(config, cost)
+    for ctl in (c, free):
+        for _ in range(40):
+            for s in seqs:
+                ctl.record(s, 6, 6)
+    assert sum(c.choose(seqs, [6] * 4)) >= 16
+    assert sum(c.choose(seqs, [6] * 4, extra_tokens=150)) == 6
+    assert c.choose(seqs, [6] * 4, extra_tokens=200) == [0] * 4
+    assert sum(free.choose(seqs, [6] * 4, extra_tokens=200)) >= 16
+
+
 def test_adaptive_width_prices_each_further_chain_of_a_draft_tree():
     """"auto" with num_branches: a tree's further chain is 1 + k more rows, and adds tokens only where the chains before
     it are wrong. Its gain is learnt as the tokens it accepted beyond the best of the chains before it, per unit of the
