@@ -342,7 +342,8 @@ class LLMEngine:
             req.seqs.append(seq)
         if params.kv_transfer_params is not None:
             self._kv_transfer(req, ids, params.kv_transfer_params, kv_fetch)
-        elif self.kv_tiers is not None:  # the prompt's blocks a tier holds beyond the pool's, into the prefix cache
+        elif self.kv_tiers is not None and params.prompt_logprobs is None:  # a tier's blocks beyond the pool's, into the
+            # prefix cache (a request scoring its prompt computes it whole: nothing to load)
             fetched = kv_fetch if kv_fetch is not None else self.kv_tiers.fetch(ids, params.cache_salt)
             loaded = self.kv_tiers.admit(ids, fetched, params.cache_salt)
             if loaded:
