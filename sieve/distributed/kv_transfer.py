@@ -128,6 +128,13 @@ def encode_block(auth: KVAuth, block_hash: str, token_ids: list[int], layout: st
     return body + auth.block_mac(body, token_ids)
 
 
+def fill_block(views: list[torch.Tensor], raw_parts: list[bytes]) -> None:
+    """Write a checked block's parts (`decode_block`) into the pool's views of one block (`ModelRunner.block_tensors`:
+    strided views, copied into in place)."""
+    for dst, raw in zip(views, raw_parts):
+        dst.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dst.dtype).reshape(dst.shape).to(dst.device))
+
+
 def block_bytes(layout: str, parts: list[torch.Tensor]) -> int:
     """The most a block of this layout can be on the wire: what a consumer lets a producer announce."""
     return len(MAGIC) + 4 + MAX_HEADER + sum(p.numel() * p.element_size() for p in parts) + MAC_BYTES
@@ -326,9 +333,7 @@ class KVConnector:
         """The engine thread: enter fetched blocks in the prefix cache. Returns the prompt tokens they cover."""
         mine = self.blocks.prompt_hashes(token_ids, salt)[: len(fetched.blocks)]
         for j, block in self.blocks.import_cached(mine):
-            for dst, raw in zip(self.runner.block_tensors(block), fetched.blocks[j]):
-                src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dst.dtype).reshape(dst.shape)
-                dst.copy_(src.to(dst.device))  # dst is a strided view of the pool: copied in place
+            fill_block(self.runner.block_tensors(block), fetched.blocks[j])
         self.stats.blocks["load"] += len(mine)
         return len(mine) * fetched.block_size
 

@@ -29,10 +29,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 from sieve.distributed.kv_auth import KVAuth
-from sieve.distributed.kv_transfer import KVTransferError, decode_block, encode_block
+from sieve.distributed.kv_transfer import KVTransferError, decode_block, encode_block, fill_block
 
 log = logging.getLogger("sieve")
 
@@ -215,9 +213,7 @@ class KVTiers:
         hashes = self.blocks.prompt_hashes(token_ids[: end * self.block_size], salt)[fetched.start : end]
         taken = self.blocks.import_cached(hashes)
         for j, block in taken:
-            for dst, raw in zip(self.runner.block_tensors(block), fetched.blocks[j]):
-                src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dst.dtype).reshape(dst.shape)
-                dst.copy_(src.to(dst.device))  # dst is a strided view of the pool: copied in place
+            fill_block(self.runner.block_tensors(block), fetched.blocks[j])
         self.stats.hits[fetched.tier] += len(taken)
         return len(taken) * self.block_size
 

@@ -125,7 +125,8 @@ class EngineCollector:
         and direction, bytes and seconds; blocks failing their check; blocks left to recompute, by reason."""
         m = self.model_name
         for name, doc, counts, kind in (("hits", "KV blocks loaded from a tier into the pool", s.hits, CounterMetricFamily),
-                                        ("blocks", "KV blocks a tier holds", s.blocks_held, GaugeMetricFamily),
+                                        ("blocks", "KV blocks a tier holds (Redis: those this server wrote or read there)",
+                                         s.blocks_held, GaugeMetricFamily),
                                         ("evictions", "KV blocks a tier dropped for room", s.evictions, CounterMetricFamily),
                                         ("write_errors", "KV block writes a tier failed (a full disk, a dead store)",
                                          s.write_errors, CounterMetricFamily),

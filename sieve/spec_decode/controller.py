@@ -137,11 +137,15 @@ class DepthController:
         if not extra_tokens or self.tpot_slo_s is None:
             return len(gains)
         target = STEP_SHARE * self.tpot_slo_s
-        for m, (_, _, row_keys) in enumerate(gains):
-            keys += row_keys
-            if self.cost.predict(base + m + 1, keys) > target:
-                return m
-        return len(gains)
+        upto = list(itertools.accumulate((k for _, _, k in gains), initial=keys))  # keys with the first m rows
+        lo, hi = 0, len(gains)  # the most rows whose step fits: a bisection, the prediction growing with m
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.predict(base + mid, upto[mid]) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _best_prefix(self, gains: list, n: int, base: int, keys: int, draft_cost: float) -> int:
         """How many of the ordered candidate rows to draft: the most expected tokens per second, at least MARGIN above
