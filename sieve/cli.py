@@ -258,6 +258,12 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_window, args)
 
 
+def cmd_bench_compression(args: argparse.Namespace) -> int:
+    from sieve.bench.compression import run_bench_compression
+
+    return _write_json_result(run_bench_compression, args)
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from sieve.bench.tiers import run_bench_tiers
 
@@ -476,6 +482,12 @@ def add_feature_benches(bench) -> None:
 
     add_bench_tiers_args(bti)
     bti.set_defaults(func=cmd_bench_tiers)
+    bco = bench.add_parser("compression", help="KV compression: each press's retrieval and long-document accuracy against "
+                                               "ratio, and the decode step at a long context, compressed and not")
+    from sieve.bench.compression import add_bench_compression_args
+
+    add_bench_compression_args(bco)
+    bco.set_defaults(func=cmd_bench_compression)
     bfa = bench.add_parser("families", help="dense, MoE, latent attention, sliding windows, Mamba hybrid: KV or state per sequence, fit, step time")
     from sieve.bench.families import add_bench_families_args
 

@@ -57,6 +57,8 @@ class EngineConfig:
     kv_cache_secret_file: str | None = None
     # A KV tier shared by replicas: redis://HOST:PORT/DB (it needs kv_cache_secret_file, the same on every replica)
     kv_cache_remote: str | None = None
+    # KV compression every request without its own `kv_compression` gets: "PRESS:RATIO" (sieve/kv_compression)
+    kv_compression: str | None = None
 
     @property
     def kv_tiers_on(self) -> bool:
@@ -162,6 +164,13 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_tiers()
+        if self.kv_compression is not None:
+            from sieve.kv_compression import KVCompression
+
+            try:
+                self.kv_compression = str(KVCompression.of(self.kv_compression))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.quantization_group_size < 1:
             raise ConfigError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

@@ -25,6 +25,7 @@ from sieve.block_manager import build_block_manager
 from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
+from sieve.kv_compression.compact import KVCompressor
 from sieve.kv_fingerprint import kv_layout, kv_scales_digest
 from sieve.kv_premise import KVPremise
 from sieve.model_runner import ModelRunner
@@ -110,6 +111,8 @@ class LLMEngine:
         if config.slo_tpot_ms:
             pacer = SloPacer(self.step_cost, config.slo_tpot_ms / 1e3, config.max_num_batched_tokens, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, pacer)
+        self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
+                                          config.tensor_parallel_size > 1)
         self.kv_connector = None
         if config.kv_role is not None or config.kv_transfer_config is not None:
             from sieve.distributed.kv_transfer import build_kv_connector  # (the disaggregated roles' only)
@@ -266,7 +269,7 @@ class LLMEngine:
         """Block tables (`block_table`, and `window.table` where the model has sliding layers) for `num_tokens`
         tokens, taken from the free pool between steps and given back after."""
         holder = SimpleNamespace(block_table=[], num_computed_tokens=0, num_registered_blocks=0, block_hashes=[],
-                                 window=WindowState(), state_slot=-1)
+                                 window=WindowState(), state_slot=-1, kv_dropped=0, kv_compressed=False)
         if not self.block_manager.allocate(holder, num_tokens):
             self.block_manager.free(holder)
             raise RequestError(f"{num_tokens} tokens do not fit in the free KV blocks")
@@ -310,6 +313,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._check_token_ids(params)
+        try:
+            self.kv_compressor.admit(params)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             try:
@@ -441,7 +448,8 @@ class LLMEngine:
         return EngineStats(self.num_running, self.num_waiting, bm.usage, bm.num_queried_tokens, bm.num_hit_tokens, bm.hit_rate,
                            bm.num_cached_blocks,
                            StructuredStats(st.mask_seconds, st.num_masked_steps, st.num_masked_rows, g.num_compiled, g.num_cache_hits,
-                                           g.compile_seconds), spec, kv, self.kv_tiers.snapshot() if self.kv_tiers is not None else None)
+                                           g.compile_seconds), spec, kv, self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
+                           self.kv_compressor.snapshot())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -540,13 +548,7 @@ class LLMEngine:
             st.num_masked_rows += result.num_masked_rows
         if result.hidden:
             self.speculator.observe_hidden(result.hidden)
-        self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
-        if self.kv_tiers is not None:  # written down off this thread, as they enter the cache
-            self.kv_tiers.written(self.block_manager.take_new_cached())
-        for seq in finished:
-            self.scheduler.remove(seq)
-            if self.speculator is not None:
-                self.speculator.finish(seq)
+        self._settle(sched, finished, touched)
         outputs = []
         for req in touched.values():
             out = self.output_processor.make_output(req)
@@ -561,6 +563,21 @@ class LLMEngine:
             if out.finished:
                 del self.requests[out.request_id]
         return refused + outputs
+
+    def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
+        """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, the KV press on
+        prompts the step completed, and the finished sequences out (with their blocks)."""
+        self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
+        if self.kv_tiers is not None:  # written down off this thread, as they enter the cache
+            self.kv_tiers.written(self.block_manager.take_new_cached())
+        for seq in self.kv_compressor.after_step(sched.scheduled):  # a press that failed fails its request
+            seq.finish_reason = "abort"
+            finished.append(seq)
+            touched[seq.request.request_id] = seq.request
+        for seq in finished:
+            self.scheduler.remove(seq)
+            if self.speculator is not None:
+                self.speculator.finish(seq)
 
     def _refuse_late(self) -> list[RequestOutput]:
         """--slo-reject: finish every request still waiting for its first step whose TTFT objective can no longer be

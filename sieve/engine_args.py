@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-secret-file", default=None,
                    help="a file (mode 600) with the secret the KV tiers' blocks are signed with (default: one kept in "
                         "the --kv-cache-disk directory); a block without a valid MAC is never loaded")
+    g.add_argument("--kv-compression", default=None, metavar="PRESS:RATIO",
+                   help="compress every prompt's KV after its prefill unless the request says otherwise (its "
+                        "`kv_compression` field): a press (streaming_llm, knorm, snapkv, chunkkv) and the fraction of "
+                        "positions it removes, e.g. snapkv:0.5. Lossy: see docs/kv-compression.md")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

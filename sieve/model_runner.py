@@ -299,18 +299,19 @@ class ModelRunner:
             end = start + item.num_new_tokens
             row = len(input_ids)
             input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
-            positions += range(start, end)
-            writes.append((seq, start, end))
+            positions += range(start, end)  # rotary positions; K/V slots are positions less what a press dropped
+            d = seq.kv_dropped
+            writes.append((seq, start - d, end - d))
             if not item.is_decode:
-                prefills.append((row, item.num_new_tokens, end, seq))
+                prefills.append((row, item.num_new_tokens, end - d, seq))
                 continue
-            decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
+            decodes += [(seq, p + 1, -(-(end - d) // bs)) for p in range(start - d, end - d)]
             for branch in item.branches:
                 b_end = start + branch.num_rows
                 input_ids += seq.token_ids[start : start + 1] + branch.draft
                 positions += range(start, b_end)
-                writes.append((branch, start, b_end))
-                decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
+                writes.append((branch, start - d, b_end - d))
+                decodes += [(branch, p + 1, -(-(b_end - d) // bs)) for p in range(start - d, b_end - d)]
         return input_ids, positions, self.metadata(writes, decodes, prefills)
 
     def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:
@@ -405,6 +406,54 @@ class ModelRunner:
                 if scales is not None:
                     scales[:, :, dst].copy_(scales_src)
 
+    # ---- KV compression (sieve/kv_compression) ---------------------------------------------
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers a press compresses: every attention layer (a model with other kinds has none: refused)."""
+        return list(self.layer_groups[0])
+
+    def attention_scale(self, layer: int) -> float:
+        return self.model.layers[layer].attn.scale
+
+    def prompt_kv(self, layer: int, table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V of the first `num_tokens` slots of `table`, float32 [KVH, T, D] (read as attention
+        reads them: a quantized cache widened)."""
+        blocks = torch.tensor(table[: -(-num_tokens // self.block_size)], dtype=torch.int64, device=self.device)
+        k, v = self.caches[layer].read_kv(blocks, torch.float32)
+        return k[:num_tokens].transpose(0, 1), v[:num_tokens].transpose(0, 1)
+
+    @torch.inference_mode()
+    def window_queries(self, token_ids: list[int], num_tokens: int, table: list[int], window: int) -> list[torch.Tensor]:
+        """Per attention layer, the rotated queries [H, window, D] (float32) of positions num_tokens - window ..
+        num_tokens - 1, whose K/V `table` holds with everything before them: those positions run again through the
+        PyTorch layer loop, which keeps each layer's queries and writes nothing."""
+        start = num_tokens - window
+        holder = _Tables(table)
+        meta = self.metadata([(holder, start, num_tokens)], [], [(0, window, num_tokens, holder)])
+        meta.capture = []
+        self.model(torch.tensor(token_ids[start:num_tokens], device=self.device),
+                   torch.arange(start, num_tokens, device=self.device), self.caches, meta)
+        return [q.transpose(0, 1).float() for q in meta.capture]
+
+    def compact_kv(self, old_table: list[int], new_table: list[int], kept: list[torch.Tensor]) -> None:
+        """Every attention layer's kept positions (`kept[j]` [KVH, n]: positions in `old_table`'s slots, per KV head)
+        written to slots 0 .. n - 1 of `new_table`, head by head (gathered first: the tables may share blocks)."""
+        bs, dev = self.block_size, self.device
+        old = torch.tensor(old_table, dtype=torch.int64, device=dev)
+        new = torch.tensor(new_table, dtype=torch.int64, device=dev)
+        n = kept[0].shape[1]
+        dst = new[torch.arange(n, device=dev) // bs] * bs + torch.arange(n, device=dev) % bs  # [n]
+        heads = torch.arange(self.arch.num_kv_heads, device=dev)[:, None]
+        for layer, positions in zip(self.attention_layers, kept):
+            positions = positions.to(dev)
+            src = old[positions // bs] * bs + positions % bs  # [KVH, n]
+            cache = self.caches[layer]
+            planes = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if self.kv_kind == "int8" else [])
+            for plane in planes:  # byte views: float8 has no CPU gather everywhere
+                flat = plane.view(torch.uint8) if plane.dtype.itemsize == 1 else plane
+                flat = flat.view(-1, *plane.shape[2:])  # [slots, KVH, ...]
+                flat.index_copy_(0, dst, flat[src, heads].transpose(0, 1).contiguous())
+
     def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.
         Computed from the rows of positions not scored yet (a chunk after preemption may have scored them),
@@ -421,6 +470,13 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
             dicts += logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
         return [(seq, lo + 1, dicts)] if dicts else []
+
+
+class _Tables:
+    """A block table to run a pass through (what `metadata` reads of a sequence)."""
+
+    def __init__(self, table: list[int]):
+        self.block_table = table
 
 
 @torch.inference_mode()

@@ -86,6 +86,7 @@ class OutputProcessor:
             metrics=req.metrics,
             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
             kv_tier_tokens=dict(req.kv_tier_tokens),
+            kv_kept_tokens=req.kv_kept_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             deltas=deltas,
         )

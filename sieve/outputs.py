@@ -61,6 +61,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Of those, the tokens whose KV was loaded from a KV tier below the pool (sieve/kv_tiers), per tier
     kv_tier_tokens: dict[str, int] = field(default_factory=dict)
+    # KV compression: the prompt positions the press kept (per layer and KV head); None without compression
+    kv_kept_tokens: int | None = None
     # With prompt_logprobs: one dict per prompt token (None for the first), the token's entry plus the top-N.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Per choice, the text and token ids produced since the previous output (for streaming).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sieve.kv_compression import KVCompression
 from sieve.structured.params import StructuredOutputsParams
 
 
@@ -35,6 +36,9 @@ class SamplingParams:
     kv_transfer_params: dict | None = None
     # vLLM's `cache_salt`: prefix-cache blocks are shared only among requests with the same salt (tenant isolation)
     cache_salt: str | None = None
+    # KV compression (sieve/kv_compression): a press and the fraction of the prompt's positions it removes; a
+    # KVCompression, {"press": "snapkv", "ratio": 0.5} or "snapkv:0.5"
+    kv_compression: KVCompression | dict | str | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     _bias: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -56,6 +60,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k in (0, None):
             self.top_k = -1
+        if self.kv_compression is not None:
+            self.kv_compression = KVCompression.of(self.kv_compression)
         self._validate()
 
     def _validate(self) -> None:
@@ -104,6 +110,8 @@ class SamplingParams:
                 bad("min_tokens cannot be combined with structured outputs: the grammar decides where the output ends")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             bad("cache_salt must be a non-empty string")
+        if self.kv_compression is not None and self.n > 1:
+            bad("kv_compression takes one choice per request (n = 1): each choice would compress its own copy")
         if any(not s for s in self.stop_strings):
             bad("stop strings must not be empty")
         for tok, value in (self.logit_bias or {}).items():

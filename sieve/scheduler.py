@@ -144,8 +144,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            decode = remaining == 1
+            remaining = self._to_compute(seq)
+            decode = seq.num_tokens - seq.num_computed_tokens == 1
             num_new = 1 if decode else min(remaining, budget - reserve)
             if num_new < 1 or (not self.config.enable_chunked_prefill and num_new < remaining):
                 i += 1
@@ -181,7 +181,7 @@ class Scheduler:
                 break  # it would push those running past their TPOT objective: it waits
             # prompt logprobs need every prompt position's logits: such a prefill takes nothing from the cache
             cached = 0 if seq.needs_prompt_logprobs else self.blocks.take_cached_prefix(seq)
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = self._to_compute(seq)
             num_new = min(remaining, budget)
             no_room = self.pacer is not None and self.running and not self.pacer.leaves_room(
                 seq, self.blocks.num_free_blocks * self.config.block_size, len(self.running), self.config.block_size)
@@ -211,6 +211,15 @@ class Scheduler:
             if item.draft and item.seq.draft_state.alternatives and budget > 1:
                 budget -= self._branch(item, out, budget)
         return out
+
+    @staticmethod
+    def _to_compute(seq: Sequence) -> int:
+        """Tokens `seq` has left to compute before its next stop: its end, or with KV compression pending (a sequence
+        re-entering after preemption) the end of its prompt, where the press runs before its later tokens are computed
+        again over the kept positions."""
+        if seq.press_pending and seq.num_computed_tokens < seq.num_prompt_tokens:
+            return seq.num_prompt_tokens - seq.num_computed_tokens
+        return seq.num_tokens - seq.num_computed_tokens
 
     def _branch(self, item: ScheduledSeq, out: SchedulerOutput, budget: int) -> int:
         """Reserve `item`'s other draft chains (each as long as its own draft, at most); the rows they take."""

@@ -35,6 +35,7 @@ class Request:
     kv_export: bool = False  # a prefill server's request ({"do_remote_decode": true}): its KV is saved when it finishes
     num_transferred_tokens: int = 0  # a decode server's request: prompt tokens whose KV came from the prefill server
     kv_tier_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens whose KV a KV tier held, per tier
+    kv_kept_tokens: int | None = None  # KV compression: prompt positions the press kept (per layer and KV head)
 
     @property
     def finished(self) -> bool:
@@ -83,6 +84,10 @@ class Sequence:
     state_slot: int = -1  # recurrent (Mamba-2) layers: the slot of this sequence's state while it runs
     draft_state: Draft = field(default_factory=lambda: Draft())  # speculative decoding's next draft
     grammar: Any = None  # structured outputs: this sequence's GrammarMatcher (sieve/structured), or None
+    # KV compression (sieve/kv_compression): whether the press ran on the prompt, and the positions it dropped. Token
+    # p's K/V is in slot p - kv_dropped of block_table; its rotary position stays p.
+    kv_compressed: bool = False
+    kv_dropped: int = 0
 
     # Output side (written by the output processor).
     output_text: str = ""
@@ -114,6 +119,11 @@ class Sequence:
         prompt position (logits come from hidden states, which the prefix cache does not keep)."""
         lps = self.request.prompt_logprobs
         return lps is not None and len(lps) < self.num_prompt_tokens
+
+    @property
+    def press_pending(self) -> bool:
+        """KV compression is asked for and the press has not run on this sequence's prompt yet."""
+        return self.params.kv_compression is not None and not self.kv_compressed
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,18 @@ class KVTierStats:
 
 
 @dataclass(frozen=True)
+class KVCompressionStats:
+    """KV compression: requests pressed, their prompt tokens and the positions dropped (per layer and head: the slots
+    each layer no longer holds), presses skipped (no room for the compacted copy), seconds spent pressing."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    dropped_tokens: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class StructuredStats:
     mask_seconds: float = 0.0
     num_masked_steps: int = 0
@@ -66,3 +78,4 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # None: speculation off
     kv_transfer: KVTransferStats | None = None  # None: no KV transfer
     kv_tiers: KVTierStats | None = None  # None: no KV tiers
+    kv_compression: KVCompressionStats = field(default_factory=KVCompressionStats)

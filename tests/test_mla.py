@@ -150,6 +150,13 @@ def test_quantized_kv_cache_is_refused_for_latent_attention(mla_checkpoints):
         engine(mla_checkpoints["v3"], kv_cache_dtype="fp8")
 
 
+def test_kv_compression_is_refused_for_latent_attention(mla_checkpoints):
+    from sieve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_compression: not built for multi-head latent attention"):
+        engine(mla_checkpoints["v3"], kv_compression="knorm:0.5")
+
+
 def test_unsupported_deepseek_routing_is_refused(mla_checkpoints, tmp_path):
     from sieve.models.arch import UnsupportedModelError
 

@@ -55,6 +55,9 @@ class AttentionMetadata:
     decode_first_visible: torch.Tensor | None = None  # [num_decodes] int64
     windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
     recurrent: object = None  # Mamba-2 layers: which state slot each row continues (sieve.layers.mamba.RecurrentMetadata)
+    # KV compression's pass over a prompt's last positions (ModelRunner.window_queries): each attention layer appends
+    # its rotated queries [T, H, D] here and writes nothing (those positions' K/V are in the cache already)
+    capture: list | None = None
 
 
 def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefills: list[tuple[int, int, int, list[int]]],
@@ -182,7 +185,10 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        cache.write_kv(meta.slot_mapping, k, v)
+        if meta.capture is None:
+            cache.write_kv(meta.slot_mapping, k, v)
+        else:
+            meta.capture.append(q)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no output buffer to assemble
             return self._decode(q, cache, meta)

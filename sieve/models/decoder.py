@@ -172,7 +172,7 @@ class DecoderModel(nn.Module):
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
-        if self.native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
+        if self.native is not None and meta.capture is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
             out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux)
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)

@@ -78,6 +78,14 @@ class EngineCollector:
             yield from self.kv_transfer(s.kv_transfer)
         if s.kv_tiers is not None:
             yield from self.kv_tiers(s.kv_tiers)
+        c = s.kv_compression
+        yield from _counters("sieve:kv_compression_", self.model_name, (
+            ("requests", "Requests whose prompt KV a press compressed", c.requests),
+            ("prompt_tokens", "Prompt tokens of those requests", c.prompt_tokens),
+            ("dropped_tokens", "Prompt positions a press dropped (each frees its slot in every layer)", c.dropped_tokens),
+            ("skipped", "Presses skipped: no room for the compacted copy and the prompt's blocks shared", c.skipped),
+            ("seconds", "Seconds spent choosing and compacting kept positions", c.seconds),
+        ))
 
     def structured(self, st):
         """Time spent on token masks (computing and applying them), per step and per row, and grammar compilation."""

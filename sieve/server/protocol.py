@@ -93,6 +93,8 @@ class _Common(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # KV compression (sieve/kv_compression): {"press": "snapkv", "ratio": 0.5}, ratio the fraction of positions removed
+    kv_compression: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
@@ -152,6 +154,7 @@ class _Common(BaseModel):
             structured_outputs=self.structured(),
             kv_transfer_params=self.kv_transfer_params,
             cache_salt=self.cache_salt,
+            kv_compression=self.kv_compression,
         )
 
 

@@ -114,9 +114,16 @@ class ResponseFormat:
         pool, the tokens loaded from it (`kv_tier_tokens`, only where a tier served some). Neither where the prefix cache
         is shared between tenants."""
         if not self.report_cached:
-            return {"cached_tokens": 0}
+            return {"cached_tokens": 0, **self.kept_details(finals)}
         tiers: dict[str, int] = {}
         for o in finals:
             for tier, n in o.kv_tier_tokens.items():
                 tiers[tier] = tiers.get(tier, 0) + n
-        return {"cached_tokens": sum(o.num_cached_tokens for o in finals), **({"kv_tier_tokens": tiers} if tiers else {})}
+        return {"cached_tokens": sum(o.num_cached_tokens for o in finals), **({"kv_tier_tokens": tiers} if tiers else {}),
+                **self.kept_details(finals)}
+
+    @staticmethod
+    def kept_details(finals: list[RequestOutput]) -> dict:
+        """KV compression: `kv_kept_tokens`, the prompt positions its press kept (per layer and KV head), where it ran."""
+        kept = [o.kv_kept_tokens for o in finals if o.kv_kept_tokens is not None]
+        return {"kv_kept_tokens": sum(kept)} if kept else {}

@@ -188,7 +188,7 @@ class ServerState:
         try:
             return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param="kv_compression" if str(e).startswith("kv_compression") else None) from e
 
     @staticmethod
     def _check_kv_transfer(body) -> None:
@@ -234,5 +234,6 @@ class ServerState:
             return APIError(503, str(e), "server_error", code="server_busy", headers={"Retry-After": "1"})
         message = str(e)
         param = "kv_transfer_params" if message.startswith("kv_transfer_params") else \
+            "kv_compression" if message.startswith("kv_compression") else \
             "prompt" if "prompt" in message or "context" in message else None
         return APIError(400, message, param=param)

@@ -1,0 +1,135 @@
+"""Compressing one sequence after its prompt's prefill: the press chooses, layer by layer, the positions each KV head
+keeps; the block manager gives the sequence a shorter table; the model runner writes the kept K/V there, compactly.
+
+After it the sequence has `kv_dropped` fewer slots than positions: a new token at position p goes to slot
+p - kv_dropped and attends to every slot before it, while its rotary position stays p. Kept keys were rotated at their
+own positions, so attention over the kept set is exact for that set.
+
+The prompt's exact blocks are not overwritten where the pool has room: they stay in the prefix cache for requests
+that share the prompt, and the compacted copy is the sequence's own, never entered in the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sieve.kv_compression import KVCompression
+from sieve.kv_compression.press import LayerKV
+
+log = logging.getLogger("sieve")
+
+
+def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | None:
+    """Per attention layer, [KVH, n_kept] ascending prompt positions the press keeps; None when it keeps them all (a
+    prompt shorter than the press can score, or a ratio that rounds to nothing removed)."""
+    T = seq.num_prompt_tokens
+    press = spec.make()
+    n_kept = spec.n_kept(T)
+    if n_kept >= T or T < press.min_prompt():
+        return None
+    table = seq.block_table
+    queries = runner.window_queries(seq.token_ids, T, table, press.query_window) if press.query_window else None
+    kept = []
+    for j, layer in enumerate(runner.attention_layers):
+        k, v = runner.prompt_kv(layer, table, T)
+        kv = LayerKV(k, v, queries[j] if queries is not None else None, runner.attention_scale(layer), j)
+        kept.append(press.keep(kv, n_kept))
+    return kept
+
+
+@torch.inference_mode()
+def compress_sequence(runner, blocks, seq, spec: KVCompression) -> bool:
+    """Apply `spec` to `seq`, whose prompt is computed (and nothing after it). False when the pool has no room for
+    the compacted copy and the prompt's own blocks are shared (it stays uncompressed; the caller counts it)."""
+    kept = kept_positions(runner, seq, spec)
+    seq.kv_compressed = True
+    if kept is None:
+        return True
+    moved = blocks.compact(seq, kept[0].shape[1])
+    if moved is None:
+        return False
+    old_table, new_table = moved
+    runner.compact_kv(old_table, new_table, kept)
+    seq.kv_dropped = seq.num_prompt_tokens - kept[0].shape[1]
+    return True
+
+
+class KVCompressor:
+    """The engine's side: which requests may be compressed (and the server's default for the rest), the press run
+    after each step on every sequence whose prompt it completed, and the counters /metrics reads."""
+
+    def __init__(self, default: str | None, arch, runner, blocks, tensor_parallel: bool):
+        self.default = KVCompression.of(default) if default else None
+        self.runner, self.blocks = runner, blocks
+        self.refusal = self.unsupported(arch, tensor_parallel)
+        if self.default is not None and self.refusal:
+            from sieve.config import ConfigError
+
+            raise ConfigError(f"kv_compression: {self.refusal}")
+        self.num_requests = self.num_prompt_tokens = self.num_dropped_tokens = self.num_skipped = 0
+        self.seconds = 0.0
+
+    @staticmethod
+    def unsupported(arch, tensor_parallel: bool) -> str | None:
+        """Why this model cannot be compressed (by name), or None."""
+        if arch.is_mla:
+            return "not built for multi-head latent attention (its cache holds latents, not per-head keys)"
+        if arch.has_sliding_layers:
+            return "not built for models with sliding-window layers yet (their window already bounds their cache)"
+        if arch.mamba_layers:
+            return "not built for models with recurrent (Mamba-2) layers"
+        if tensor_parallel:
+            return "not built together with tensor parallelism yet"
+        return None
+
+    def admit(self, params) -> None:
+        """Give `params` (a request's own copy) the server's default where it asks for nothing and may take it;
+        ValueError when it asks for compression this engine cannot give it."""
+        kv = params.kv_transfer_params
+        remote_decode = isinstance(kv, dict) and bool(kv.get("do_remote_decode"))
+        if params.kv_compression is None and self.default is not None and params.n == 1 and not remote_decode:
+            params.kv_compression = self.default
+        if params.kv_compression is None:
+            return
+        if self.refusal:
+            raise ValueError(f"kv_compression: {self.refusal}")
+        if remote_decode:
+            raise ValueError("kv_compression: a prefill server's request (kv_transfer_params.do_remote_decode) hands its "
+                             "prompt's exact KV on; compress on the decode server")
+
+    def after_step(self, scheduled: list) -> list:
+        """The press on every scheduled sequence whose prompt is now computed; returns the sequences it failed on
+        (the caller ends them)."""
+        failed = []
+        for item in scheduled:
+            seq = item.seq
+            if not seq.press_pending or seq.num_computed_tokens < seq.num_prompt_tokens or seq.finish_reason is not None:
+                continue
+            started = time.perf_counter()
+            try:
+                done = compress_sequence(self.runner, self.blocks, seq, seq.params.kv_compression)
+            except Exception:  # noqa: BLE001 - the request fails, the engine goes on
+                log.exception("request %s: KV compression failed", seq.request.request_id)
+                failed.append(seq)
+                continue
+            self.seconds += time.perf_counter() - started
+            if not done:
+                self.num_skipped += 1
+                log.warning("request %s: KV compression skipped: no free blocks for the compacted copy and its prompt's "
+                            "blocks are shared", seq.request.request_id)
+            first = seq.request.kv_kept_tokens is None
+            seq.request.kv_kept_tokens = seq.num_prompt_tokens - seq.kv_dropped
+            if first:  # (a sequence preempted and pressed again counts once)
+                self.num_requests += 1
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self.num_dropped_tokens += seq.kv_dropped
+        return failed
+
+    def snapshot(self):
+        from sieve.stats import KVCompressionStats
+
+        return KVCompressionStats(self.num_requests, self.num_prompt_tokens, self.num_dropped_tokens, self.num_skipped,
+                                  self.seconds)

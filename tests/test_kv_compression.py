@@ -1,0 +1,347 @@
+"""KV compression (sieve/kv_compression): the positions each press keeps are kvpress's on transformers; attention over
+a compacted sequence is attention with the dropped positions masked; compressed and uncompressed requests leave
+each other alone (batching, chunking, preemption, speculation); the prefix cache never serves a compressed sequence's
+blocks as exact; bad fields are 400s."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import SHARED
+from sieve import LLM, SamplingParams
+import sieve.kv_compression.compact as compact
+
+STORIES = SHARED / "models" / "stories260K"
+
+
+def record_kept(monkeypatch) -> list:
+    """Every press's choice from now on: per attention layer, [KVH, n_kept] positions."""
+    seen = []
+    choose = compact.kept_positions
+
+    def recorded(runner, seq, spec):
+        kept = choose(runner, seq, spec)
+        seen.append(kept)
+        return kept
+
+    monkeypatch.setattr(compact, "kept_positions", recorded)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def stories_llm():
+    return LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256)
+
+
+@pytest.fixture(scope="module")
+def hf_stories():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def story_prompt(n: int, seed: int = 0) -> list[int]:
+    """`n` tokens of real text (TinyStories), so attention has structure to press."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(STORIES / "tokenizer.json"))
+    text = (SHARED / "data" / "tinystories_valid_sample.txt").read_text()
+    start = random.Random(seed).randrange(0, len(text) // 2)
+    return [1] + tok(text[start: start + 20 * n])["input_ids"][: n - 1]
+
+
+def kvpress_kept(model, press, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The positions kvpress's `press` keeps per layer, [KVH, n_kept] ascending, and its scores [KVH, T]: its own
+    `compress` called on each layer's prompt K/V after that layer's attention (what its forward hook does;
+    transformers 5 renamed the hook's cache argument), the kept keys located among the full ones."""
+    from transformers import DynamicCache
+
+    cache, kept, scores = DynamicCache(), {}, {}
+
+    def hook(module, args, kwargs, output):
+        layer = cache.layers[module.layer_idx]
+        kw = dict(kwargs, past_key_values=cache)
+        k2, _ = press.compress(module, kwargs["hidden_states"], layer.keys, layer.values, output[1], kw)
+        scores[module.layer_idx] = press.score(module, kwargs["hidden_states"], layer.keys, layer.values, output[1], kw)[0]
+        dist = torch.cdist(k2[0], layer.keys[0], compute_mode="donot_use_mm_for_euclid_dist")  # [KVH, kept, T]
+        assert dist.min(-1).values.max() < 1e-5, "every key kvpress keeps is one of the prompt's"
+        kept[module.layer_idx] = dist.argmin(-1).sort(-1).values
+        return output
+
+    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), past_key_values=cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [kept[i] for i in range(len(kept))], [scores[i] for i in range(len(kept))]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+@pytest.mark.parametrize("press", ["knorm", "streaming_llm", "snapkv"])
+def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, press, ratio):
+    """The same positions, per layer and KV head, but for ties: a key norm is the same at every position of a repeated
+    token in layer 0 (rotation keeps norms), and there the float rounding of two implementations picks. A position
+    kept by one and not the other must score within 1e-5 of the cutoff in kvpress's own scores."""
+    import kvpress
+
+    ref_press = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress,
+                 "snapkv": kvpress.SnapKVPress}[press](compression_ratio=ratio)
+    ids = story_prompt(300)
+    seen = record_kept(monkeypatch)
+    out = stories_llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2,
+                                                                         kv_compression={"press": press, "ratio": ratio}))[0]
+    n_kept = int(300 * (1 - ratio))
+    assert out.kv_kept_tokens == n_kept
+    ours, (ref, ref_scores) = seen[0], kvpress_kept(hf_stories, ref_press, ids)
+    assert len(ours) == len(ref) == 5
+    ties = exact = 0
+    for layer, (a, b, s) in enumerate(zip(ours, ref, ref_scores)):
+        for head in range(a.shape[0]):
+            differ = set(a[head].tolist()) ^ set(b[head].tolist())
+            cutoff = s[head].topk(n_kept).values[-1]
+            for p in differ:
+                assert abs(s[head, p] - cutoff) <= 1e-5 * max(1.0, abs(cutoff)), \
+                    f"layer {layer} head {head}: position {p} (score {s[head, p]:.6g}, cutoff {cutoff:.6g}) is no tie"
+            ties += len(differ) // 2
+            exact += not differ
+    assert ties <= 0.01 * n_kept * a.shape[0] * len(ours)
+    assert exact >= 0.9 * a.shape[0] * len(ours)
+    if press != "streaming_llm":  # (a scoring press keeps per head: the heads do differ)
+        assert any(not torch.equal(k[0], k[1]) for k in ours)
+
+
+def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_masked(stories_llm, monkeypatch):
+    """Each decode step after the press against transformers (float32) with, per layer and KV head, the dropped prompt
+    positions masked out of every later query's attention: every logit within 1e-5."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    ids = story_prompt(200, seed=1)
+    seen = record_kept(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True,
+                            kv_compression={"press": "snapkv", "ratio": 0.6})
+    out = stories_llm.generate([{"prompt_token_ids": ids}], params)[0]
+    kept, T = seen[0], len(ids)
+
+    def masked(module, q, k, v, attention_mask, scaling, dropout=0.0, **kwargs):
+        H, KVH, n, L = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
+        logits = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, n, L]
+        visible = torch.ones(H, n, L, dtype=torch.bool).tril(L - n)
+        if n < L:  # after the prompt: only the kept prompt positions, then every later one
+            allowed = torch.zeros(KVH, L, dtype=torch.bool)
+            allowed[:, T:] = True
+            allowed.scatter_(1, kept[module.layer_idx].cpu(), True)
+            visible &= allowed.repeat_interleave(H // KVH, dim=0)[:, None, :]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2), None
+
+    AttentionInterface.register("sieve_kept_only", masked)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sieve_kept_only").eval()
+    tokens = ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        logits = [model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]]
+        for t in tokens[T:-1]:
+            logits.append(model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
+    ref = torch.log_softmax(torch.stack(logits), dim=-1)
+    for i, (token, lps) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        assert int(ref[i].argmax()) == token
+        for tid, lp in lps.items():
+            assert abs(lp.logprob - ref[i, tid].item()) < 1e-5, f"step {i}, token {tid}"
+    # and the mask mattered: without it the answer's logprobs differ
+    full = torch.log_softmax(hf_logits_unmasked(tokens, T), dim=-1)
+    assert (full - ref).abs().max() > 1e-3
+
+
+def hf_logits_unmasked(tokens: list[int], T: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, T - 1: len(tokens) - 1]
+
+
+def mixed_workload(n: int, seed: int = 0) -> tuple[list, list]:
+    rng = random.Random(seed)
+    presses = [None, {"press": "snapkv", "ratio": 0.5}, {"press": "knorm", "ratio": 0.75},
+               {"press": "streaming_llm", "ratio": 0.5}, {"press": "chunkkv", "ratio": 0.5}]
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append({"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(70, 160))]})
+        sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, seed=100 + i)
+        params.append(SamplingParams(max_tokens=rng.randint(5, 25), ignore_eos=True, kv_compression=presses[i % len(presses)],
+                                     **sampling))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def mixed_alone(llama_llm):
+    prompts, params = mixed_workload(10)
+    return [llama_llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # all in one batch
+    dict(max_num_batched_tokens=24),  # every prompt chunked, decodes beside them
+    dict(num_gpu_blocks_override=13, block_size=16),  # preempted and pressed again; compacted in place when short
+], ids=["batch", "chunked", "preempt"])
+def test_compressed_and_plain_requests_leave_each_other_unchanged(llama_engine_factory, mixed_alone, options):
+    llm = llama_engine_factory(**options)
+    prompts, params = mixed_workload(10)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == mixed_alone
+    for o, sp in zip(outs, params):
+        assert (o.kv_kept_tokens is None) == (sp.kv_compression is None)
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if "num_gpu_blocks_override" in options:
+        assert engine.scheduler.num_preemptions > 0
+    stats = engine.stats().kv_compression
+    assert stats.requests == 8 and stats.dropped_tokens > 0 and stats.skipped == 0
+
+
+def test_compression_changes_the_output_and_speculation_does_not(stories_llm):
+    """The press is not a no-op (a 4x press changes a long greedy story), and n-gram speculation on a compressed
+    sequence verifies against the compacted cache: the same tokens as without it."""
+    prompt = {"prompt_token_ids": story_prompt(250, seed=2)}
+    plain = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    pressed = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, kv_compression={"press": "snapkv", "ratio": 0.75})
+    a, b = (stories_llm.generate([prompt], sp)[0].outputs[0].token_ids for sp in (plain, pressed))
+    assert a != b
+    spec = LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    out = spec.generate([prompt], pressed)[0]
+    assert out.outputs[0].token_ids == b
+    assert spec.llm_engine.stats().spec_decode.num_accepted_tokens > 0, "drafts must have been verified"
+
+
+def test_compressed_blocks_never_enter_the_exact_prefix_cache(llama_engine_factory, monkeypatch):
+    llm = llama_engine_factory()
+    engine = llm.llm_engine
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 4096) for _ in range(130)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
+    tables = []
+    commit = engine.block_manager.commit
+
+    def watched(seq):
+        commit(seq)
+        if seq.kv_dropped:
+            tables.append(list(seq.block_table))
+
+    monkeypatch.setattr(engine.block_manager, "commit", watched)
+    # a prompt the plain request's blocks hold (its prompt and 30 of its tokens) compressed: they are a hit (the press
+    # scores the exact prompt), and what the compressed sequence writes after its press is never cached
+    pressed_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_compression={"press": "knorm", "ratio": 0.5})
+    pressed = llm.generate([{"prompt_token_ids": prompt + plain.outputs[0].token_ids[:30]}], pressed_params)[0]
+    assert pressed.num_cached_tokens == 144  # its prompt's full blocks before its last token (9 x 16)
+    cached = set(engine.block_manager.cached.values())
+    assert tables and not any(b in cached for t in tables for b in t), "a compacted block entered the prefix cache"
+    # and a plain request afterwards is what it is on a fresh engine
+    again = llm.generate([{"prompt_token_ids": prompt + plain.outputs[0].token_ids[:30]}], sp)[0]
+    fresh = llama_engine_factory().generate([{"prompt_token_ids": prompt + plain.outputs[0].token_ids[:30]}], sp)[0]
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_a_compressed_request_reentering_takes_no_exact_block_past_its_prompt(llama_engine_factory):
+    """After preemption a compressed sequence recomputes its prompt, presses it again and recomputes its later
+    tokens over the kept positions: a cached exact block of those later tokens (here from a plain request that
+    generated the same tokens) would be the uncompressed KV."""
+    llm = llama_engine_factory()
+    engine = llm.llm_engine
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 4096) for _ in range(64)]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, kv_compression={"press": "streaming_llm", "ratio": 0.5})
+    ref = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+    plain = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt + ref[:40]}], plain)  # exact blocks of the prompt and 40 of its tokens
+    engine.add_request("c", {"prompt_token_ids": prompt}, sp)
+    seq = engine.requests["c"].seqs[0]
+    while seq.num_output_tokens < 20:
+        engine.step()
+    engine.scheduler.remove(seq)  # (what preemption does to its blocks) and queue it again
+    seq.num_preemptions += 1
+    engine.scheduler.add(seq)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == ref
+    assert outs[0].kv_kept_tokens == 32 and seq.num_preemptions == 1
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_cache_compacts_codes_and_scales(llama_engine_factory, kv):
+    """A quantized cache moves its codes (and int8's per-slot scales) with them: the same tokens in a batch as alone."""
+    llm = llama_engine_factory(kv_cache_dtype=kv)
+    prompts, params = mixed_workload(5, seed=4)
+    alone = [llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_bad_kv_compression_is_refused():
+    for bad in ({"press": "nope", "ratio": 0.5}, {"press": "snapkv", "ratio": 0}, {"press": "snapkv", "ratio": 1.0},
+                {"press": "snapkv", "ratio": "half"}, {"press": "snapkv"}, {"press": "snapkv", "ratio": 0.5, "window": 3},
+                "snapkv", "snapkv:x", 5):
+        with pytest.raises(ValueError, match="kv_compression"):
+            SamplingParams(kv_compression=bad)
+    with pytest.raises(ValueError, match="n = 1"):
+        SamplingParams(n=2, kv_compression={"press": "snapkv", "ratio": 0.5})
+    assert str(SamplingParams(kv_compression="snapkv:0.5").kv_compression) == "snapkv:0.5"
+
+
+def test_server_field_usage_metrics_and_400s(llama_dir):
+    import openai
+    import httpx
+
+    from live_server import API_KEY, MODEL, start_server
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512,
+                                    kv_compression="streaming_llm:0.5"))
+    url, stop = start_server(engine)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+        prompt = list(range(10, 110))
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"kv_compression": {"press": "knorm", "ratio": 0.75}})
+        assert r.usage.prompt_tokens_details.kv_kept_tokens == 25
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)  # the server's default
+        assert r.usage.prompt_tokens_details.kv_kept_tokens == 50
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 40}], max_tokens=3,
+                                              extra_body={"kv_compression": {"press": "snapkv", "ratio": 0.5}}, stream=True,
+                                              stream_options={"include_usage": True})
+        usage = [c.usage for c in chat if c.usage is not None][0]
+        assert usage.prompt_tokens_details.kv_kept_tokens == usage.prompt_tokens // 2
+        for bad, match in (({"press": "h2o", "ratio": 0.5}, "unknown press"), ({"press": "knorm", "ratio": 1.5}, r"\(0, 1\)"),
+                           ({"press": "knorm", "ratio": 0}, r"\(0, 1\)"), ({"press": "knorm"}, "takes")):
+            with pytest.raises(openai.BadRequestError, match=match) as e:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"kv_compression": bad})
+            assert e.value.body["param"] == "kv_compression"
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        assert "sieve:kv_compression_requests_total" in metrics
+        dropped = [line for line in metrics.splitlines() if line.startswith("sieve:kv_compression_dropped_tokens_total")]
+        assert dropped and float(dropped[0].split()[-1]) >= 75 + 50
+    finally:
+        stop()
+
+
+def test_models_a_press_cannot_serve_are_refused_by_name(checkpoints):
+    from sieve import EngineConfig, LLMEngine
+    from sieve.config import ConfigError
+    from sieve.engine import RequestError
+
+    sliding = dict(model=str(checkpoints["mistral"]), dtype="float32", num_gpu_blocks_override=64, hf_overrides={"sliding_window": 32})
+    with pytest.raises(ConfigError, match="sliding-window"):
+        LLMEngine(EngineConfig(**sliding, kv_compression="knorm:0.5"))
+    engine = LLMEngine(EngineConfig(**sliding))
+    with pytest.raises(RequestError, match="kv_compression: not built for models with sliding-window layers"):
+        engine.add_request("r", {"prompt_token_ids": [5] * 40}, SamplingParams(kv_compression="knorm:0.5"))
+    with pytest.raises(ConfigError, match="unknown press"):
+        EngineConfig(model=str(checkpoints["llama"]), kv_compression="h2o:0.5").validate()
