@@ -288,19 +288,19 @@ class BlockManager:
 
     def compact(self, seq: Sequence, num_kept: int) -> tuple[list[int], list[int]] | None:
         """KV compression: `seq` (its prompt computed) keeps `num_kept` slots. Its new table is fresh blocks where the
-        pool has them, so its prompt's exact blocks stay in the prefix cache for others; else its own leading
-        blocks, out of the cache (None, nothing changed, when one of them is shared). Returns (old table, new table):
-        the runner copies the kept K/V from the one to the other now, before any block is written again."""
+        pool has them, so its prompt's exact blocks stay in the prefix cache for others (and its own next turn); the
+        rest its own last blocks, out of the cache, so the cached prefix keeps its start (None, nothing changed, when
+        one of those is shared). Returns (old table, new table): the runner copies the kept K/V from the one to the
+        other now, before any block is written again."""
         table, need = self.table_of(seq), self.blocks_needed(num_kept)
-        if need <= self.num_free_blocks:
-            new = self._new_blocks(need)
-        elif all(self.ref_counts[b] == 1 for b in table[:need]):
-            self._forget_own(table[:need], "compact into")
-            new = table[:need]
-            for b in new:  # referenced again by the new table before the old one lets go of them
-                self.ref_counts[b] += 1
-        else:
+        short = max(0, need - self.num_free_blocks)
+        own = table[len(table) - short:] if short else []
+        if any(self.ref_counts[b] != 1 for b in own):
             return None
+        self._forget_own(own, "compact into")
+        for b in own:  # referenced again by the new table before the old one lets go of them
+            self.ref_counts[b] += 1
+        new = self._new_blocks(need - len(own)) + own
         old = list(table)
         self._release(old)
         self.set_table(seq, new)

@@ -492,6 +492,9 @@ class LLMEngine:
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         refused = self._refuse_late() if self.config.slo_reject else []
+        # KV compression: the press on every prompt the last step completed, whose first token is out already (a
+        # press that failed fails its request)
+        refused += [self.abort(seq.request.request_id) for seq in self.kv_compressor.press_pending(self.scheduler.running)]
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -565,15 +568,11 @@ class LLMEngine:
         return refused + outputs
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
-        """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, the KV press on
-        prompts the step completed, and the finished sequences out (with their blocks)."""
+        """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, and the finished
+        sequences out (with their blocks)."""
         self.scheduler.postprocess(sched)  # before removal: a finished sequence's full blocks still enter the cache
         if self.kv_tiers is not None:  # written down off this thread, as they enter the cache
             self.kv_tiers.written(self.block_manager.take_new_cached())
-        for seq in self.kv_compressor.after_step(sched.scheduled):  # a press that failed fails its request
-            seq.finish_reason = "abort"
-            finished.append(seq)
-            touched[seq.request.request_id] = seq.request
         for seq in finished:
             self.scheduler.remove(seq)
             if self.speculator is not None:

@@ -345,3 +345,25 @@ def test_models_a_press_cannot_serve_are_refused_by_name(checkpoints):
         engine.add_request("r", {"prompt_token_ids": [5] * 40}, SamplingParams(kv_compression="knorm:0.5"))
     with pytest.raises(ConfigError, match="unknown press"):
         EngineConfig(model=str(checkpoints["llama"]), kv_compression="h2o:0.5").validate()
+
+
+def test_a_pool_too_short_for_a_fresh_copy_keeps_the_start_of_the_cached_prompt():
+    """With no free block the compacted copy goes to the sequence's own last blocks: the prompt's leading blocks stay
+    cached (a chained hash finds nothing past a missing first block), for the next turn of the same conversation."""
+    from sieve.block_manager import BlockManager
+    from sieve.outputs import RequestMetrics
+    from sieve.sequence import Request, Sequence
+
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    params = SamplingParams(kv_compression="knorm:0.5")
+    req = Request("r", None, list(range(3, 33)), params, 0, RequestMetrics(arrival_time=0.0))
+    seq = Sequence(req, 0, 0, list(range(3, 33)), None)
+    assert bm.allocate(seq, 30) and bm.num_free_blocks == 0
+    seq.num_computed_tokens = 30
+    bm.commit(seq)
+    hashes = bm.prompt_hashes(list(range(3, 33)))
+    old, new = bm.compact(seq, 15)
+    assert new == old[-4:] and seq.block_table == new
+    assert all(bm.cached_block(h) == b for h, b in zip(hashes[:3], old[:3])), "the prompt's first blocks left the cache"
+    assert not any(b in bm.cached.values() for b in new)
+    assert bm.num_free_blocks == 4  # the first four: cached, unreferenced

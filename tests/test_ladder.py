@@ -370,3 +370,18 @@ def test_w8a8_rung_is_measured_when_named_beside_int8():
     assert w8a8.lossy and w8a8.prefix and not w8a8.spec
     assert engine_options(w8a8, native_int4=True) == {"dtype": "bfloat16", "enable_prefix_caching": True,
                                                       "dequantize": True, "quantization": "w8a8"}
+
+
+def test_kv_press_rung_serves_its_press_and_leaves_quality_to_its_benchmark():
+    """The KV compression rung (issue 65) is named, not measured by default; its server gets --kv-compression, and
+    `sieve eval` (which scores prompts: no press runs there) does not pretend to measure it."""
+    from sieve.bench.ladder import engine_options, serve_flags
+
+    p = argparse.ArgumentParser()
+    add_bench_ladder_args(p)
+    assert "kv-press" not in p.parse_args(["--model", "demo"]).rungs.split(",")
+    press = next(r for r in RUNGS if r.key == "kv-press")
+    o = engine_options(press, native_int4=True)
+    assert o["kv_compression"] == "snapkv:0.5" and o["quantization"] == "int8"
+    flags = serve_flags(o)
+    assert flags[flags.index("--kv-compression") + 1] == "snapkv:0.5"

@@ -162,26 +162,31 @@ def run_speed(args, llm, text: str) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Accuracy against ratio removed: a row of panels per task, a column per length, a line per press (from the
+    uncompressed reference at 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["task"], r["length"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
-    for ax, (task, length) in zip(axes[0], panels):
-        mine = [r for r in rows if r["task"] == task and r["length"] == length]
-        base = next(r["accuracy"] for r in mine if r["press"] is None)
-        for press in sorted({r["press"] for r in mine if r["press"]}):
-            pts = sorted((r["ratio"], r["accuracy"]) for r in mine if r["press"] == press)
-            ax.plot([0] + [x for x, _ in pts], [base] + [y for _, y in pts], marker="o", label=press)
-        ax.set_title(f"{task}, {length} tokens", fontsize=9)
-        ax.set_xlabel("ratio removed")
-        ax.set_ylim(-5, 105)
-    axes[0][0].set_ylabel("exact match, %")
+    tasks, lengths = sorted({r["task"] for r in rows}), sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(3.4 * len(lengths), 2.8 * len(tasks)), squeeze=False)
+    for i, task in enumerate(tasks):
+        for j, length in enumerate(lengths):
+            ax, mine = axes[i][j], [r for r in rows if r["task"] == task and r["length"] == length]
+            base = next(r["accuracy"] for r in mine if r["press"] is None)
+            for press in sorted({r["press"] for r in mine if r["press"]}):
+                pts = sorted((r["ratio"], r["accuracy"]) for r in mine if r["press"] == press)
+                ax.plot([0] + [x for x, _ in pts], [base] + [y for _, y in pts], marker="o", label=press)
+            ax.set_title(f"{task}, {length} tokens ({mine[0]['n']} prompts)", fontsize=9)
+            ax.set_ylim(-5, 105)
+            if i == len(tasks) - 1:
+                ax.set_xlabel("ratio removed")
+            if j == 0:
+                ax.set_ylabel("exact match, %")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def run_bench_compression(args) -> dict:

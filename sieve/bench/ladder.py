@@ -12,6 +12,8 @@ Rungs are cumulative; each is one server (a subprocess) under a closed loop of s
     4 speculative     + speculative decoding, n-gram proposals with the `auto` depth
     5 kv-fp8          + an FP8 KV cache (a `sieve distill --kv fp8` checkpoint with --kv-checkpoint)
     6 int4            + 4-bit weights (the GGUF file's own Q4_1 codes, or `-q int4`)
+      kv-press        (not by default) + KV compression, SnapKV keeping half of each prompt's positions: an
+                      alternative to kv-fp8 where memory binds (the long workload); its quality: `sieve bench compression`
 
 How users are counted: a point with U users runs U closed-loop users (each sends a conversation's turn, reads
 the whole streamed answer, sends the next; a user starts at a random moment of the first `--ramp` seconds), for
@@ -252,6 +254,7 @@ class RungSpec:
     prefix: bool = False
     spec: bool = False
     lossy: bool = False  # changes the tokens' distribution (quality is measured)
+    press: str | None = None  # KV compression, PRESS:RATIO (its quality is `sieve bench compression`'s, not `sieve eval`'s)
     default: bool = True  # measured unless --rungs names the rungs
 
 
@@ -265,6 +268,9 @@ RUNGS = [
     RungSpec("speculative", "+ speculative decoding (n-gram, auto depth)", "int8", "bf16", prefix=True, spec=True),
     RungSpec("kv-fp8", "+ FP8 KV cache", "int8", "fp8", prefix=True, spec=True, lossy=True),
     RungSpec("int4", "+ int4 weights", "int4", "fp8", prefix=True, spec=True, lossy=True),
+    # KV compression (issue 65): an alternative to the FP8 KV rung on the long workload, compared with the rung before it
+    RungSpec("kv-press", "+ KV compression (SnapKV, half the prompt's positions)", "int8", "bf16", prefix=True, spec=True,
+             lossy=True, default=False, press="snapkv:0.5"),
 ]
 SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 6}
 
@@ -280,6 +286,8 @@ def engine_options(r: RungSpec, native_int4: bool) -> dict:
             o["quantization"] = r.weights
     if r.kv != "bf16":
         o["kv_cache_dtype"] = r.kv
+    if r.press:
+        o["kv_compression"] = r.press
     return o
 
 
@@ -293,6 +301,8 @@ def serve_flags(o: dict) -> list[str]:
         flags += ["--quantization", o["quantization"]]
     if o.get("kv_cache_dtype"):
         flags += ["--kv-cache-dtype", o["kv_cache_dtype"]]
+    if o.get("kv_compression"):
+        flags += ["--kv-compression", o["kv_compression"]]
     return flags
 
 
@@ -857,7 +867,7 @@ def add_quality(args, model: str, options: dict, results: list[dict]) -> Path:
     ref = {"reference": model, "reference_dtype": "bfloat16", "reference_dequantize": True}
     for res in results:
         rung = next(r for r in RUNGS if r.key == res["key"])
-        if not rung.lossy:
+        if not rung.lossy or rung.press:  # (a press does not change how a prompt is scored: sieve bench compression)
             res["quality"] = None
             continue
         o = {k: v for k, v in options[rung.key].items() if k not in ("enable_prefix_caching", "dtype")}

@@ -100,12 +100,12 @@ class KVCompressor:
             raise ValueError("kv_compression: a prefill server's request (kv_transfer_params.do_remote_decode) hands its "
                              "prompt's exact KV on; compress on the decode server")
 
-    def after_step(self, scheduled: list) -> list:
-        """The press on every scheduled sequence whose prompt is now computed; returns the sequences it failed on
-        (the caller ends them)."""
+    def press_pending(self, running: list) -> list:
+        """The press on every running sequence whose prompt is computed and not pressed yet (before the next step
+        schedules it: its first token went out with the step that computed its prompt); returns the sequences it
+        failed on (the caller ends them)."""
         failed = []
-        for item in scheduled:
-            seq = item.seq
+        for seq in list(running):
             if not seq.press_pending or seq.num_computed_tokens < seq.num_prompt_tokens or seq.finish_reason is not None:
                 continue
             started = time.perf_counter()
