@@ -71,6 +71,7 @@ class KVCompressor:
             raise ConfigError(f"kv_compression: {self.refusal}")
         self.num_requests = self.num_prompt_tokens = self.num_dropped_tokens = self.num_skipped = 0
         self.seconds = 0.0
+        self.used = False  # a request has asked for a press (until then the per-step scan is skipped)
 
     @staticmethod
     def unsupported(arch, tensor_parallel: bool) -> str | None:
@@ -99,12 +100,15 @@ class KVCompressor:
         if remote_decode:
             raise ValueError("kv_compression: a prefill server's request (kv_transfer_params.do_remote_decode) hands its "
                              "prompt's exact KV on; compress on the decode server")
+        self.used = True
 
     def press_pending(self, running: list) -> list:
         """The press on every running sequence whose prompt is computed and not pressed yet (before the next step
         schedules it: its first token went out with the step that computed its prompt); returns the sequences it
         failed on (the caller ends them)."""
         failed = []
+        if not self.used:  # the per-step path of an engine whose requests never ask for a press
+            return failed
         for seq in list(running):
             if not seq.press_pending or seq.num_computed_tokens < seq.num_prompt_tokens or seq.finish_reason is not None:
                 continue
