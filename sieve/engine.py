@@ -344,7 +344,8 @@ class LLMEngine:
         order = next(self._arrivals)
         for i in range(params.n):
             seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=params.seed,
-                           grammar=grammar.matcher() if grammar is not None else None)
+                           grammar=grammar.matcher() if grammar is not None else None,
+                           query_stats=self.kv_compressor.query_stats(params))
             init_offsets(seq)
             req.seqs.append(seq)
         if params.kv_transfer_params is not None:

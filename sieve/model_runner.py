@@ -21,7 +21,7 @@ from sieve.config import EngineConfig
 from sieve.device import available_memory_bytes, zeroed
 from sieve.kernels import cpu_ops
 from sieve.block_manager import STATE_GROUP
-from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, build_metadata
+from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, QueryTap, build_metadata
 from sieve.layers.mamba import RecurrentMetadata, RecurrentState
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
@@ -292,7 +292,7 @@ class ModelRunner:
         """The step's token ids, positions and attention metadata. A decode and its drafts are rows of one table
         (the kernel walks it once for them all); a draft tree's other chains follow as the last token again, then
         the chain, each in blocks of its own."""
-        input_ids, positions, writes, decodes, prefills = [], [], [], [], []
+        input_ids, positions, writes, decodes, prefills, taps = [], [], [], [], [], []
         bs = self.block_size
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -304,6 +304,9 @@ class ModelRunner:
             writes.append((seq, start - d, end - d))
             if not item.is_decode:
                 prefills.append((row, item.num_new_tokens, end - d, seq))
+                if seq.query_stats is not None and seq.press_pending:  # its press's query statistics, in this step
+                    taps += [QueryTap(row + a - start, b - a, seq.query_stats)
+                             for a, b in seq.query_stats.take(start, min(end, seq.num_prompt_tokens))]
                 continue
             decodes += [(seq, p + 1, -(-(end - d) // bs)) for p in range(start - d, end - d)]
             for branch in item.branches:
@@ -312,7 +315,9 @@ class ModelRunner:
                 positions += range(start, b_end)
                 writes.append((branch, start - d, b_end - d))
                 decodes += [(branch, p + 1, -(-(b_end - d) // bs)) for p in range(start - d, b_end - d)]
-        return input_ids, positions, self.metadata(writes, decodes, prefills)
+        meta = self.metadata(writes, decodes, prefills)
+        meta.query_taps = taps
+        return input_ids, positions, meta
 
     def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:
         """The rows to sample (the last token of each item that reaches its sequence's end, and its drafted
@@ -430,10 +435,27 @@ class ModelRunner:
         start = num_tokens - window
         holder = _Tables(table)
         meta = self.metadata([(holder, start, num_tokens)], [], [(0, window, num_tokens, holder)])
-        meta.capture = []
+        meta.write_kv, meta.capture = False, []
         self.model(torch.tensor(token_ids[start:num_tokens], device=self.device),
                    torch.arange(start, num_tokens, device=self.device), self.caches, meta)
         return [q.transpose(0, 1).float() for q in meta.capture]
+
+    @torch.inference_mode()
+    def tap_queries(self, token_ids: list[int], start: int, end: int, table: list[int], sink, rows: int = 512) -> None:
+        """Positions start .. end - 1, whose K/V `table` holds with everything before them, run again through the
+        PyTorch layer loop `rows` at a time, writing nothing; each attention layer hands their queries before rotation
+        to `sink.add(layer, q)`."""
+        holder = _Tables(table)
+        for a in range(start, end, rows):
+            b = min(a + rows, end)
+            meta = self.metadata([(holder, a, b)], [], [(0, b - a, b, holder)])
+            meta.write_kv, meta.query_taps = False, [QueryTap(0, b - a, sink)]
+            self.model(torch.tensor(token_ids[a:b], device=self.device), torch.arange(a, b, device=self.device),
+                       self.caches, meta)
+
+    def future_rotation(self, first: int, count: int) -> torch.Tensor:
+        """[D, D]: the rotary rotation of positions first .. first + count - 1, averaged (expected attention)."""
+        return self.model.rotary.mean_rotation(first, count).to(self.device)
 
     def compact_kv(self, old_table: list[int], new_table: list[int], kept: list[torch.Tensor]) -> None:
         """Every attention layer's kept positions (`kept[j]` [KVH, n]: positions in `old_table`'s slots, per KV head)

@@ -82,7 +82,7 @@ def kvpress_kept(model, press, ids: list[int]) -> tuple[list[torch.Tensor], list
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75])
-@pytest.mark.parametrize("press", ["knorm", "streaming_llm", "snapkv"])
+@pytest.mark.parametrize("press", ["knorm", "streaming_llm", "snapkv", "expected_attention"])
 def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, press, ratio):
     """The same positions, per layer and KV head, but for ties: a key norm is the same at every position of a repeated
     token in layer 0 (rotation keeps norms), and there the float rounding of two implementations picks. A position
@@ -90,8 +90,10 @@ def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, pr
     implementations differ by ~1e-6)."""
     import kvpress
 
-    ref_press = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress,
-                 "snapkv": kvpress.SnapKVPress}[press](compression_ratio=ratio)
+    ref_press = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress, "snapkv": kvpress.SnapKVPress,
+                 "expected_attention": kvpress.ExpectedAttentionPress}[press](compression_ratio=ratio)
+    for layer in hf_stories.model.layers:  # (what kvpress's pipeline gives the attention modules it presses)
+        layer.self_attn.rotary_emb = hf_stories.model.rotary_emb
     ids = story_prompt(300)
     seen = record_kept(monkeypatch)
     out = stories_llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2,
@@ -100,6 +102,31 @@ def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, pr
     assert out.kv_kept_tokens == n_kept
     ours, (ref, ref_scores) = seen[0], kvpress_kept(hf_stories, ref_press, ids)
     assert len(ours) == len(ref) == 5
+    assert_same_kept(ours, ref, ref_scores, n_kept)
+    if press != "streaming_llm":  # (a scoring press keeps per head: the heads do differ)
+        assert any(not torch.equal(k[0], k[1]) for k in ours)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_expected_attention_keeps_what_kvpress_keeps_with_llama3_rope_and_qk_norm(checkpoints, monkeypatch, arch):
+    """Expected attention's statistics are of the queries before rotation (after Qwen3's q_norm), rotated by the
+    model's own frequencies (Llama 3.1's scaled ones): kvpress's positions on random Llama and Qwen3 checkpoints."""
+    import kvpress
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[arch], dtype=torch.float32, attn_implementation="sdpa").eval()
+    for layer in hf.model.layers:
+        layer.self_attn.rotary_emb = hf.model.rotary_emb
+    ids = [random.Random(arch).randrange(3, 4096) for _ in range(200)]
+    seen = record_kept(monkeypatch)
+    llm = LLM(str(checkpoints[arch]), dtype="float32", device="cpu", num_gpu_blocks_override=64)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2,
+                                                            kv_compression={"press": "expected_attention", "ratio": 0.5}))
+    ref, ref_scores = kvpress_kept(hf, kvpress.ExpectedAttentionPress(compression_ratio=0.5), ids)
+    assert_same_kept(seen[0], ref, ref_scores, 100)
+
+
+def assert_same_kept(ours: list, ref: list, ref_scores: list, n_kept: int) -> None:
     ties = exact = 0
     for layer, (a, b, s) in enumerate(zip(ours, ref, ref_scores)):
         for head in range(a.shape[0]):
@@ -112,8 +139,120 @@ def test_press_keeps_what_kvpress_keeps(stories_llm, hf_stories, monkeypatch, pr
             exact += not differ
     assert ties <= 0.01 * n_kept * a.shape[0] * len(ours)
     assert exact >= 0.9 * a.shape[0] * len(ours)
-    if press != "streaming_llm":  # (a scoring press keeps per head: the heads do differ)
-        assert any(not torch.equal(k[0], k[1]) for k in ours)
+
+
+def record_query_moments(monkeypatch) -> list:
+    """Every expected-attention score from now on: per attention layer, the (mean, covariance) it scored against."""
+    from sieve.kv_compression.expected_attention import ExpectedAttentionPress
+
+    seen, score = [], ExpectedAttentionPress.score
+
+    def recorded(self, kv):
+        seen.append((kv.query_mean.clone(), kv.query_cov.clone()))
+        return score(self, kv)
+
+    monkeypatch.setattr(ExpectedAttentionPress, "score", recorded)
+    return seen
+
+
+def reference_query_moments(model, ids: list[int], n_sink: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the mean [H, D] and covariance [H, D, D] of transformers' queries before rotation at positions
+    n_sink .. T - 1 (q_proj of each attention module's input), centred and divided by their count."""
+    inputs = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, kw, out, i=i: inputs.__setitem__(i, kw["hidden_states"]),
+                                                   with_kwargs=True) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        with torch.no_grad():
+                q = attn.q_proj(inputs[i][0, n_sink:]).view(len(ids) - n_sink, -1, attn.head_dim).transpose(0, 1).double()
+        mean = q.mean(dim=1)
+        c = q - mean[:, None]
+        out.append((mean, c.transpose(1, 2) @ c / q.shape[1]))
+    return out
+
+
+@pytest.mark.parametrize("how", ["one-prefill", "chunked", "prefix-hit", "preempted"])
+def test_expected_attention_gathers_the_prompts_query_statistics_during_its_prefill(hf_stories, monkeypatch, how):
+    """Its statistics are counted while the prompt's own prefill runs (no second pass), in one chunk or many, across a
+    preemption (recomputed positions not counted twice); positions taken from the prefix cache run through a pass
+    that writes nothing. Each way: transformers' query mean and covariance within 1e-5."""
+    ids = story_prompt(300, seed=5)
+    options = {"chunked": dict(max_num_batched_tokens=48), "preempted": dict(num_gpu_blocks_override=30, block_size=16,
+                                                                                max_num_batched_tokens=64)}
+    llm = LLM(str(STORIES), dtype="float32", device="cpu", **{"num_gpu_blocks_override": 256, **options.get(how, {})})
+    runner, passes = llm.llm_engine.runner, []
+    tap = runner.tap_queries
+    monkeypatch.setattr(runner, "tap_queries", lambda toks, a, b, *rest: passes.append((a, b)) or tap(toks, a, b, *rest))
+    press = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                           kv_compression={"press": "expected_attention", "ratio": 0.5})
+    if how == "prefix-hit":
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1))
+    seen = record_query_moments(monkeypatch)
+    if how == "preempted":  # two earlier requests crowd the pool (30 blocks of 16; the long prompt needs 19 alone)
+        scheduler, pressed_preempted = llm.llm_engine.scheduler, []
+        preempt = scheduler._preempt
+
+        def recorded(seq, out):
+            if seq.params.kv_compression is not None:
+                pressed_preempted.append((seq.num_computed_tokens, seq.kv_compressed))
+            preempt(seq, out)
+
+        monkeypatch.setattr(scheduler, "_preempt", recorded)
+        crowd = [{"prompt_token_ids": story_prompt(120, seed=s)} for s in (6, 7)]
+        outs = llm.generate(crowd + [{"prompt_token_ids": ids}],
+                            [SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)] * 2 + [press])
+        assert pressed_preempted, "the pressed request must have been preempted"
+        out = outs[-1]
+    else:
+        out = llm.generate([{"prompt_token_ids": ids}], press)[0]
+        assert passes == ([(4, 288)] if how == "prefix-hit" else []), "only cached positions run again (18 blocks of 16)"
+    assert out.kv_kept_tokens == 150
+    ref = reference_query_moments(hf_stories, ids)
+    ours = seen[-len(ref):]
+    for (mean, cov), (ref_mean, ref_cov) in zip(ours, ref):  # (float32 sums: relative to the largest entry)
+        assert (mean.double() - ref_mean).abs().max() < 1e-5 * ref_mean.abs().max()
+        assert (cov.double() - ref_cov).abs().max() < 1e-5 * ref_cov.abs().max()
+
+
+def test_expected_attention_in_the_native_layer_loop(monkeypatch):
+    """In bfloat16 the C++ layer loop runs the steps and hands the tapped rows' queries over: every step of a prompt
+    being gathered stays in the C++ loop (the step a plain request beside it would have had without the press; its
+    tokens and logprobs alone and beside are equal), and the statistics are the PyTorch loop's within bf16 rounding."""
+    ids, other = story_prompt(300, seed=8), {"prompt_token_ids": story_prompt(200, seed=9)}
+    press = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                           kv_compression={"press": "expected_attention", "ratio": 0.5})
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    moments, seen = [], record_query_moments(monkeypatch)
+    for native in (True, False):
+        llm = LLM(str(STORIES), dtype="bfloat16", device="cpu", num_gpu_blocks_override=128)
+        model, calls = llm.llm_engine.runner.model, {"all": 0, "native": 0}
+        assert model.native is not None
+        if not native:
+            model.native = None
+        forward, forward_native = model.forward, model._forward_native
+        monkeypatch.setattr(model, "forward", lambda *a, **k: calls.__setitem__("all", calls["all"] + 1) or forward(*a, **k))
+        monkeypatch.setattr(model, "_forward_native",
+                            lambda *a, **k: calls.__setitem__("native", calls["native"] + 1) or forward_native(*a, **k))
+        alone = llm.generate([other], plain)[0].outputs[0]
+        beside = llm.generate([{"prompt_token_ids": ids}, other], [press, plain])[1].outputs[0]
+        moments.append(list(seen))
+        seen.clear()
+        if native:
+            assert calls["native"] == calls["all"] > 10, "every step ran in the C++ loop"
+            assert beside.token_ids == alone.token_ids
+            assert [{t: lp.logprob for t, lp in d.items()} for d in beside.logprobs] == \
+                   [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs]
+    assert len(moments[0]) == len(moments[1]) == 5
+    for (m1, c1), (m2, c2) in zip(*moments):
+        assert (m1 - m2).abs().max() < 2e-2 * m2.abs().max()
+        assert (c1 - c2).abs().max() < 2e-2 * c2.abs().max()
 
 
 def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_masked(stories_llm, monkeypatch):
@@ -172,7 +311,8 @@ def hf_logits_unmasked(tokens: list[int], T: int) -> torch.Tensor:
 def mixed_workload(n: int, seed: int = 0) -> tuple[list, list]:
     rng = random.Random(seed)
     presses = [None, {"press": "snapkv", "ratio": 0.5}, {"press": "knorm", "ratio": 0.75},
-               {"press": "streaming_llm", "ratio": 0.5}, {"press": "chunkkv", "ratio": 0.5}]
+               {"press": "streaming_llm", "ratio": 0.5}, {"press": "chunkkv", "ratio": 0.5},
+               {"press": "expected_attention", "ratio": 0.6}]
     prompts, params = [], []
     for i in range(n):
         prompts.append({"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(70, 160))]})
@@ -184,7 +324,7 @@ def mixed_workload(n: int, seed: int = 0) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def mixed_alone(llama_llm):
-    prompts, params = mixed_workload(10)
+    prompts, params = mixed_workload(12)
     return [llama_llm.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
 
 
@@ -195,7 +335,7 @@ def mixed_alone(llama_llm):
 ], ids=["batch", "chunked", "preempt"])
 def test_compressed_and_plain_requests_leave_each_other_unchanged(llama_engine_factory, mixed_alone, options):
     llm = llama_engine_factory(**options)
-    prompts, params = mixed_workload(10)
+    prompts, params = mixed_workload(12)
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == mixed_alone
     for o, sp in zip(outs, params):
@@ -205,7 +345,7 @@ def test_compressed_and_plain_requests_leave_each_other_unchanged(llama_engine_f
     if "num_gpu_blocks_override" in options:
         assert engine.scheduler.num_preemptions > 0
     stats = engine.stats().kv_compression
-    assert stats.requests == 8 and stats.dropped_tokens > 0 and stats.skipped == 0
+    assert stats.requests == 10 and stats.dropped_tokens > 0 and stats.skipped == 0
 
 
 def test_compression_changes_the_output_and_speculation_does_not(stories_llm):

@@ -129,7 +129,8 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                                      std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales,
                                      std::vector<torch::Tensor> v_scales, std::vector<int64_t> aux_layers,
-                                     c10::optional<torch::Tensor> aux) const {
+                                     c10::optional<torch::Tensor> aux, std::vector<int64_t> tap_rows,
+                                     c10::optional<torch::Tensor> taps) const {
   TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
   TORCH_CHECK(aux_layers.empty() == !aux.has_value(), "aux layers and their output tensor come together");
   for (int64_t l : aux_layers) TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers.size()), "aux layer ", l, " out of range");
@@ -137,11 +138,17 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                    aux->size(0) == x.size(0) &&
                                    aux->size(1) == static_cast<int64_t>(aux_layers.size()) * x.size(1)),
               "aux must be contiguous [T, len(aux_layers) * hidden] of the model's dtype");
+  TORCH_CHECK(tap_rows.empty() == !taps.has_value(), "tap rows and their output tensor come together");
+  for (int64_t r : tap_rows) TORCH_CHECK(r >= 0 && r < x.size(0), "tap row ", r, " out of range");
+  TORCH_CHECK(!taps.has_value() || (taps->scalar_type() == dtype && taps->is_contiguous() && taps->dim() == 3 &&
+                                    taps->size(0) == static_cast<int64_t>(layers.size()) &&
+                                    taps->size(1) == static_cast<int64_t>(tap_rows.size()) && taps->size(2) == H * D),
+              "taps must be contiguous [layers, len(tap_rows), heads * head_dim] of the model's dtype");
   if (dtype == at::kFloat)
     return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux);
+                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps);
   return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux);
+                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps);
 }
 
 template <class E>
@@ -151,7 +158,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                  std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                                  std::vector<torch::Tensor> v_pools, const std::vector<torch::Tensor>& k_scales,
                                  const std::vector<torch::Tensor>& v_scales, const std::vector<int64_t>& aux_layers,
-                                 const c10::optional<torch::Tensor>& aux) const {
+                                 const c10::optional<torch::Tensor>& aux, const std::vector<int64_t>& tap_rows,
+                                 const c10::optional<torch::Tensor>& taps) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
@@ -235,7 +243,13 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
     L.qkv->forward_into(Hb, T, QKV);
     const E *q = QKV, *k = QKV + qs, *v = QKV + qs + kvs;
     int64_t q_stride = width, k_stride = width;
+    // KV compression's query statistics: the tapped rows' queries before rotation (after Qwen3's norm)
+    auto tap = [&](const E* src, int64_t stride) {
+      E* dst = tap_rows.empty() ? nullptr : taps->data_ptr<E>() + static_cast<int64_t>(l * tap_rows.size()) * qs;
+      for (size_t j = 0; j < tap_rows.size(); ++j) std::memcpy(dst + j * qs, src + tap_rows[j] * stride, qs * sizeof(E));
+    };
     if (!L.q_norm.defined()) {  // rotate q and k together: heads 0 .. H + KVH of each row
+      tap(QKV, width);
       rotary_into<E>(QKV, T, H + KVH, width, D, pos, cp, sp, P);
     } else {  // Qwen3: RMSNorm over each head of q and k first
       E *Q = qn.data_ptr<E>(), *K = kn.data_ptr<E>();
@@ -243,6 +257,7 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
         add_rms_norm_into<E>(QKV + t * width, D, nullptr, L.q_norm.data_ptr<E>(), H, D, e, Q + t * qs);
         add_rms_norm_into<E>(QKV + t * width + qs, D, nullptr, L.k_norm.data_ptr<E>(), KVH, D, e, K + t * kvs);
       }
+      tap(Q, qs);
       rotary_into<E>(Q, T, H, qs, D, pos, cp, sp, P);
       rotary_into<E>(K, T, KVH, kvs, D, pos, cp, sp, P);
       q = Q, k = K, q_stride = qs, k_stride = kvs;

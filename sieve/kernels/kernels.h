@@ -350,7 +350,8 @@ class NativeDecoder {
                         std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools,
                         std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales = {},
                         std::vector<torch::Tensor> v_scales = {}, std::vector<int64_t> aux_layers = {},
-                        c10::optional<torch::Tensor> aux = c10::nullopt) const;
+                        c10::optional<torch::Tensor> aux = c10::nullopt, std::vector<int64_t> tap_rows = {},
+                        c10::optional<torch::Tensor> taps = c10::nullopt) const;
 
  private:
   template <class T>
@@ -359,7 +360,8 @@ class NativeDecoder {
                     std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_lens, std::vector<int64_t> chunk_ctx,
                     std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
                     const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-                    const std::vector<int64_t>& aux_layers, const c10::optional<torch::Tensor>& aux) const;
+                    const std::vector<int64_t>& aux_layers, const c10::optional<torch::Tensor>& aux,
+                    const std::vector<int64_t>& tap_rows, const c10::optional<torch::Tensor>& taps) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;

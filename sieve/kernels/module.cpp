@@ -77,5 +77,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_decodes"), py::arg("decode_tables"), py::arg("decode_lens"), py::arg("chunk_starts"), py::arg("chunk_lens"),
            py::arg("chunk_ctx"), py::arg("chunk_tables"), py::arg("k_pools"), py::arg("v_pools"),
            py::arg("k_scales") = std::vector<torch::Tensor>{}, py::arg("v_scales") = std::vector<torch::Tensor>{},
-           py::arg("aux_layers") = std::vector<int64_t>{}, py::arg("aux") = py::none());
+           py::arg("aux_layers") = std::vector<int64_t>{}, py::arg("aux") = py::none(),
+           py::arg("tap_rows") = std::vector<int64_t>{}, py::arg("taps") = py::none());
 }

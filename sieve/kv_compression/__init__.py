@@ -13,12 +13,14 @@ import math
 from dataclasses import dataclass
 
 from sieve.kv_compression.chunkkv import ChunkKVPress
+from sieve.kv_compression.expected_attention import ExpectedAttentionPress
 from sieve.kv_compression.knorm import KnormPress
 from sieve.kv_compression.press import LayerKV, Press
 from sieve.kv_compression.snapkv import SnapKVPress
 from sieve.kv_compression.streaming_llm import StreamingLLMPress
 
-PRESSES: dict[str, type[Press]] = {p.name: p for p in (StreamingLLMPress, KnormPress, SnapKVPress, ChunkKVPress)}
+PRESSES: dict[str, type[Press]] = {p.name: p for p in (StreamingLLMPress, KnormPress, ExpectedAttentionPress, SnapKVPress,
+                                                       ChunkKVPress)}
 
 __all__ = ["KVCompression", "LayerKV", "Press", "PRESSES"]
 

@@ -18,6 +18,7 @@ import torch
 
 from sieve.kv_compression import KVCompression
 from sieve.kv_compression.press import LayerKV
+from sieve.kv_compression.query_stats import QueryStats
 
 log = logging.getLogger("sieve")
 
@@ -32,10 +33,20 @@ def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | Non
         return None
     table = seq.block_table
     queries = runner.window_queries(seq.token_ids, T, table, press.query_window) if press.query_window else None
+    stats = rotation = None
+    if press.query_stats_from is not None:
+        stats = seq.query_stats
+        for start, end in stats.missing(T):  # positions taken from the prefix cache: a pass that writes nothing
+            runner.tap_queries(seq.token_ids, start, end, table, stats)
+            stats.take(start, end)
+        rotation = runner.future_rotation(T, press.future_positions)
     kept = []
     for j, layer in enumerate(runner.attention_layers):
         k, v = runner.prompt_kv(layer, table, T)
         kv = LayerKV(k, v, queries[j] if queries is not None else None, runner.attention_scale(layer), j)
+        if stats is not None:
+            kv.query_mean, kv.query_cov = stats.moments(layer)
+            kv.future_rotation = rotation
         kept.append(press.keep(kv, n_kept))
     return kept
 
@@ -46,6 +57,8 @@ def compress_sequence(runner, blocks, seq, spec: KVCompression) -> bool:
     the compacted copy and the prompt's own blocks are shared (it stays uncompressed; the caller counts it)."""
     kept = kept_positions(runner, seq, spec)
     seq.kv_compressed = True
+    if seq.query_stats is not None:  # (a sequence preempted later gathers them again as its prompt is recomputed)
+        seq.query_stats.clear()
     if kept is None:
         return True
     moved = blocks.compact(seq, kept[0].shape[1])
@@ -101,6 +114,13 @@ class KVCompressor:
             raise ValueError("kv_compression: a prefill server's request (kv_transfer_params.do_remote_decode) hands its "
                              "prompt's exact KV on; compress on the decode server")
         self.used = True
+
+    @staticmethod
+    def query_stats(params) -> QueryStats | None:
+        """What a new sequence of `params` gathers during its prefill for its press (None: nothing)."""
+        spec = params.kv_compression
+        first = spec.make().query_stats_from if spec is not None else None
+        return QueryStats(first) if first is not None else None
 
     def press_pending(self, running: list) -> list:
         """The press on every running sequence whose prompt is computed and not pressed yet (before the next step

@@ -18,13 +18,19 @@ import torch
 class LayerKV:
     """One attention layer's view of a prompt, float32: `keys` and `values` [KVH, T, D] as cached (keys rotated),
     `queries` [H, w, D] of the prompt's last w positions (rotated; None unless the press has a `query_window`),
-    `scale` the layer's attention scale, `layer` its index among the attention layers."""
+    `scale` the layer's attention scale, `layer` its index among the attention layers. For a press with
+    `query_stats_from`: `query_mean` [H, D] and `query_cov` [H, D, D] of the prompt's queries before rotation from
+    that position on, and `future_rotation` [D, D], the rotation of the press's `future_positions` after the prompt
+    averaged."""
 
     keys: torch.Tensor
     values: torch.Tensor
     queries: torch.Tensor | None
     scale: float
     layer: int
+    query_mean: torch.Tensor | None = None
+    query_cov: torch.Tensor | None = None
+    future_rotation: torch.Tensor | None = None
 
 
 class Press:
@@ -34,6 +40,8 @@ class Press:
     name: ClassVar[str]
     question_aware: ClassVar[bool] = False  # its choice depends on the prompt's last tokens (the question)
     query_window: int = 0  # the prompt's last positions whose queries it reads (0: none)
+    query_stats_from: int | None = None  # reads the statistics of the prompt's queries from this position on
+    future_positions: int = 0  # (with them) the positions after the prompt its `future_rotation` averages
 
     def min_prompt(self) -> int:
         """The shortest prompt this press can score (shorter ones keep every position)."""

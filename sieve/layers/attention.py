@@ -55,9 +55,23 @@ class AttentionMetadata:
     decode_first_visible: torch.Tensor | None = None  # [num_decodes] int64
     windows: dict[int, "AttentionMetadata"] = field(default_factory=dict)  # window size -> its view (full view only)
     recurrent: object = None  # Mamba-2 layers: which state slot each row continues (sieve.layers.mamba.RecurrentMetadata)
-    # KV compression's pass over a prompt's last positions (ModelRunner.window_queries): each attention layer appends
-    # its rotated queries [T, H, D] here and writes nothing (those positions' K/V are in the cache already)
+    # KV compression (sieve/kv_compression). A pass over positions whose K/V the cache holds already writes nothing
+    # (`write_kv` False); with `capture` a list, each attention layer appends its rotated queries [T, H, D] to it (the
+    # queries of SnapKV's window). `query_taps`: rows whose queries before rotation each attention layer hands to
+    # their tap (expected attention's query statistics), in a step or in such a pass.
+    write_kv: bool = True
     capture: list | None = None
+    query_taps: list["QueryTap"] = field(default_factory=list)
+
+
+@dataclass
+class QueryTap:
+    """Rows [row, row + num_rows) of a step whose queries before rotation go to `sink.add(layer, q [n, H, D])`, once
+    per attention layer (`layer` the model's layer index)."""
+
+    row: int
+    num_rows: int
+    sink: object
 
 
 def build_metadata(slots: list[int], decodes: list[tuple[list[int], int]], prefills: list[tuple[int, int, int, list[int]]],
@@ -185,9 +199,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        if meta.capture is None:
+        if meta.write_kv:
             cache.write_kv(meta.slot_mapping, k, v)
-        else:
+        if meta.capture is not None:
             meta.capture.append(q)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no output buffer to assemble

@@ -63,6 +63,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def mean_rotation(self, first: int, count: int) -> torch.Tensor:
+        """[D, D] float32: the rotation of positions first .. first + count - 1, averaged (R q is q rotated at one
+        position, in the rotate-half form; computed from the frequencies, so past the tables' positions too)."""
+        freqs = torch.outer(torch.arange(first, first + count, dtype=torch.float32, device=self.inv_freq.device),
+                            self.inv_freq.float())  # [count, D/2]
+        cos, sin = freqs.cos().mean(0), freqs.sin().mean(0)
+        half = cos.numel()
+        eye = torch.eye(half, device=cos.device)
+        # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (linear in cos and sin, so the mean is the mean's rotation)
+        return torch.cat([torch.cat([eye * cos, -eye * sin], dim=1), torch.cat([eye * sin, eye * cos], dim=1)], dim=0)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
         step = RopeStep(positions, self.cos, self.sin)

@@ -36,6 +36,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArch, dtype: torch.dtype, index: int = 0, tp=None):
         super().__init__()
         self.a = a
+        self.index = index
         self.tp = tp  # tensor parallelism: this layer holds a shard; o_proj's and down_proj's outputs are partial sums
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
@@ -96,6 +97,11 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
+        if meta.query_taps:  # the queries before rotation (after Qwen3's norm), as the C++ loop hands them over
+            q = qkv[:, :q_size].view(T, a.num_heads, a.head_dim)
+            q = self.q_norm(q) if self.q_norm is not None else q
+            for tap in meta.query_taps:
+                tap.sink.add(self.index, q[tap.row: tap.row + tap.num_rows])
         if self.rotary_dim < a.head_dim:  # partial rotary (Bamba): the rest of each head passes through
             qk = qkv[:, : q_size + kv_size].view(T, -1, a.head_dim)
             qk = torch.cat([apply_rotary(qk[..., : self.rotary_dim].contiguous(), rope), qk[..., self.rotary_dim :]], dim=-1)
@@ -172,7 +178,7 @@ class DecoderModel(nn.Module):
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
-        if self.native is not None and meta.capture is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
+        if self.native is not None and meta.write_kv and meta.capture is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
             out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux)
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
@@ -195,12 +201,20 @@ class DecoderModel(nn.Module):
     def _forward_native(self, x, positions, caches, meta: AttentionMetadata, aux_layers: list[int] | None = None,
                         aux: torch.Tensor | None = None) -> torch.Tensor:
         chunks = meta.prefills
-        return self.native.forward(
+        rows = [r for tap in meta.query_taps for r in range(tap.row, tap.row + tap.num_rows)]
+        taps = x.new_empty(len(self.layers), len(rows), self.arch.num_heads * self.arch.head_dim) if rows else None
+        out = self.native.forward(
             x, positions, meta.slot_mapping, meta.num_decodes, meta.decode_block_tables, meta.decode_context_lens,
             [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
             [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches],
             [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None],
-            aux_layers or [], aux)
+            aux_layers or [], aux, rows, taps)
+        first = 0
+        for tap in meta.query_taps:  # each layer's tapped queries to their sinks, as the Python loop hands them over
+            for layer in range(len(self.layers)):
+                tap.sink.add(layer, taps[layer, first: first + tap.num_rows].view(tap.num_rows, self.arch.num_heads, -1))
+            first += tap.num_rows
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]."""
