@@ -94,11 +94,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sieve.server.app import ServerLimits, create_app
     from sieve.server.auth import APIKeys
     from sieve.server.serve import serve
+    from sieve.server.tenants import Tenants
 
     if _torchrun_worker(args):
         return 0
     try:
         keys = APIKeys.load(args.api_key, args.api_keys_file)
+        tenants = Tenants.load(args.tenants) if args.tenants else None
+        if tenants is not None and keys.enabled:
+            raise ValueError("--tenants holds the API keys: give it without --api-key and --api-keys-file")
         limits = ServerLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                               max_logit_bias=args.max_logit_bias, max_prompt_bytes=args.max_prompt_bytes,
                               max_stream_backlog=args.max_stream_backlog, grammar_workers=args.structured_outputs_compile_workers)
@@ -112,7 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      metrics_public=args.metrics_public, health_stall_seconds=args.health_stall_seconds, max_n=args.max_n,
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
-                     grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits)
+                     grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits,
+                     tenants=tenants)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -319,6 +324,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--api-key", action="append", default=None, help="a client key (repeat for several)")
     sv.add_argument("--api-keys-file", default=None, help="client keys, a line each: TENANT:KEY or KEY (each tenant's prefix "
                     "cache is kept apart from the others')")
+    sv.add_argument("--tenants", default=None, metavar="FILE",
+                    help="JSON or YAML: each tenant's keys (plain or sha256), tier and limits (requests/tokens per minute, "
+                         "requests in flight); see docs/serving.md#tenants. In place of --api-key and --api-keys-file")
     sv.add_argument("--shared-prefix-cache", action="store_true",
                     help="let several tenants' requests share prefix-cache blocks (then no response reports cached_tokens)")
     sv.add_argument("--allow-client-priority", action="store_true",

@@ -15,6 +15,7 @@ from sieve.server.errors import BodyLimit, install_error_handlers
 from sieve.server.openapi import document
 from sieve.server.routes import KEYED, api, playground_page, public
 from sieve.server.state import ServerLimits, ServerOptions, ServerState
+from sieve.server.tenants import Tenants
 
 __all__ = ["ServerLimits", "create_app"]
 
@@ -24,7 +25,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
                grammar_timeout: float = 10.0, webui: bool = True, limits: ServerLimits | None = None,
-               shared_prefix_cache: bool = False) -> FastAPI:
+               shared_prefix_cache: bool = False, tenants: Tenants | None = None) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -37,14 +38,18 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     `limits`: what one request may ask for (ServerLimits: stop strings, logit_bias, prompt bytes, stream backlog,
     grammar compiles). `api_key`: one key, or several (APIKeys), each a tenant's: with more than one tenant each
     tenant's requests are salted apart in the prefix cache (a hit never crosses tenants) unless `shared_prefix_cache`,
-    and then no response reports cached_tokens (a hit may be another tenant's)."""
+    and then no response reports cached_tokens (a hit may be another tenant's). `tenants` (sieve/server/tenants.py):
+    every key's tenant with its tier and limits, in place of `api_key`."""
     options = ServerOptions(served_model_name, max_waiting, allow_client_priority, metrics_public, health_stall_seconds, max_n,
                             max_prompts, max_body_bytes, max_prompt_tokens, tokenizer_workers, grammar_timeout, webui,
-                            limits or ServerLimits(), shared_prefix_cache)
+                            limits or ServerLimits(), shared_prefix_cache, tenants)
+    if tenants is not None and (api_key.enabled if isinstance(api_key, APIKeys) else api_key):
+        raise ValueError("give API keys either in the tenants file or as api keys, not both")
     aengine = AsyncEngine(engine, max_backlog=options.limits.max_stream_backlog)
-    keys = api_key if isinstance(api_key, APIKeys) else APIKeys({api_key: "default"} if api_key else {})
+    keys = tenants.keys if tenants is not None else \
+        api_key if isinstance(api_key, APIKeys) else APIKeys({api_key: "default"} if api_key else {})
     st = ServerState(aengine, keys, options)
-    aengine.on_finished = st.metrics.record_finished
+    aengine.on_finished = st.finished
     aengine.on_slow_reader = lambda rid: st.metrics.limit_refused("stream_backlog")
 
     @asynccontextmanager

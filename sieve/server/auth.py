@@ -13,10 +13,11 @@ from pathlib import Path
 
 
 class APIKeys:
-    def __init__(self, keys: dict[str, str] | None = None):
-        """`keys`: key -> tenant."""
+    def __init__(self, keys: dict[str, str] | None = None, hashed: dict[str, str] | None = None):
+        """`keys`: key -> tenant; `hashed`: a key's sha256 (hex) -> tenant (a file that holds no secret)."""
         self.by_key = dict(keys or {})
         self._keys = [(f"Bearer {k}".encode(), t) for k, t in self.by_key.items()]
+        self._hashed = [(bytes.fromhex(h), t) for h, t in (hashed or {}).items()]
 
     @classmethod
     def load(cls, keys: list[str] | None = None, path: str | None = None) -> "APIKeys":
@@ -40,11 +41,11 @@ class APIKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._keys or self._hashed)
 
     @property
     def num_tenants(self) -> int:
-        return len({t for _, t in self._keys})
+        return len({t for _, t in self._keys + self._hashed})
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant of the key in an Authorization header value, or None (no key, or a wrong one)."""
@@ -53,6 +54,12 @@ class APIKeys:
         for expected, tenant in self._keys:  # every key, every time: no early exit
             if hmac.compare_digest(expected, given):
                 found = tenant
+        if self._hashed:
+            scheme, _, key = given.partition(b" ")
+            digest = hashlib.sha256(key).digest() if scheme == b"Bearer" else b""
+            for expected, tenant in self._hashed:
+                if hmac.compare_digest(expected, digest):
+                    found = tenant
         return found
 
 

@@ -31,18 +31,37 @@ class Metrics:
         self.limit_refused = lambda limit: limits.labels(model_name=model_name, limit=limit).inc()
         r.register(EngineCollector(engine, model_name))
         self.model_name = model_name
+        # --tenants: the same per tenant (its name, or `other`: the label's values are bounded by the file)
+        tenant = ["model_name", "tenant"]
+        self.tenant_requests = Counter("sieve:tenant_request_success", "Finished requests by tenant and finish reason",
+                                       tenant + ["finished_reason"], registry=r)
+        self.tenant_prompt_tokens = Counter("sieve:tenant_prompt_tokens", "Prompt tokens processed, by tenant", tenant, registry=r)
+        self.tenant_generation_tokens = Counter("sieve:tenant_generation_tokens", "Tokens generated, by tenant", tenant, registry=r)
+        self.tenant_ttft = Histogram("sieve:tenant_time_to_first_token_seconds", "Time to first token, by tenant", tenant,
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        refusals = Counter("sieve:tenant_limit_refusals", "Requests refused (429) by a tenant's limit", tenant + ["limit"],
+                           registry=r)
+        self.tenant_refused = lambda name, limit: refusals.labels(model_name=model_name, tenant=name, limit=limit).inc()
 
-    def record_finished(self, out: RequestOutput) -> None:
+    def record_finished(self, out: RequestOutput, tenant: str | None = None) -> None:
         m = out.metrics
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        labels = {"model_name": self.model_name, "tenant": tenant}
+        if tenant is not None:
+            self.tenant_prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
         for c in out.outputs:
             self.requests.labels(model_name=self.model_name, finished_reason=c.finish_reason or "abort").inc()
             self.generation_tokens.inc(len(c.token_ids))
+            if tenant is not None:
+                self.tenant_requests.labels(**labels, finished_reason=c.finish_reason or "abort").inc()
+                self.tenant_generation_tokens.labels(**labels).inc(len(c.token_ids))
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+            if tenant is not None:
+                self.tenant_ttft.labels(**labels).observe(m.first_token_time - m.arrival_time)
             n = max(len(c.token_ids) for c in out.outputs)
             if n > 1:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))

@@ -10,6 +10,7 @@ import functools
 import html
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
@@ -191,8 +192,50 @@ async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat
     st.check_capacity()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    ids = [f"{rid}-{i}" for i in range(len(prompts))]
+    leased = st.admit_tenant(raw, ids, sum(len(p.get("prompt_token_ids", ())) for p in prompts if isinstance(p, dict)))
+    streaming = False
     try:
-        gens = await st.aengine.submit([(f"{rid}-{i}", prompt, params, body.priority) for i, prompt in enumerate(prompts)])
+        response = await respond(st, raw, body, prompts, params, chat, rid, created, ids)
+        streaming = leased and isinstance(response, StreamingResponse)
+        if streaming:  # the tenant's request is in flight until its stream ends
+            response.body_iterator = released(response.body_iterator, Once(lambda: st.release_tenant(raw)))
+        return response
+    finally:
+        if leased and not streaming:
+            st.release_tenant(raw)
+
+
+class Once:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+def released(events, release: Once):
+    """`events`, then `release()` however they end: a client that goes away closes them, and a stream never started
+    (its client gone before the first byte) is released when it is collected."""
+    async def gen():
+        try:
+            async for event in events:
+                yield event
+        finally:
+            release()
+
+    g = gen()
+    weakref.finalize(g, release)
+    return g
+
+
+async def respond(st: ServerState, raw: Request, body, prompts: list, params, chat: bool, rid: str, created: int, ids: list):
+    """Stream or collect the outputs of the request's prompts, submitted together."""
+    priority = st.priority(raw, body.priority)
+    try:
+        gens = await st.aengine.submit([(i, prompt, params, priority) for i, prompt in zip(ids, prompts)])
     except (RequestError, EngineError) as e:
         raise st.as_api_error(e) from e
     try:
@@ -210,7 +253,7 @@ async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat
             await g.aclose()
         raise st.slo_unmet(refused.retry_after_s)
     streams = list(zip(gens, firsts))
-    fmt = ResponseFormat(st.tokenizer, st.model_name, st.report_cached)
+    fmt = ResponseFormat(st.tokenizer, st.model_name, st.reports_cached(raw))
     n_top = params.logprobs or 0
     if body.stream:
         events = EventStream(fmt, rid, created, streams, params.n, chat, body, n_top).events(raw)

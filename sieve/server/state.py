@@ -16,6 +16,7 @@ from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.auth import APIKeys
 from sieve.server.errors import APIError
 from sieve.server.metrics import Metrics
+from sieve.server.tenants import TIER_STRIDE, Limited, TenantLimiter, Tenants
 from sieve.server.tools import render_messages
 from sieve.structured import GrammarError
 
@@ -57,6 +58,7 @@ class ServerOptions:
     webui: bool = True
     limits: ServerLimits | None = None
     shared_prefix_cache: bool = False
+    tenants: Tenants | None = None  # --tenants: tiers, limits and keys per tenant
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -85,6 +87,9 @@ class ServerState:
         self.prompt_byte_limit = self.limits.max_prompt_bytes or self.prompt_token_limit * longest_token_bytes(self.tokenizer)
         self.salted = keys.num_tenants > 1 and not options.shared_prefix_cache  # each tenant's prefix cache apart
         self.report_cached = keys.num_tenants <= 1 or self.salted  # a shared cache's hit may be another tenant's: not reported
+        self.tenants = options.tenants
+        self.limiter = TenantLimiter(options.tenants) if options.tenants is not None else None
+        self._tenant_of_request: dict[str, str] = {}  # engine request id -> tenant (its finish is counted for it)
 
     def tenant_of(self, request: Request) -> None:
         """The request's tenant, by its key (compared in constant time: no timing oracle on the key); 401 without one."""
@@ -93,9 +98,53 @@ class ServerState:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
     def tenant_salt(self, request: Request, params) -> None:
-        """With several tenants, a request's blocks are named under its tenant (and its own cache_salt, if any)."""
-        if self.salted:
+        """With several tenants, a request's blocks are named under its tenant (and its own cache_salt, if any); a
+        tenant whose --tenants entry says share_prefix_cache shares them with the others that say so."""
+        if self.salted and not self.shares_cache(request):
             params.cache_salt = f"tenant:{request.state.tenant}" + (f"|{params.cache_salt}" if params.cache_salt else "")
+
+    def shares_cache(self, request: Request) -> bool:
+        tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
+        return tenant is not None and tenant.share_prefix_cache
+
+    def reports_cached(self, request: Request) -> bool:
+        """Whether usage may say how many prompt tokens were cached (not where a hit may be another tenant's)."""
+        return self.report_cached and not self.shares_cache(request)
+
+    def priority(self, request: Request, client_priority: int) -> int:
+        """The engine priority: the tenant's tier first (--tenants), then the client's own (--allow-client-priority)."""
+        tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
+        if tenant is None:
+            return client_priority
+        return tenant.tier.priority * TIER_STRIDE + max(-TIER_STRIDE // 2 + 1, min(TIER_STRIDE // 2 - 1, client_priority))
+
+    def admit_tenant(self, request: Request, request_ids: list[str], prompt_tokens: int) -> bool:
+        """Count the request against its tenant's limits (429 with Retry-After past one); True when the caller must
+        `release_tenant` it once it is over."""
+        if self.limiter is None:
+            return False
+        name = request.state.tenant
+        try:
+            self.limiter.admit(name, prompt_tokens)
+        except Limited as e:
+            self.metrics.tenant_refused(self.tenants.label(name), e.limit)
+            raise APIError(429, f"{e}; retry after Retry-After seconds", "rate_limit_exceeded", code=e.limit,
+                           headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+        for rid in request_ids:  # (until the engine thread reports it finished: an abort's report may come later)
+            self._tenant_of_request[rid] = name
+        return True
+
+    def release_tenant(self, request: Request) -> None:
+        self.limiter.release(request.state.tenant)
+
+    def finished(self, out) -> None:
+        """The engine thread's hook for each finished request: its metrics, and its generated tokens counted against
+        its tenant's tokens per minute."""
+        name = self._tenant_of_request.pop(out.request_id, None)
+        label = self.tenants.label(name) if self.tenants is not None else None
+        self.metrics.record_finished(out, label)
+        if name is not None:
+            self.limiter.count_generated(name, sum(len(c.token_ids) for c in out.outputs))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
