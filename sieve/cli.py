@@ -110,6 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = config_from_args(args)
+    if tenants is not None:
+        config.tier_shares = tenants.tier_shares()
     app = create_app(lambda: LLMEngine(config), served_model_name=args.served_model_name, api_key=keys,
                      shared_prefix_cache=args.shared_prefix_cache,
                      max_waiting=args.max_waiting, allow_client_priority=args.allow_client_priority,

@@ -75,6 +75,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     lpm_min_waiting: int = 8
     lpm_max_wait_s: float = 5.0
+    # Tenants' tiers (sieve/tenancy.py; the server's --tenants): each tier's guaranteed share of max_num_seqs, and fair
+    # shares between the tenants of one priority. None: requests are served by (priority, arrival) alone.
+    tier_shares: dict[str, float] | None = None
 
     # Threads (CPU)
     num_threads: int | None = None
@@ -173,6 +176,11 @@ class EngineConfig:
                 raise ConfigError(str(e)) from None
         if self.quantization_group_size < 1:
             raise ConfigError(f"quantization_group_size must be >= 1, got {self.quantization_group_size}")
+        if self.tier_shares is not None:
+            shares = self.tier_shares
+            if not isinstance(shares, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                                                   for v in shares.values()) or sum(shares.values()) > 1 + 1e-9:
+                raise ConfigError(f"tier_shares must map tiers to fractions in [0, 1] adding up to at most 1, got {shares!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:

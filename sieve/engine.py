@@ -26,6 +26,7 @@ from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
 from sieve.kv_compression.compact import KVCompressor
+from sieve.tenancy import TierPolicy
 from sieve.kv_fingerprint import kv_layout, kv_scales_digest
 from sieve.kv_premise import KVPremise
 from sieve.model_runner import ModelRunner
@@ -110,7 +111,8 @@ class LLMEngine:
         pacer = None
         if config.slo_tpot_ms:
             pacer = SloPacer(self.step_cost, config.slo_tpot_ms / 1e3, config.max_num_batched_tokens, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, pacer)
+        tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
+        self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
         self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
                                           config.tensor_parallel_size > 1)
         self.kv_connector = None
@@ -302,10 +304,11 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
-                    kv_fetch=None) -> None:
+                    kv_fetch=None, tenant: str | None = None, tier: str | None = None) -> None:
         """`kv_fetch`: the KV for this prompt fetched already off this thread: a decode server's blocks (`fetch_kv`) or
         the KV tiers' (`fetch_tiers`),
-        as the server does); without it a remote-prefill request fetches them here, as the offline API does."""
+        as the server does); without it a remote-prefill request fetches them here, as the offline API does.
+        `tenant` and `tier`: who asked, for the tiers' guaranteed slots and fair shares (EngineConfig.tier_shares)."""
         # The request's own copy: the engine fills defaults in it (max_tokens), and the caller's object may be
         # shared by other prompts and requests.
         params = copy.copy(params or SamplingParams())
@@ -338,7 +341,8 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens can never fit in the KV cache ({capacity} tokens); "
                 "give the cache more memory or ask for fewer tokens"
             )
-        req = Request(request_id, text, ids, params, priority, RequestMetrics(arrival_time=time.monotonic()))
+        req = Request(request_id, text, ids, params, priority, RequestMetrics(arrival_time=time.monotonic()),
+                      tenant=tenant, tier=tier)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         order = next(self._arrivals)

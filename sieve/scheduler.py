@@ -5,7 +5,9 @@ prefill falls out of it: a long prompt takes whatever budget is left and continu
 come first: a prefill chunk takes the budget only beyond one row for each of them (stall-free, as in
 Sarathi-Serve). Under a TPOT objective the budget itself, and whether a waiting request may join, come from the
 SLO pacer (sieve/pacing.py); otherwise the budget is max_num_batched_tokens.
-Order of service is (priority, arrival); when blocks run out the sequence with the largest key
+Order of service is (priority, arrival); with tenants' tiers (sieve/tenancy.py) a tier owed running slots goes
+first and takes one back from a borrower, and the tenants of one priority are served by least service so far. When
+blocks run out the sequence with the largest key
 (lowest priority, latest arrival) is preempted by recompute and goes back to the waiting queue,
 keeping its generated tokens so that it resumes exactly where it stopped.
 
@@ -24,6 +26,7 @@ from sieve.block_manager import BlockFork, BlockManager
 from sieve.config import EngineConfig
 from sieve.pacing import SloPacer
 from sieve.sequence import Sequence, SequenceStatus
+from sieve.tenancy import TierPolicy
 
 
 @dataclass
@@ -104,16 +107,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, pacer: SloPacer | None = None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, pacer: SloPacer | None = None,
+                 tiers: TierPolicy | None = None):
         self.config = config
         self.blocks = block_manager
         self.pacer = pacer
+        self.tiers = tiers  # tenants' tiers: guaranteed slots and fair shares (sieve/tenancy.py), or None
         self.waiting: list[Sequence] = []  # kept sorted by schedule_key
         self.running: list[Sequence] = []  # kept sorted by schedule_key
         self.num_preemptions = 0
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if self.tiers is not None and seq.num_preemptions == 0:
+            self.tiers.arrive(seq, self.running + self.waiting)
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
@@ -137,6 +144,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         step_budget = budget = self.token_budget()
+        # 0. A tier owed running slots takes one back from a borrower (admitted at the next step)
+        victim = self.tiers.take_back(self.waiting, self.running) if self.tiers is not None else None
+        if victim is not None:
+            self._preempt(victim, out)
 
         # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks. A
         # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too.
@@ -174,8 +185,28 @@ class Scheduler:
             break  # `seq` itself was preempted: nothing after it can run either
 
         # 2. Waiting sequences, while there is budget, room and no one was just preempted.
+        budget = self._admit_waiting(out, budget)
+
+        if self.tiers is not None:  # each tenant's service, for fair shares within a tier
+            for item in out.scheduled:
+                self.tiers.count(item.seq, 0 if item.is_decode else item.num_new_tokens, 1 if item.is_decode else 0)
+
+        # 3. Choices waiting for their first sibling's prompt: forked as that prompt's last chunk is scheduled.
+        for item in out.scheduled:
+            if item.seq.request.unforked and item.samples:
+                self._fork(item, out)
+
+        # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
+        budget = step_budget - out.num_batched_tokens
+        for item in out.scheduled:
+            if item.draft and item.seq.draft_state.alternatives and budget > 1:
+                budget -= self._branch(item, out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences while there is budget, room and no one was just preempted; the budget left."""
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            idx = self._next_waiting()
+            idx = self.tiers.pick(self.waiting, self.running) if self.tiers is not None else self._next_waiting()
             seq = self.waiting[idx]
             if self.pacer is not None and not self.pacer.admits(self.running, seq):
                 break  # it would push those running past their TPOT objective: it waits
@@ -199,18 +230,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-
-        # 3. Choices waiting for their first sibling's prompt: forked as that prompt's last chunk is scheduled.
-        for item in out.scheduled:
-            if item.seq.request.unforked and item.samples:
-                self._fork(item, out)
-
-        # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
-        budget = step_budget - out.num_batched_tokens
-        for item in out.scheduled:
-            if item.draft and item.seq.draft_state.alternatives and budget > 1:
-                budget -= self._branch(item, out, budget)
-        return out
+        return budget
 
     @staticmethod
     def _to_compute(seq: Sequence) -> int:

@@ -36,6 +36,8 @@ class Request:
     num_transferred_tokens: int = 0  # a decode server's request: prompt tokens whose KV came from the prefill server
     kv_tier_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens whose KV a KV tier held, per tier
     kv_kept_tokens: int | None = None  # KV compression: prompt positions the press kept (per layer and KV head)
+    tenant: str | None = None  # who asked (--tenants), for fair shares within its tier
+    tier: str | None = None  # its tier: guaranteed running slots (sieve/tenancy.py)
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from live_server import MODEL, start_server
 from sieve.server.tenants import Tenants, TenantsError
 
 BASE = {
-    "tiers": {"premium": {"priority": 0}, "free": {"priority": 1}},
+    "tiers": {"premium": {"priority": 0, "share": 0.5}, "free": {"priority": 1}},
     "tenants": {
         "acme": {"keys": ["sk-acme"], "tier": "premium"},
         "hashed": {"key_sha256": [hashlib.sha256(b"sk-secret").hexdigest()], "tier": "free"},
@@ -32,9 +32,10 @@ BASE = {
 def tenant_server(llama_dir):
     from sieve import EngineConfig, LLMEngine
 
+    tenants = Tenants.parse(BASE)
     engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
-                                    max_num_seqs=1))
-    url, stop = start_server(engine, api_key=None, tenants=Tenants.parse(BASE))
+                                    max_num_seqs=1, tier_shares=tenants.tier_shares()))  # (as sieve serve --tenants sets)
+    url, stop = start_server(engine, api_key=None, tenants=tenants)
     yield url, engine, stop
     stop()
 
@@ -128,6 +129,7 @@ def test_a_higher_tier_is_served_first(tenant_server):
     finally:
         aengine.step_delay = 0
     assert done["hold"] < done["premium"] < done["free"]
+    assert {"acme", "hashed", "share1"} <= set(engine.scheduler.tiers.served)  # each tenant's service counted
 
 
 def test_tenants_that_share_their_prefix_cache_hit_each_other_and_no_one_else(tenant_server):
@@ -155,6 +157,8 @@ def test_tenants_that_share_their_prefix_cache_hit_each_other_and_no_one_else(te
     ({"tenants": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}, "a key is given twice"),
     ({"tenants": {"a": {"keys": ["k"]}, "b": {"key_sha256": [hashlib.sha256(b"k").hexdigest()]}}}, "a key is given twice"),
     ({"tenants": {"a": {"key_sha256": ["abc"]}}}, "is not a sha256 hex digest"),
+    ({"tiers": {"x": {"share": 0.6}, "y": {"share": 0.5}}, "tenants": {"a": {"keys": ["k"]}}}, "add up to more than 1"),
+    ({"tiers": {"x": {"share": 2}}, "tenants": {"a": {"keys": ["k"]}}}, "tiers.x: expected"),
     ({"tenants": {"a": {"tier": "default"}}}, "tenants.a: no keys"),
     ({"tenants": {"a": {"keys": ["k"], "share_prefix_cache": "yes"}}}, "share_prefix_cache: expected true or false"),
 ])

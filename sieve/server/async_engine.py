@@ -81,8 +81,8 @@ class AsyncEngine:
             raise failed[0]
 
     # ---- called from the event loop --------------------------------------------------------
-    async def submit(self, requests: list[tuple[str, Prompt, SamplingParams, int]]) -> list["RequestStream"]:
-        """Admit (request id, prompt, params, priority) requests together: they reach the engine in one
+    async def submit(self, requests: list[tuple]) -> list["RequestStream"]:
+        """Admit (request id, prompt, params, priority[, (tenant, tier)]) requests together: they reach the engine in one
         drain of the inbox, so they join the same step. All or none: if the engine refuses one, the others
         are aborted and its error is raised here, before any output. The caller owns the streams and
         must `aclose()` each one it does not read to the end."""
@@ -92,11 +92,12 @@ class AsyncEngine:
         with self._lock:
             if self.error is not None:
                 raise EngineError(f"the engine has stopped after an internal error: {self.error}")
-            for rid, prompt, params, priority in requests:
+            for rid, prompt, params, priority, *tenancy in requests:
                 queue = StreamQueue()
                 done = loop.create_future()
                 self._queues[rid] = (loop, queue)
-                self._inbox.append(("add", rid, prompt, params, priority, done, fetched.get(rid)))
+                self._inbox.append(("add", rid, prompt, params, priority, done, fetched.get(rid),
+                                    tenancy[0] if tenancy else (None, None)))
                 entries.append((rid, queue, done))
         self._wake.set()
         streams = [RequestStream(self, rid, queue) for rid, queue, _ in entries]
@@ -118,7 +119,7 @@ class AsyncEngine:
         within its deadline), so that a slow or dead producer or tier delays only its own request. Params it may not
         act on are refused here."""
         fetched = {}
-        for rid, prompt, params, _ in requests:
+        for rid, prompt, params, *_ in requests:
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
             if self.engine.check_kv_transfer(params.kv_transfer_params):
                 if ids is None:
@@ -212,10 +213,10 @@ class AsyncEngine:
             inbox, self._inbox = self._inbox, []
         for cmd in inbox:
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, done, kv_fetch = cmd
+                _, rid, prompt, params, priority, done, kv_fetch, (tenant, tier) = cmd
                 loop = self._queues[rid][0]
                 try:
-                    self.engine.add_request(rid, prompt, params, priority, kv_fetch=kv_fetch)
+                    self.engine.add_request(rid, prompt, params, priority, kv_fetch=kv_fetch, tenant=tenant, tier=tier)
                 except Exception as e:
                     with self._lock:
                         self._queues.pop(rid, None)

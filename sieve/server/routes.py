@@ -235,7 +235,7 @@ async def respond(st: ServerState, raw: Request, body, prompts: list, params, ch
     """Stream or collect the outputs of the request's prompts, submitted together."""
     priority = st.priority(raw, body.priority)
     try:
-        gens = await st.aengine.submit([(i, prompt, params, priority) for i, prompt in zip(ids, prompts)])
+        gens = await st.aengine.submit([(i, prompt, params, priority, st.tenancy(raw)) for i, prompt in zip(ids, prompts)])
     except (RequestError, EngineError) as e:
         raise st.as_api_error(e) from e
     try:

@@ -118,6 +118,11 @@ class ServerState:
             return client_priority
         return tenant.tier.priority * TIER_STRIDE + max(-TIER_STRIDE // 2 + 1, min(TIER_STRIDE // 2 - 1, client_priority))
 
+    def tenancy(self, request: Request) -> tuple[str | None, str | None]:
+        """(tenant, tier) for the engine's fair shares and guaranteed slots."""
+        tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
+        return (request.state.tenant or None, tenant.tier.name if tenant is not None else None)
+
     def admit_tenant(self, request: Request, request_ids: list[str], prompt_tokens: int) -> bool:
         """Count the request against its tenant's limits (429 with Retry-After past one); True when the caller must
         `release_tenant` it once it is over."""

@@ -2,9 +2,9 @@
 limits. JSON or YAML:
 
 ```yaml
-tiers:                         # a priority class each (0 is served first)
-  premium: {priority: 0}
-  free: {priority: 1}
+tiers:                         # a priority class each (0 is served first), and its guaranteed
+  premium: {priority: 0, share: 0.5}   # share of the running slots (--max-num-seqs) while it has work
+  free: {priority: 1, share: 0.25}
 tenants:
   acme:
     keys: ["sk-acme-1"]        # plain keys, or
@@ -17,7 +17,8 @@ tenants:
 ```
 
 A tier's requests are scheduled ahead of a lower tier's (sieve's priority scheduling: a waiting request of a
-higher tier preempts a lower one's when blocks run out); within a tier, by arrival. Anything the file says that
+higher tier preempts a lower one's when blocks run out), but every tier keeps its guaranteed share of the running
+slots while it has work, and the tenants of one tier are served by least service so far (sieve/tenancy.py). Anything the file says that
 sieve does not know is an error naming it: a tenant served under a misspelt limit would be served without it.
 """
 
@@ -47,6 +48,7 @@ class TenantsError(ValueError):
 class Tier:
     name: str
     priority: int
+    share: float = 0.0  # guaranteed fraction of the running slots (sieve/tenancy.py)
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,14 @@ class Tenants:
             raise TenantsError(shape + ";" + _unknown(data, {"tiers", "tenants"}))
         tiers = {"default": Tier("default", 0)}
         for name, spec in (data.get("tiers") or {}).items():
-            if not isinstance(spec, dict) or set(spec) - {"priority"} or not _int(spec.get("priority", 0), lo=0):
-                raise TenantsError(f"{where}: tiers.{name}: expected {{priority: a whole number >= 0}}"
-                                   + _unknown(spec, {"priority"}))
-            tiers[str(name)] = Tier(str(name), int(spec.get("priority", 0)))
+            share = spec.get("share", 0.0) if isinstance(spec, dict) else None
+            if not isinstance(spec, dict) or set(spec) - {"priority", "share"} or not _int(spec.get("priority", 0), lo=0) \
+                    or isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+                raise TenantsError(f"{where}: tiers.{name}: expected {{priority: a whole number >= 0, share: a fraction of "
+                                   "the running slots in [0, 1]}" + _unknown(spec, {"priority", "share"}))
+            tiers[str(name)] = Tier(str(name), int(spec.get("priority", 0)), float(share))
+        if sum(t.share for t in tiers.values()) > 1 + 1e-9:
+            raise TenantsError(f"{where}: the tiers' shares add up to more than 1")
         by_name, plain, hashed = {}, {}, {}
         for name, spec in data["tenants"].items():
             name, at = str(name), f"{where}: tenants.{name}"
@@ -130,6 +136,10 @@ class Tenants:
 
     def tenant(self, name: str | None) -> Tenant | None:
         return self.by_name.get(name or "")
+
+    def tier_shares(self) -> dict[str, float]:
+        """Each tier's guaranteed share of the running slots, for the engine (EngineConfig.tier_shares)."""
+        return {t.tier.name: t.tier.share for t in self.by_name.values()}
 
     def label(self, name: str | None) -> str:
         """The tenant as a metrics label: its name, or `other` for any name the file does not hold."""

@@ -1,0 +1,87 @@
+"""Scarcity scheduling between tenants (the engine's side of `--tenants`): each tier's guaranteed share of the running
+slots, and fair service between the tenants of one tier.
+
+- **Guaranteed slots.** A tier with share s is guaranteed floor(s x max_num_seqs) running slots while it has requests
+  waiting. A slot it leaves idle is lent to the others; a waiting request of a tier below its guarantee takes one back
+  at the next step (the borrower with the largest (priority, arrival) among the tiers over their guarantee is
+  preempted, by recompute, keeping its tokens and its place: it re-enters the queue with its arrival order).
+- **Fair shares within a tier.** Among waiting requests of the same priority the tenant that has been served least
+  goes first, counted in weighted tokens (the Virtual Token Counter of Sheng et al., 2024: a prompt token weighs 1,
+  a generated one 2). A tenant that comes back after being idle starts at the least counter of those active, so it
+  cannot bank credit while away.
+
+Requests without a tier (no --tenants, or the offline API) are one tier, "default", with no guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DEFAULT = "default"
+PROMPT_WEIGHT, OUTPUT_WEIGHT = 1, 2
+
+
+@dataclass
+class TierPolicy:
+    shares: dict[str, float]  # tier -> guaranteed fraction of max_num_seqs
+    max_num_seqs: int
+    served: dict[str, float] = field(default_factory=dict)  # tenant -> weighted tokens served
+
+    def __post_init__(self) -> None:
+        bad = {t: s for t, s in self.shares.items() if not (isinstance(s, (int, float)) and 0 <= s <= 1)}
+        if bad or sum(self.shares.values()) > 1 + 1e-9:
+            raise ValueError(f"tier shares must each be in [0, 1] and add up to at most 1, got {self.shares}")
+
+    def guaranteed(self, tier: str) -> int:
+        return math.floor(self.shares.get(tier, 0.0) * self.max_num_seqs + 1e-9)
+
+    @staticmethod
+    def tier_of(seq) -> str:
+        return seq.request.tier or DEFAULT
+
+    @staticmethod
+    def tenant_of(seq) -> str:
+        return seq.request.tenant or ""
+
+    def _counts(self, seqs) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for s in seqs:
+            counts[self.tier_of(s)] = counts.get(self.tier_of(s), 0) + 1
+        return counts
+
+    def _short(self, waiting, running) -> dict[str, int]:
+        """Tiers below their guarantee with requests waiting: the slots each is owed now."""
+        run, wait = self._counts(running), self._counts(waiting)
+        return {t: min(n, self.guaranteed(t) - run.get(t, 0)) for t, n in wait.items() if run.get(t, 0) < self.guaranteed(t)}
+
+    def arrive(self, seq, active) -> None:
+        """A new request: its tenant, idle until now, starts at the least counter of the tenants active."""
+        tenant = self.tenant_of(seq)
+        others = {self.tenant_of(s) for s in active} - {tenant}
+        if tenant in {self.tenant_of(s) for s in active}:
+            return
+        floor = min((self.served.get(t, 0.0) for t in others), default=0.0)
+        self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+
+    def count(self, seq, prompt_tokens: int, output_tokens: int) -> None:
+        tenant = self.tenant_of(seq)
+        self.served[tenant] = self.served.get(tenant, 0.0) + PROMPT_WEIGHT * prompt_tokens + OUTPUT_WEIGHT * output_tokens
+
+    def pick(self, waiting: list, running: list) -> int:
+        """Index in `waiting` of the request to admit next: from a tier owed slots first (the highest priority of
+        them), else the best priority; among those, the tenant served least, then arrival."""
+        short = self._short(waiting, running)
+        pool = [i for i, s in enumerate(waiting) if self.tier_of(s) in short] or range(len(waiting))
+        best = min(waiting[i].request.priority for i in pool)
+        return min((i for i in pool if waiting[i].request.priority == best),
+                   key=lambda i: (self.served.get(self.tenant_of(waiting[i]), 0.0), waiting[i].arrival_order))
+
+    def take_back(self, waiting: list, running: list):
+        """With every slot taken and a tier owed one: the borrower to preempt (the largest (priority, arrival) of the
+        tiers over their guarantee), or None."""
+        if len(running) < self.max_num_seqs or not self._short(waiting, running):
+            return None
+        run = self._counts(running)
+        over = [s for s in running if run[self.tier_of(s)] > self.guaranteed(self.tier_of(s))]
+        return max(over, key=lambda s: s.schedule_key, default=None)

@@ -1,0 +1,117 @@
+"""Scarcity scheduling in the engine (sieve/tenancy.py): a tier's guaranteed share of the running slots under
+contention from a higher tier, taken back from a borrower at the next step; fair shares between the tenants of one
+tier; and nothing lost to the preemptions that take slots back. Counted in steps, so no machine's speed matters."""
+
+from __future__ import annotations
+
+import pytest
+
+from sieve import EngineConfig, LLMEngine, SamplingParams
+from sieve.config import ConfigError
+
+LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def engine_with(llama_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=512, max_model_len=256,
+                                  **kw))
+
+
+def add(engine, rid, tenant, tier, priority, params=LONG, length=12):
+    engine.add_request(rid, {"prompt_token_ids": [5 + (hash(rid) % 50) + i for i in range(length)]}, params, priority,
+                       tenant=tenant, tier=tier)
+
+
+def running_by_tier(engine) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for s in engine.scheduler.running:
+        counts[s.request.tier] = counts.get(s.request.tier, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("shares", [None, {"gold": 0.25, "free": 0.5}])
+def test_a_lower_tier_keeps_its_guaranteed_slots_under_a_higher_tiers_flood(llama_dir, shares):
+    """Four slots; gold (priority 0) floods with 10 requests, free (priority 1) has 4. Priority alone starves free
+    while gold waits; with free's share of 0.5 it holds 2 slots at every step it has work waiting or running, and
+    gold keeps the rest."""
+    engine = engine_with(llama_dir, max_num_seqs=4, tier_shares=shares)
+    for i in range(10):
+        add(engine, f"g{i}", "g", "gold", 0)
+    for i in range(4):
+        add(engine, f"f{i}", "f", "free", 1)
+    seen, outputs = [], {}
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # who runs each step, as scheduled
+        out = schedule()
+        free_left = sum(1 for r in engine.requests.values() if r.tier == "free" and not r.finished)
+        gold_waiting = sum(1 for s in engine.scheduler.waiting if s.request.tier == "gold")
+        seen.append((running_by_tier(engine), free_left, gold_waiting))
+        return out
+
+    engine.scheduler.schedule = recorded
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    contended = [(run, free_left) for run, free_left, gold_waiting in seen if gold_waiting]
+    assert len(contended) > 20
+    if shares is None:
+        assert all(run.get("free", 0) == 0 for run, _ in contended)  # starved while gold waits
+    else:
+        # at most one step to take a slot back (the borrower is preempted, the slot taken at the next step)
+        short = [run for (run, free_left), nxt in zip(contended, contended[1:])
+                 if run.get("free", 0) < min(2, free_left) and nxt[0].get("free", 0) < min(2, nxt[1])]
+        assert not short, short
+        assert all(run.get("gold", 0) >= 1 for run, _ in contended), [c for c in contended if c[0].get("gold", 0) < 1]
+    # whatever the order and the preemptions, each request's tokens are its own alone
+    alone = engine_with(llama_dir, max_num_seqs=4)
+    for rid in ("g3", "f2"):
+        add(alone, rid, None, None, 0)
+        while alone.has_unfinished():
+            for out in alone.step():
+                if out.finished:
+                    assert out.outputs[0].token_ids == outputs[rid]
+
+
+@pytest.mark.parametrize("fair", [False, True])
+def test_tenants_of_one_tier_share_it_fairly(llama_dir, fair):
+    """Two slots; tenant A queues 10 requests, then tenant B 3, all of one tier and priority. By arrival B waits for
+    all of A's; by least service (weighted tokens) B's go next as slots free, so all of them start before A's sixth
+    (equal service: two of A's, two of B's, two of A's, then B's last beside A's fifth)."""
+    engine = engine_with(llama_dir, max_num_seqs=2, tier_shares={} if fair else None)
+    for i in range(10):
+        add(engine, f"a{i}", "A", "std", 0)
+    for i in range(3):
+        add(engine, f"b{i}", "B", "std", 0)
+    started = []
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.scheduler.running:
+            if s.request.request_id not in started:
+                started.append(s.request.request_id)
+    assert sorted(started) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(3)])
+    if fair:
+        assert max(started.index(f"b{i}") for i in range(3)) < started.index("a5"), started
+    else:
+        assert min(started.index(f"b{i}") for i in range(3)) > started.index("a8"), started
+
+
+def test_a_tenant_back_from_idle_banks_no_credit(llama_dir):
+    """A tenant served nothing while others worked starts at the least counter of those active, not at zero."""
+    from sieve.tenancy import TierPolicy
+
+    engine = engine_with(llama_dir, max_num_seqs=2, tier_shares={})
+    policy: TierPolicy = engine.scheduler.tiers
+    add(engine, "a0", "A", "std", 0)
+    for _ in range(5):
+        engine.step()
+    assert policy.served["A"] > 0
+    add(engine, "b0", "B", "std", 0)
+    assert policy.served["B"] == policy.served["A"]
+
+
+def test_bad_tier_shares_are_refused():
+    for shares in ({"a": 0.7, "b": 0.4}, {"a": -0.1}, {"a": True}, ["a"]):
+        with pytest.raises(ConfigError, match="tier_shares"):
+            EngineConfig(model="x", tier_shares=shares).validate()
