@@ -26,6 +26,7 @@ from sieve.config import ConfigError, EngineConfig
 from sieve.detokenizer import init_offsets
 from sieve.device import pick_device
 from sieve.kv_compression.compact import KVCompressor
+from sieve.queue_eta import QueueETA, QueueEstimate
 from sieve.tenancy import TierPolicy
 from sieve.kv_fingerprint import kv_layout, kv_scales_digest
 from sieve.kv_premise import KVPremise
@@ -111,6 +112,10 @@ class LLMEngine:
         pacer = None
         if config.slo_tpot_ms:
             pacer = SloPacer(self.step_cost, config.slo_tpot_ms / 1e3, config.max_num_batched_tokens, config.block_size)
+        # the expected wait of queued requests, from the steps' measured cost (the SLO's model where there is one)
+        self.step_timer = self.step_cost if self.step_cost is not None else StepCostModel()
+        self.queue_eta = QueueETA(self.step_timer, config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
+        self.queue_head_eta_s: float | None = None
         tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
         self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
         self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
@@ -365,6 +370,19 @@ class LLMEngine:
         req.unforked = req.seqs[1:]
         self.requests[request_id] = req
 
+    def queue_estimate(self, request_id: str) -> QueueEstimate | None:
+        """Where a request stands: the requests ahead of it, and the seconds until it starts and until its first
+        token (sieve/queue_eta.py); None once it is gone."""
+        req = self.requests.get(request_id)
+        if req is None or not req.seqs:
+            return None
+        seq, sched = req.seqs[0], self.scheduler
+        if seq not in sched.waiting:
+            return QueueEstimate(0, 0.0, None)
+        bs = self.config.block_size
+        return self.queue_eta.estimate(seq, sched.waiting, sched.running,
+                                       lambda s: len(self.block_manager.cached_prefix_blocks(s)) * bs)
+
     def check_kv_transfer(self, params: dict | None) -> bool:
         """Whether `params` (a request's kv_transfer_params) ask this engine to fetch a remote prefill; RequestError when
         they ask for what it does not do."""
@@ -504,7 +522,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return refused
-        keys = decode_keys(sched) if self.step_cost is not None else 0
+        keys = decode_keys(sched)
         try:
             result = self.runner.execute(sched)
         except Exception as e:  # the requests of this step are lost; the rest of the engine is intact...
@@ -563,14 +581,23 @@ class LLMEngine:
             if out.finished and req.kv_export and self.kv_connector is not None:  # its blocks are still cached
                 out.kv_transfer_params = self._export(req)
             outputs.append(out)
-        if self.step_cost is not None:  # the step's own time (the proposer's drafting below is timed apart)
-            self.step_cost.observe(sched.num_batched_tokens, time.perf_counter() - started, keys)
+        self._timed(sched.num_batched_tokens, time.perf_counter() - started, keys, finished)
         if self.speculator is not None:
             self.speculator.after_step(self.scheduler.running, self._prefill_tokens_next)
         for out in outputs:  # unregistered last: whatever raised above, a failure still finds every request it must fail
             if out.finished:
                 del self.requests[out.request_id]
         return refused + outputs
+
+    def _timed(self, num_tokens: int, seconds: float, keys: int, finished: list[Sequence]) -> None:
+        """The step's own time (the proposer's drafting after it is timed apart), the lengths of the sequences it
+        finished, and when the head of the queue is now expected to start (a full queue's Retry-After)."""
+        self.step_timer.observe(num_tokens, seconds, keys)
+        for seq in finished:
+            self.queue_eta.finished(seq.num_tokens - seq.num_prompt_tokens, seq.params.max_tokens)
+        waiting = self.scheduler.waiting
+        self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0).start_s \
+            if waiting else 0.0
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
         """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, and the finished

@@ -152,6 +152,28 @@ def test_sweep_against_a_live_sieve_server(live, llama_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_burst_against_sieve_scores_its_expected_wait(live, llama_dir):
+    """--queue-eta: each request asks for sieve's expected wait; the run reports the wait the server measured and the
+    estimate's absolute error (a burst of 24 on a tiny model: queued for real; the error is only reported here)."""
+    from transformers import AutoTokenizer
+
+    from sieve.bench.serving_stats import summarize
+
+    url, engine = live
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    warm = WorkloadSpec(num_prompts=4, input_len=(8, 40), output_len=(4, 4), seed=4).build(tok)
+    asyncio.run(run_load(Target(url, MODEL, API_KEY), warm, Load(concurrency=1), progress=False))
+    assert engine.step_timer.ready  # steps of several sizes measured
+    sessions = WorkloadSpec(num_prompts=24, input_len=(8, 40), output_len=(16, 16), seed=3).build(tok)
+    records, duration = asyncio.run(run_load(Target(url, MODEL, API_KEY, queue_eta=True), sessions,
+                                             Load(request_rate=math.inf), progress=False))
+    assert all(r.ok for r in records)
+    assert all(r.queue_ms is not None and r.queue_ms >= 0 for r in records)
+    s = summarize(records, duration)
+    assert s["queue_s"]["p90"] >= 0 and s["queue_eta_error_s"]["p50"] >= 0
+    assert sum(r.queue_eta_ms is not None for r in records) == len(records)
+
+
 def test_multi_turn_resends_the_growing_history(live, llama_dir):
     from transformers import AutoTokenizer
 

@@ -66,6 +66,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                         "/v1/chat/completions for multi-turn)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--queue-eta", action="store_true",
+                   help="ask a sieve server for each request's expected wait (stream_options.include_queue) and report "
+                        "its error against the wait the server measured")
     add_workload_args(p)
     f = p.add_argument_group("bandwidth floor (when the server runs on this machine)")
     f.add_argument("--floor-model", default=None, help="checkpoint whose weight bytes set the floor")
@@ -177,7 +180,8 @@ def run_bench_serve(args) -> int:
     slo = SLO(None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
               None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
     floor = floor_step_seconds(args.floor_model, args.floor_dtype) if args.floor_model else None
-    target = Target(args.base_url, model, args.api_key, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+    target = Target(args.base_url, model, args.api_key, ignore_eos=args.ignore_eos, timeout_s=args.timeout,
+                    queue_eta=args.queue_eta)
     n_req = sum(len(s.turns) for s in sessions[0])
     print(f"bench serve: {model} at {args.base_url}, {args.dataset} workload ({len(sessions[0])} sessions, {n_req} requests per load point)")
     result = sweep(target, sessions, loads, slo, floor_step_s=floor, seed=args.workload_seed, progress=args.progress,

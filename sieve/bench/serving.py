@@ -29,6 +29,7 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = True  # every request produces exactly max_tokens, so engines do equal work
     timeout_s: float = 600.0
+    queue_eta: bool = False  # ask sieve for its expected wait (stream_options.include_queue) and score it
 
 
 @dataclass
@@ -63,6 +64,8 @@ async def send_turn(client: httpx.AsyncClient, target: Target, session: Session,
                   "stream_options": {"include_usage": True}}
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if target.queue_eta:
+        body["stream_options"]["include_queue"] = True
     if session.chat:
         url, body["messages"] = "/chat/completions", messages
     else:
@@ -77,6 +80,8 @@ async def send_turn(client: httpx.AsyncClient, target: Target, session: Session,
                 rec.ok, rec.error = False, f"HTTP {resp.status_code}: {detail}"
                 return rec, ""
             async for line in resp.aiter_lines():
+                if line.startswith(": queue ") and "queue-eta-ms=" in line:  # sieve's expected wait, as it queued
+                    rec.queue_eta_ms = float(line.split("queue-eta-ms=")[1].split()[0])
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -91,6 +96,8 @@ async def send_turn(client: httpx.AsyncClient, target: Target, session: Session,
                     rec.chunk_times.append(time.perf_counter())
                     rec.chunk_tokens.append(1)
                     pieces.append("".join(_content(c) for c in choices))
+                if (obj.get("metrics") or {}).get("queue_ms") is not None:
+                    rec.queue_ms = obj["metrics"]["queue_ms"]
                 usage = obj.get("usage")
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
@@ -205,6 +212,10 @@ def format_run(s: dict) -> str:
             + (" | within SLO" if s["within_slo"] else ""))
     if s.get("prefix_cache_hit_rate") is not None:
         line += f" | prefix-cache hits {s['prefix_cache_hit_rate']:.0%} of prompt tokens"
+    e, q = s.get("queue_eta_error_s"), s.get("queue_s")
+    if e and e["p50"] == e["p50"]:  # (NaN where the server told no estimate)
+        line += (f" | queue p50/p90 {q['p50'] * 1e3:.0f}/{q['p90'] * 1e3:.0f} ms, its estimate off by p50/p90 "
+                 f"{e['p50'] * 1e3:.0f}/{e['p90'] * 1e3:.0f} ms")
     if "tpot_floor_fraction" in s:
         line += f" | {s['tpot_floor_fraction']:.0%} of floor"
     if s["errors"]:

@@ -29,6 +29,8 @@ class RequestRecord:
     error: str | None = None
     session: int = 0  # which simulated user sent it, and which of its turns it was
     turn: int = 0
+    queue_eta_ms: float | None = None  # sieve's estimate of its wait when it queued (stream_options.include_queue)
+    queue_ms: float | None = None  # and the wait it then had, as the server measured it
 
     @property
     def output_tokens(self) -> int:
@@ -104,4 +106,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO = SLO())
         # share of prompt tokens the server says it took from its prefix cache (None: it does not say)
         "prefix_cache_hit_rate": (sum(r.cached_tokens or 0 for r in done) / max(1, sum(r.prompt_tokens for r in done))
                                   if any(r.cached_tokens is not None for r in done) else None),
+        # sieve's expected wait against the wait (seconds, absolute error), where the server told both
+        "queue_eta_error_s": distribution([abs(r.queue_eta_ms - r.queue_ms) / 1e3 for r in done
+                                           if r.queue_eta_ms is not None and r.queue_ms is not None]),
+        "queue_s": distribution([r.queue_ms / 1e3 for r in done if r.queue_ms is not None]),
     }

@@ -112,6 +112,8 @@ class AsyncEngine:
             for stream in streams:
                 await stream.aclose()
             raise refused[0]
+        for stream, estimate in zip(streams, results):
+            stream.queue_estimate = estimate
         return streams
 
     async def _fetch_kv(self, requests) -> dict:
@@ -221,8 +223,8 @@ class AsyncEngine:
                     with self._lock:
                         self._queues.pop(rid, None)
                     loop.call_soon_threadsafe(_settle, done, e)
-                else:
-                    loop.call_soon_threadsafe(_settle, done, None)
+                else:  # admitted: where it stands in the queue
+                    loop.call_soon_threadsafe(_settle, done, None, self.engine.queue_estimate(rid))
             else:
                 out = self.engine.abort(cmd[1])
                 if out is not None:
@@ -301,6 +303,7 @@ class RequestStream:
     def __init__(self, aengine: AsyncEngine, request_id: str, queue: asyncio.Queue):
         self._aengine, self.request_id, self._queue = aengine, request_id, queue
         self._done = False
+        self.queue_estimate = None  # where it stood when admitted (sieve.queue_eta.QueueEstimate)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -321,10 +324,10 @@ class RequestStream:
             self._aengine.abort(self.request_id)
 
 
-def _settle(fut: asyncio.Future, error: Exception | None) -> None:
+def _settle(fut: asyncio.Future, error: Exception | None, result=None) -> None:
     if fut.done():
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

@@ -50,6 +50,7 @@ class StructuredOutputs(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_queue: bool = False  # sieve's: an SSE comment with the expected wait first, and metrics.queue_ms last
 
 
 class _Common(BaseModel):

@@ -24,7 +24,7 @@ from sieve.server.errors import APIError
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sieve.server.responses import ResponseFormat
 from sieve.server.state import ServerState
-from sieve.server.streaming import EventStream
+from sieve.server.streaming import EventStream, error_event, queue_headers, queue_ms
 
 # the routes that need a key when the server has keys (/metrics too, unless --metrics-public)
 KEYED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv_transfer/release"}
@@ -238,8 +238,44 @@ async def respond(st: ServerState, raw: Request, body, prompts: list, params, ch
         gens = await st.aengine.submit([(i, prompt, params, priority, st.tenancy(raw)) for i, prompt in zip(ids, prompts)])
     except (RequestError, EngineError) as e:
         raise st.as_api_error(e) from e
+    fmt = ResponseFormat(st.tokenizer, st.model_name, st.reports_cached(raw))
+    n_top = params.logprobs or 0
+    queue = queue_headers([g.queue_estimate for g in gens])
+    if body.stream and body.stream_options and body.stream_options.include_queue:  # the wait told before it ends
+        return StreamingResponse(queued_events(st, raw, gens, queue, lambda streams: EventStream(
+            fmt, rid, created, streams, params.n, chat, body, n_top).events(raw)), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **queue})
+    # the first output of each (a failed step before it is still an HTTP error, not a broken stream)
+    streams = list(zip(gens, await first_outputs(st, gens)))
+    if body.stream:
+        events = EventStream(fmt, rid, created, streams, params.n, chat, body, n_top).events(raw)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finals = await collect(st, raw, gens, streams)
+    if finals is None:
+        return Response(status_code=499)
+    waited = queue_ms(finals)
+    return JSONResponse(fmt.full_response(rid, created, finals, params.n, chat, body, n_top),
+                        headers={**queue, **({"x-sieve-queue-ms": str(waited)} if waited is not None else {})})
+
+
+async def queued_events(st: ServerState, raw: Request, gens: list, queue: dict, events_of):
+    """stream_options.include_queue: an SSE comment with the expected wait at once (OpenAI's clients skip comments),
+    then the stream as usual once each prompt's first output is in; a failure before it is an error event."""
+    yield ": queue " + " ".join(f"{k.removeprefix('x-sieve-')}={v}" for k, v in queue.items()) + "\n\n"
     try:
-        # the first output of each (a failed step before it is still an HTTP error, not a broken stream)
+        firsts = await first_outputs(st, gens)
+    except APIError as e:
+        yield error_event(e.message, e.code, e.type)
+        yield "data: [DONE]\n\n"
+        return
+    async for event in events_of(list(zip(gens, firsts))):
+        yield event
+
+
+async def first_outputs(st: ServerState, gens: list) -> list:
+    """Each prompt's first output; an engine failure before it, or --slo-reject's refusal (its first token could no
+    longer come within the objective), closes them all and is an APIError."""
+    try:
         firsts = await asyncio.gather(*(g.__anext__() for g in gens))
     except BaseException as e:
         for g in gens:
@@ -248,20 +284,11 @@ async def respond(st: ServerState, raw: Request, body, prompts: list, params, ch
             raise st.as_api_error(e) from e
         raise
     refused = next((f for f in firsts if f.retry_after_s is not None), None)
-    if refused is not None:  # --slo-reject: its first token could no longer come within the objective
+    if refused is not None:
         for g in gens:
             await g.aclose()
         raise st.slo_unmet(refused.retry_after_s)
-    streams = list(zip(gens, firsts))
-    fmt = ResponseFormat(st.tokenizer, st.model_name, st.reports_cached(raw))
-    n_top = params.logprobs or 0
-    if body.stream:
-        events = EventStream(fmt, rid, created, streams, params.n, chat, body, n_top).events(raw)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finals = await collect(st, raw, gens, streams)
-    if finals is None:
-        return Response(status_code=499)
-    return fmt.full_response(rid, created, finals, params.n, chat, body, n_top)
+    return firsts
 
 
 async def collect(st: ServerState, raw: Request, gens: list, streams: list) -> list | None:

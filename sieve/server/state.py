@@ -271,8 +271,10 @@ class ServerState:
         max_waiting = self.options.max_waiting
         if max_waiting is not None and self.engine.num_waiting + self.aengine.num_pending >= max_waiting:
             self.metrics.rejected.inc()
-            raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry shortly",
-                           "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+            head = self.engine.queue_head_eta_s  # when the head of the queue is expected to start
+            raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry after Retry-After "
+                                "seconds", "rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": str(max(1, math.ceil(head or 1)))})
 
     def slo_unmet(self, retry_after_s: float) -> APIError:
         """--slo-reject: the request waited until its time-to-first-token objective could no longer be met."""

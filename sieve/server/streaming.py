@@ -101,8 +101,7 @@ class EventStream:
             while remaining:
                 p_idx, out = await queue.get()
                 if isinstance(out, EngineError):  # an error event, then [DONE]: the client is told, never left waiting
-                    yield "data: " + json.dumps({"error": {"message": str(out), "type": "server_error", "param": None,
-                                                           "code": "engine_error"}}) + "\n\n"
+                    yield error_event(str(out), "engine_error")
                     yield "data: [DONE]\n\n"
                     return
                 for c in self.step(p_idx, out):
@@ -115,6 +114,8 @@ class EventStream:
             usage = self.usage_chunk()
             if usage is not None:
                 yield usage
+            if self.body.stream_options and self.body.stream_options.include_queue:
+                yield self.chunk([], metrics={"queue_ms": queue_ms(self.finals)})
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:
@@ -135,3 +136,29 @@ async def pump(p_idx: int, gen, first, queue: asyncio.Queue) -> None:
                 await queue.put((p_idx, out))
         except EngineError as e:
             await queue.put((p_idx, e))
+
+
+def queue_ms(finals: list) -> float | None:
+    """The longest time one of a request's prompts waited in the queue (arrival to first scheduled), in ms."""
+    waits = [o.metrics.first_scheduled_time - o.metrics.arrival_time for o in finals
+             if o.metrics is not None and o.metrics.first_scheduled_time is not None]
+    return round(1e3 * max(waits), 1) if waits else None
+
+
+def queue_headers(estimates: list) -> dict[str, str]:
+    """x-sieve-queue-position, x-sieve-queue-eta-ms and x-sieve-ttft-eta-ms: where a request's prompts stood when
+    admitted (the last of them), as far as the engine could tell."""
+    known = [e for e in estimates if e is not None]
+    if not known:
+        return {}
+    headers = {"x-sieve-queue-position": str(max(e.position for e in known))}
+    if all(e.start_s is not None for e in known):
+        headers["x-sieve-queue-eta-ms"] = str(round(1e3 * max(e.start_s for e in known)))
+    if all(e.first_token_s is not None for e in known):
+        headers["x-sieve-ttft-eta-ms"] = str(round(1e3 * max(e.first_token_s for e in known)))
+    return headers
+
+
+def error_event(message: str, code: str, kind: str = "server_error") -> str:
+    return "data: " + json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}) + "\n\n"
+
