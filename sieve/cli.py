@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
                      grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits,
-                     tenants=tenants)
+                     tenants=tenants, batch_dir=args.batch_dir)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -317,6 +317,35 @@ def add_generate_parser(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from sieve.engine import LLMEngine
+    from sieve.server.run_batch import run_batch
+
+    try:
+        open(args.input_file, "rb").close()
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(config_from_args(args))
+    try:
+        counts = run_batch(engine, args.input_file, args.output_file, args.served_model_name)
+    finally:
+        engine.shutdown()
+    print(f"{counts['completed']} of {counts['total']} requests answered, {counts['failed']} failed, in "
+          f"{counts['seconds']} s: {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def add_run_batch_parser(sub) -> None:
+    """`sieve run-batch`: an OpenAI batch file run offline, as vLLM's."""
+    rb = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline: a result line per request")
+    add_engine_args(rb)
+    rb.add_argument("-i", "--input-file", required=True, help="JSONL: {custom_id, method, url, body} per line")
+    rb.add_argument("-o", "--output-file", required=True, help="JSONL: {id, custom_id, response, error} per line")
+    rb.add_argument("--served-model-name", default=None, help="the model name the requests give (default: --model)")
+    rb.set_defaults(func=cmd_run_batch)
+
+
 def add_serve_parser(sub) -> None:
     """`sieve serve`: the engine behind the OpenAI-compatible server, with its limits and keys."""
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -329,6 +358,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--tenants", default=None, metavar="FILE",
                     help="JSON or YAML: each tenant's keys (plain or sha256), tier and limits (requests/tokens per minute, "
                          "requests in flight); see docs/serving.md#tenants. In place of --api-key and --api-keys-file")
+    sv.add_argument("--batch-dir", default=None, metavar="DIR",
+                    help="serve OpenAI's Files and Batch API, its files, batches and results kept in DIR (SQLite); batch "
+                         "requests run in the capacity interactive ones leave")
     sv.add_argument("--shared-prefix-cache", action="store_true",
                     help="let several tenants' requests share prefix-cache blocks (then no response reports cached_tokens)")
     sv.add_argument("--allow-client-priority", action="store_true",
@@ -535,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
+    add_run_batch_parser(sub)
     add_tool_parsers(sub)
     add_bench_parsers(sub)
     return parser

@@ -204,10 +204,15 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences while there is budget, room and no one was just preempted; the budget left."""
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        """Admit waiting sequences while there is budget, room and no one was just preempted for want of blocks; the
+        budget left. A waiting sequence of a higher priority than one running displaces it where slots or blocks
+        are short (the lowest first, preempted by recompute), so a batch request never holds up an interactive one."""
+        short_of_blocks = bool(out.preempted)
+        while self.waiting and budget > 0 and not short_of_blocks:
             idx = self.tiers.pick(self.waiting, self.running) if self.tiers is not None else self._next_waiting()
             seq = self.waiting[idx]
+            if len(self.running) >= self.config.max_num_seqs and not self._displace(seq, out):
+                break
             if self.pacer is not None and not self.pacer.admits(self.running, seq):
                 break  # it would push those running past their TPOT objective: it waits
             # prompt logprobs need every prompt position's logits: such a prefill takes nothing from the cache
@@ -219,6 +224,8 @@ class Scheduler:
             if no_room or (not self.config.enable_chunked_prefill and num_new < remaining) or \
                     not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
                 self.blocks.free(seq)  # give the shared prefix back; it is taken again next time
+                if not no_room and self._displace(seq, out):
+                    continue  # blocks freed by a lower priority: try again
                 break
             self.blocks.count_query(seq.num_tokens, cached)
             if seq.num_preemptions == 0:
@@ -299,6 +306,16 @@ class Scheduler:
         return min(range(len(window)), key=lambda i: (window[i].request.priority,
                                                       -len(self.blocks.cached_prefix_blocks(window[i])),
                                                       window[i].arrival_order))
+
+    def _displace(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the running sequence of the lowest priority for `seq` where that priority is strictly lower (and,
+        with tiers, its tier keeps its guarantee); False when there is none."""
+        victim = self.running[-1] if self.running else None
+        if victim is None or victim.request.priority <= seq.request.priority or \
+                (self.tiers is not None and not self.tiers.may_lose(victim, self.running)):
+            return False
+        self._preempt(victim, out)
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute-preemption: drop the KV, keep the tokens, queue again."""

@@ -77,6 +77,10 @@ class TierPolicy:
         return min((i for i in pool if waiting[i].request.priority == best),
                    key=lambda i: (self.served.get(self.tenant_of(waiting[i]), 0.0), waiting[i].arrival_order))
 
+    def may_lose(self, seq, running: list) -> bool:
+        """Whether `seq`'s tier keeps its guarantee without it (a higher priority may then displace it)."""
+        return self._counts(running).get(self.tier_of(seq), 0) > self.guaranteed(self.tier_of(seq))
+
     def take_back(self, waiting: list, running: list):
         """With every slot taken and a tier owed one: the borrower to preempt (the largest (priority, arrival) of the
         tiers over their guarantee), or None."""

@@ -115,3 +115,32 @@ def test_bad_tier_shares_are_refused():
     for shares in ({"a": 0.7, "b": 0.4}, {"a": -0.1}, {"a": True}, ["a"]):
         with pytest.raises(ConfigError, match="tier_shares"):
             EngineConfig(model="x", tier_shares=shares).validate()
+
+
+def test_a_waiting_higher_priority_displaces_a_running_lower_one(llama_dir):
+    """Slots full (max_num_seqs 2) with priority-5 requests: a priority-0 request starts at the next step, the
+    latest lower one preempted (by recompute: its tokens are what they are alone); one of equal priority waits."""
+    engine = engine_with(llama_dir, max_num_seqs=2)
+    for i in range(2):
+        add(engine, f"low{i}", None, None, 5)
+    for _ in range(3):
+        engine.step()
+    add(engine, "same", None, None, 5)
+    engine.step()
+    assert {s.request.request_id for s in engine.scheduler.running} == {"low0", "low1"}  # equal priority: it waits
+    add(engine, "urgent", None, None, 0)
+    engine.step()
+    assert "urgent" in {s.request.request_id for s in engine.scheduler.running}
+    assert engine.scheduler.num_preemptions == 1
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    alone = engine_with(llama_dir, max_num_seqs=2)
+    for rid in ("low0", "low1"):
+        add(alone, rid, None, None, 5)
+    while alone.has_unfinished():
+        for out in alone.step():
+            if out.finished:
+                assert out.outputs[0].token_ids == outputs[out.request_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -11,6 +12,9 @@ import sieve
 from sieve.engine import LLMEngine
 from sieve.server.async_engine import AsyncEngine
 from sieve.server.auth import APIKeys
+from sieve.server.batch_routes import BATCH_PATHS, batch_api
+from sieve.server.batch_runner import BatchRunner
+from sieve.server.batch_store import BatchStore
 from sieve.server.errors import BodyLimit, install_error_handlers
 from sieve.server.openapi import document
 from sieve.server.routes import KEYED, api, playground_page, public
@@ -25,7 +29,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
                grammar_timeout: float = 10.0, webui: bool = True, limits: ServerLimits | None = None,
-               shared_prefix_cache: bool = False, tenants: Tenants | None = None) -> FastAPI:
+               shared_prefix_cache: bool = False, tenants: Tenants | None = None, batch_dir: str | None = None) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -39,7 +43,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     grammar compiles). `api_key`: one key, or several (APIKeys), each a tenant's: with more than one tenant each
     tenant's requests are salted apart in the prefix cache (a hit never crosses tenants) unless `shared_prefix_cache`,
     and then no response reports cached_tokens (a hit may be another tenant's). `tenants` (sieve/server/tenants.py):
-    every key's tenant with its tier and limits, in place of `api_key`."""
+    every key's tenant with its tier and limits, in place of `api_key`. `batch_dir`: the Batch API's files, batches
+    and results (SQLite), run in the capacity interactive requests leave."""
     options = ServerOptions(served_model_name, max_waiting, allow_client_priority, metrics_public, health_stall_seconds, max_n,
                             max_prompts, max_body_bytes, max_prompt_tokens, tokenizer_workers, grammar_timeout, webui,
                             limits or ServerLimits(), shared_prefix_cache, tenants)
@@ -51,10 +56,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     st = ServerState(aengine, keys, options)
     aengine.on_finished = st.finished
     aengine.on_slow_reader = lambda rid: st.metrics.limit_refused("stream_backlog")
+    runner = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        task = asyncio.create_task(runner.run()) if runner is not None else None
         yield
+        if task is not None:
+            await runner.stop(task)
         aengine.stop()  # (the tokenizer pool lives as long as the app: its idle threads end with the process)
 
     app = FastAPI(title="sieve", version=sieve.__version__, lifespan=lifespan)
@@ -66,5 +75,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     if webui:
         app.include_router(playground_page)
     app.include_router(api)
-    document(app, protected=(KEYED | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
+    app.include_router(batch_api)
+    if batch_dir is not None:
+        st.batches = BatchStore(batch_dir)
+        runner = app.state.batch_runner = BatchRunner(st.batches, app, st.engine, aengine, st.internal_secret)
+    document(app, protected=(KEYED | BATCH_PATHS | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
     return app

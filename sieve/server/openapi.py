@@ -60,7 +60,7 @@ class HealthResponse(_Open):
 WHY = {
     400: "invalid request: a bad or unsupported field, a prompt too long, a value out of range",
     401: "missing or wrong API key",
-    404: "unknown model",
+    404: "unknown model; or (the Batch API) no such file or batch, or no --batch-dir",
     405: "method not allowed",
     413: "request body over --max-request-body-bytes",
     429: "too many requests waiting (--max-waiting), or (--slo-reject) the time-to-first-token objective could no longer "
@@ -101,8 +101,10 @@ def document(app: FastAPI, protected: set[str]) -> None:
                     statuses.add(401)
                 if path.startswith("/v1/") and method == "post" and "completions" in path:
                     statuses |= {404, 429, 500, 503}
-                if path in ("/tokenize", "/detokenize"):
+                if path in ("/tokenize", "/detokenize") or path.startswith(("/v1/files", "/v1/batches")):
                     statuses.add(404)
+                if path.startswith(("/v1/files", "/v1/batches")) and method == "get":
+                    statuses.add(400)  # (a bad `limit`)
                 if path == "/health":
                     responses["503"] = {"description": WHY[503], "content": {"application/json": {"schema": {
                         "$ref": "#/components/schemas/HealthResponse"}}}}

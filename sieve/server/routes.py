@@ -189,7 +189,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat: bool):
     """Admit every prompt of the request at once (they share the next step; the engine gives each its own copy of
     the sampling parameters), then stream or collect their outputs. A client that goes away aborts them."""
-    st.check_capacity()
+    st.check_capacity(raw)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     ids = [f"{rid}-{i}" for i in range(len(prompts))]

@@ -5,7 +5,9 @@ parameters, the grammar compile, the tenant's cache salt)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import math
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ from sieve.server.auth import APIKeys
 from sieve.server.errors import APIError
 from sieve.server.metrics import Metrics
 from sieve.server.tenants import TIER_STRIDE, Limited, TenantLimiter, Tenants
+
+BATCH_PRIORITY = 1 << 40  # below every tier's (tier x TIER_STRIDE + the client's own)
 from sieve.server.tools import render_messages
 from sieve.structured import GrammarError
 
@@ -88,11 +92,19 @@ class ServerState:
         self.salted = keys.num_tenants > 1 and not options.shared_prefix_cache  # each tenant's prefix cache apart
         self.report_cached = keys.num_tenants <= 1 or self.salted  # a shared cache's hit may be another tenant's: not reported
         self.tenants = options.tenants
+        self.internal_secret = secrets.token_hex(32)  # the Batch API runner's requests (sieve/server/batch_runner.py)
+        self.batches = None  # its store (BatchStore), with --batch-dir
         self.limiter = TenantLimiter(options.tenants) if options.tenants is not None else None
         self._tenant_of_request: dict[str, str] = {}  # engine request id -> tenant (its finish is counted for it)
 
     def tenant_of(self, request: Request) -> None:
-        """The request's tenant, by its key (compared in constant time: no timing oracle on the key); 401 without one."""
+        """The request's tenant, by its key (compared in constant time: no timing oracle on the key); 401 without one.
+        The Batch API's runner sends its tenants' requests with this process's own secret (never sent out)."""
+        internal = request.headers.get("x-sieve-internal")
+        request.state.batch = internal is not None and hmac.compare_digest(internal.encode(), self.internal_secret.encode())
+        if request.state.batch:
+            request.state.tenant = request.headers.get("x-sieve-tenant", "")
+            return
         request.state.tenant = self.keys.tenant(request.headers.get("authorization")) if self.keys.enabled else ""
         if request.state.tenant is None:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
@@ -112,7 +124,10 @@ class ServerState:
         return self.report_cached and not self.shares_cache(request)
 
     def priority(self, request: Request, client_priority: int) -> int:
-        """The engine priority: the tenant's tier first (--tenants), then the client's own (--allow-client-priority)."""
+        """The engine priority: the tenant's tier first (--tenants), then the client's own (--allow-client-priority);
+        a batch request's is below every tier's."""
+        if request.state.batch:
+            return BATCH_PRIORITY
         tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
         if tenant is None:
             return client_priority
@@ -121,12 +136,13 @@ class ServerState:
     def tenancy(self, request: Request) -> tuple[str | None, str | None]:
         """(tenant, tier) for the engine's fair shares and guaranteed slots."""
         tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
-        return (request.state.tenant or None, tenant.tier.name if tenant is not None else None)
+        tier = "batch" if request.state.batch else tenant.tier.name if tenant is not None else None
+        return (request.state.tenant or None, tier)
 
     def admit_tenant(self, request: Request, request_ids: list[str], prompt_tokens: int) -> bool:
         """Count the request against its tenant's limits (429 with Retry-After past one); True when the caller must
         `release_tenant` it once it is over."""
-        if self.limiter is None:
+        if self.limiter is None or request.state.batch:  # (batch requests run only in capacity others leave)
             return False
         name = request.state.tenant
         try:
@@ -267,9 +283,9 @@ class ServerState:
             self.metrics.limit_refused("logit_bias")
             raise APIError(400, f"logit_bias takes at most {limits.max_logit_bias} tokens (--max-logit-bias)", param="logit_bias")
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, request: Request) -> None:
         max_waiting = self.options.max_waiting
-        if max_waiting is not None and self.engine.num_waiting + self.aengine.num_pending >= max_waiting:
+        if max_waiting is not None and not request.state.batch and self.engine.num_waiting + self.aengine.num_pending >= max_waiting:
             self.metrics.rejected.inc()
             head = self.engine.queue_head_eta_s  # when the head of the queue is expected to start
             raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry after Retry-After "
