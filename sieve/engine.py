@@ -381,7 +381,7 @@ class LLMEngine:
             return QueueEstimate(0, 0.0, None)
         bs = self.config.block_size
         return self.queue_eta.estimate(seq, sched.waiting, sched.running,
-                                       lambda s: len(self.block_manager.cached_prefix_blocks(s)) * bs)
+                                       lambda s: len(self.block_manager.cached_prefix_blocks(s)) * bs, sched.token_budget())
 
     def check_kv_transfer(self, params: dict | None) -> bool:
         """Whether `params` (a request's kv_transfer_params) ask this engine to fetch a remote prefill; RequestError when
@@ -596,8 +596,8 @@ class LLMEngine:
         for seq in finished:
             self.queue_eta.finished(seq.num_tokens - seq.num_prompt_tokens, seq.params.max_tokens)
         waiting = self.scheduler.waiting
-        self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0).start_s \
-            if waiting else 0.0
+        self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0,
+                                                        self.scheduler.token_budget()).start_s if waiting else 0.0
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
         """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, and the finished

@@ -39,9 +39,11 @@ class QueueETA:
         generated = seq.num_tokens - seq.num_prompt_tokens
         return max(generated + 1, math.ceil(self.output_share * (seq.params.max_tokens or 1)))
 
-    def estimate(self, seq, waiting: list, running: list, cached_tokens) -> QueueEstimate:
+    def estimate(self, seq, waiting: list, running: list, cached_tokens, token_budget: int | None = None) -> QueueEstimate:
         """`seq`'s estimate, `waiting` the queue in order of service (it among them), `running` those scheduled;
-        `cached_tokens(s)`: the tokens of s the prefix cache holds now."""
+        `cached_tokens(s)`: the tokens of s the prefix cache holds now; `token_budget`: a step's tokens now (the SLO
+        pacer's; default the configured budget)."""
+        budget = token_budget or self.token_budget
         ahead = waiting[: waiting.index(seq)]
         if not self.cost.ready:
             return QueueEstimate(len(ahead), None, None)
@@ -57,16 +59,15 @@ class QueueETA:
         t, start = 0.0, None
         for _ in range(self.MAX_EVENTS):
             while queue and len(decoding) + len(prefilling) < self.max_num_seqs:  # a free slot: the next in line
-                entry = queue.pop(0)
-                if entry[2]:
-                    start = t
-                prefilling.append(entry)
+                prefilling.append(queue.pop(0))
             rows = len(decoding)
-            left = max(1, self.token_budget - rows)  # the prompts take what the decodes leave, in order
+            left = max(1, budget - rows)  # the prompts take what the decodes leave, in order
             shares = []
             for entry in prefilling:
                 shares.append(min(entry[0], left))
                 left -= shares[-1]
+                if entry[2] and shares[-1] and start is None:  # its first chunk: it is scheduled now
+                    start = t
             # until the next event: a prompt computed, or a sequence at its end
             steps = min([math.ceil(e[0] / n) for e, n in zip(prefilling, shares) if n] + decoding, default=math.inf)
             if steps == math.inf:

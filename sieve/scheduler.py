@@ -205,8 +205,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences while there is budget, room and no one was just preempted for want of blocks; the
-        budget left. A waiting sequence of a higher priority than one running displaces it where slots or blocks
-        are short (the lowest first, preempted by recompute), so a batch request never holds up an interactive one."""
+        budget left. A waiting sequence of a higher priority than one running displaces it where slots or blocks are
+        short (the lowest first, preempted by recompute), so a batch request never holds up an interactive one."""
         short_of_blocks = bool(out.preempted)
         while self.waiting and budget > 0 and not short_of_blocks:
             idx = self.tiers.pick(self.waiting, self.running) if self.tiers is not None else self._next_waiting()
@@ -221,11 +221,11 @@ class Scheduler:
             num_new = min(remaining, budget)
             no_room = self.pacer is not None and self.running and not self.pacer.leaves_room(
                 seq, self.blocks.num_free_blocks * self.config.block_size, len(self.running), self.config.block_size)
-            if no_room or (not self.config.enable_chunked_prefill and num_new < remaining) or \
-                    not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+            whole = self.config.enable_chunked_prefill or num_new == remaining
+            if no_room or not whole or not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
                 self.blocks.free(seq)  # give the shared prefix back; it is taken again next time
-                if not no_room and self._displace(seq, out):
-                    continue  # blocks freed by a lower priority: try again
+                if whole and self._displace(seq, out):
+                    continue  # room made by a lower priority: try again
                 break
             self.blocks.count_query(seq.num_tokens, cached)
             if seq.num_preemptions == 0:
