@@ -101,12 +101,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         keys = APIKeys.load(args.api_key, args.api_keys_file)
         tenants = Tenants.load(args.tenants) if args.tenants else None
+        if args.batch_dir:
+            Path(args.batch_dir).mkdir(parents=True, exist_ok=True)
+            if not os.access(args.batch_dir, os.W_OK):
+                raise ValueError(f"--batch-dir {args.batch_dir} is not writable")
         if tenants is not None and keys.enabled:
             raise ValueError("--tenants holds the API keys: give it without --api-key and --api-keys-file")
         limits = ServerLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                               max_logit_bias=args.max_logit_bias, max_prompt_bytes=args.max_prompt_bytes,
                               max_stream_backlog=args.max_stream_backlog, grammar_workers=args.structured_outputs_compile_workers)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = config_from_args(args)

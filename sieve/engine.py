@@ -116,6 +116,7 @@ class LLMEngine:
         self.step_timer = self.step_cost if self.step_cost is not None else StepCostModel()
         self.queue_eta = QueueETA(self.step_timer, config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
         self.queue_head_eta_s: float | None = None
+        self.track_queue_head = False  # keep queue_head_eta_s current each step (a server with --max-waiting asks)
         tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
         self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
         self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
@@ -596,8 +597,9 @@ class LLMEngine:
         for seq in finished:
             self.queue_eta.finished(seq.num_tokens - seq.num_prompt_tokens, seq.params.max_tokens)
         waiting = self.scheduler.waiting
-        self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0,
-                                                        self.scheduler.token_budget()).start_s if waiting else 0.0
+        if self.track_queue_head:
+            self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0,
+                                                            self.scheduler.token_budget()).start_s if waiting else 0.0
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
         """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, and the finished

@@ -220,3 +220,10 @@ def test_run_batch_offline_answers_every_line_in_order(llama_dir, tmp_path):
     assert out[4]["response"]["body"]["choices"][0]["text"] == want.outputs[0].text
     r = run_cli("run-batch", "--model", str(llama_dir), "-i", str(tmp_path / "missing.jsonl"), "-o", str(dst))
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_sieve_serve_stops_on_a_batch_dir_it_cannot_write(llama_dir):
+    from test_cli import run_cli
+
+    r = run_cli("serve", "--model", str(llama_dir), "--batch-dir", "/proc/sieve-batches")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "sieve-batches" in r.stderr

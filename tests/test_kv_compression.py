@@ -223,14 +223,14 @@ def test_expected_attention_gathers_the_prompts_query_statistics_during_its_pref
 
 def test_expected_attention_in_the_native_layer_loop(monkeypatch):
     """In bfloat16 the C++ layer loop runs the steps and hands the tapped rows' queries over: every step of a prompt
-    being gathered stays in the C++ loop (the step a plain request beside it would have had without the press; its
-    tokens and logprobs alone and beside are equal), and the statistics are the PyTorch loop's within bf16 rounding."""
+    being gathered stays in the C++ loop, so a plain request beside it gets the bits it gets beside the same prompt
+    uncompressed (the same steps, but for the press); the statistics are the PyTorch loop's within bf16 rounding."""
     ids, other = story_prompt(300, seed=8), {"prompt_token_ids": story_prompt(200, seed=9)}
     press = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                            kv_compression={"press": "expected_attention", "ratio": 0.5})
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    moments, seen = [], record_query_moments(monkeypatch)
-    for native in (True, False):
+
+    def run(native: bool, first: SamplingParams):
         llm = LLM(str(STORIES), dtype="bfloat16", device="cpu", num_gpu_blocks_override=128)
         model, calls = llm.llm_engine.runner.model, {"all": 0, "native": 0}
         assert model.native is not None
@@ -240,17 +240,21 @@ def test_expected_attention_in_the_native_layer_loop(monkeypatch):
         monkeypatch.setattr(model, "forward", lambda *a, **k: calls.__setitem__("all", calls["all"] + 1) or forward(*a, **k))
         monkeypatch.setattr(model, "_forward_native",
                             lambda *a, **k: calls.__setitem__("native", calls["native"] + 1) or forward_native(*a, **k))
-        alone = llm.generate([other], plain)[0].outputs[0]
-        beside = llm.generate([{"prompt_token_ids": ids}, other], [press, plain])[1].outputs[0]
-        moments.append(list(seen))
-        seen.clear()
-        if native:
-            assert calls["native"] == calls["all"] > 10, "every step ran in the C++ loop"
-            assert beside.token_ids == alone.token_ids
-            assert [{t: lp.logprob for t, lp in d.items()} for d in beside.logprobs] == \
-                   [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs]
-    assert len(moments[0]) == len(moments[1]) == 5
-    for (m1, c1), (m2, c2) in zip(*moments):
+        out = llm.generate([{"prompt_token_ids": ids}, other], [first, plain])[1].outputs[0]
+        return out, calls
+
+    seen = record_query_moments(monkeypatch)
+    beside_press, calls = run(True, press)
+    assert calls["native"] == calls["all"] > 10, "every step ran in the C++ loop"
+    native_moments = list(seen)
+    seen.clear()
+    beside_plain, _ = run(True, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert beside_press.token_ids == beside_plain.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in beside_press.logprobs] == \
+           [{t: lp.logprob for t, lp in d.items()} for d in beside_plain.logprobs]
+    run(False, press)
+    assert len(native_moments) == len(seen) == 5
+    for (m1, c1), (m2, c2) in zip(native_moments, seen):
         assert (m1 - m2).abs().max() < 2e-2 * m2.abs().max()
         assert (c1 - c2).abs().max() < 2e-2 * c2.abs().max()
 
