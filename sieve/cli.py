@@ -123,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
                      max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
                      grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits,
-                     tenants=tenants, batch_dir=args.batch_dir)
+                     tenants=tenants, batch_dir=args.batch_dir, embedding_pooling=args.embedding_pooling,
+                     max_stored_responses=args.max_stored_responses)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -365,6 +366,12 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--batch-dir", default=None, metavar="DIR",
                     help="serve OpenAI's Files and Batch API, its files, batches and results kept in DIR (SQLite); batch "
                          "requests run in the capacity interactive ones leave")
+    sv.add_argument("--embedding-pooling", default="mean", choices=["mean", "last"],
+                    help="how /v1/embeddings pools the model's final hidden states over the input: their mean, or the "
+                         "last token's (the mean bypasses the prefix cache)")
+    sv.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                    help="the Responses API keeps the last N stored responses in memory (GET /v1/responses/{id}, "
+                         "previous_response_id); older ones are forgotten")
     sv.add_argument("--shared-prefix-cache", action="store_true",
                     help="let several tenants' requests share prefix-cache blocks (then no response reports cached_tokens)")
     sv.add_argument("--allow-client-priority", action="store_true",

@@ -37,6 +37,7 @@ from sieve.models.loader import default_num_threads, load_model, open_checkpoint
 from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.pacing import SloPacer
+from sieve.pooling import Pooler
 from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence, WindowState
@@ -351,6 +352,8 @@ class LLMEngine:
                       tenant=tenant, tier=tier)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
+        if params.pooling is not None:
+            req.pooler = Pooler(params.pooling, len(ids))
         order = next(self._arrivals)
         for i in range(params.n):
             seq = Sequence(request=req, index=i, arrival_order=order, token_ids=list(ids), seed=params.seed,
@@ -360,7 +363,7 @@ class LLMEngine:
             req.seqs.append(seq)
         if params.kv_transfer_params is not None:
             self._kv_transfer(req, ids, params.kv_transfer_params, kv_fetch)
-        elif self.kv_tiers is not None and params.prompt_logprobs is None:  # a tier's blocks beyond the pool's, into the
+        elif self.kv_tiers is not None and not params.whole_prompt:  # a tier's blocks beyond the pool's, into the
             # prefix cache (a request scoring its prompt computes it whole: nothing to load)
             fetched = kv_fetch if kv_fetch is not None else self.kv_tiers.fetch(ids, params.cache_salt)
             loaded = self.kv_tiers.admit(ids, fetched, params.cache_salt)
@@ -548,7 +551,7 @@ class LLMEngine:
             req = seq.request
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if req.params.max_tokens == 0:  # it asked only for its prompt to be scored: done once the prompt is computed
+            if req.params.max_tokens == 0:  # it asked only about its prompt: done once the prompt is computed
                 seq.finish_reason = "length"
             else:
                 appended = 0

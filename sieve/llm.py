@@ -7,6 +7,7 @@ import itertools
 from sieve.config import EngineConfig
 from sieve.engine import LLMEngine, Prompt
 from sieve.outputs import RequestOutput
+from sieve.pooling import PoolingParams
 from sieve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,34 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or several, each through the model's chat template
+        (with `tools` offered as the server offers them: in the template, or in the system prompt where it has no
+        place for them), then generated as `generate` does; the outputs are the model's raw text."""
+        from sieve.server.tools import render_messages  # (the template's tool rendering, shared with the server)
+
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            rendered, extra = render_messages(conversation, tools, tokenizer)
+            text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **extra,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`): its final hidden states pooled as `pooling_params`
+        says (mean over positions, normalized, by default), the prompts prefilled together in the same steps."""
+        params = SamplingParams(max_tokens=0, pooling=pooling_params or PoolingParams())
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def generate(
         self,

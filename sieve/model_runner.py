@@ -326,6 +326,9 @@ class ModelRunner:
         for item in items:
             if item.seq.needs_prompt_logprobs:
                 prompt_lps += self._prompt_logprobs(item, hidden, row)
+            if item.seq.request.pooler is not None:  # embeddings: the prompt chunk's rows, pooled (its last token alone
+                # is scheduled like a decode)
+                item.seq.request.pooler.add(item.seq.num_computed_tokens, hidden[row: row + item.num_real_tokens])
             branch_rows = list(itertools.accumulate([b.num_rows for b in item.branches[:-1]], initial=row + item.num_new_tokens)) \
                 if item.branches else []
             first_rows.append((item, row, branch_rows))

@@ -88,5 +88,6 @@ class OutputProcessor:
             kv_tier_tokens=dict(req.kv_tier_tokens),
             kv_kept_tokens=req.kv_kept_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            embedding=req.pooler.result() if finished and req.pooler is not None and req.pooler.done else None,
             deltas=deltas,
         )

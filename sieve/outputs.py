@@ -65,6 +65,8 @@ class RequestOutput:
     kv_kept_tokens: int | None = None
     # With prompt_logprobs: one dict per prompt token (None for the first), the token's entry plus the top-N.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Embeddings (SamplingParams.pooling): the prompt's pooled hidden states, on the finished output
+    embedding: list[float] | None = None
     # Per choice, the text and token ids produced since the previous output (for streaming).
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
     # Prefill/decode disaggregation: on a prefill server's finished output, where a decode server finds its KV

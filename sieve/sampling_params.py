@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from sieve.kv_compression import KVCompression
+from sieve.pooling import PoolingParams
 from sieve.structured.params import StructuredOutputsParams
 
 
@@ -39,6 +40,8 @@ class SamplingParams:
     # KV compression (sieve/kv_compression): a press and the fraction of the prompt's positions it removes; a
     # KVCompression, {"press": "snapkv", "ratio": 0.5} or "snapkv:0.5"
     kv_compression: KVCompression | dict | str | None = None
+    # Embeddings (sieve/pooling.py): the prompt's pooled final hidden states instead of tokens (with max_tokens 0)
+    pooling: PoolingParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     _bias: tuple | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -90,9 +93,11 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+        if self.max_tokens is not None and self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_only):
             bad(f"max_tokens must be at least 1, got {self.max_tokens} (0 only scores the prompt: with prompt_logprobs, "
                 "or echo with logprobs)")
+        if self.pooling is not None:
+            self._validate_pooling(bad)
         if self.min_tokens < 0:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -119,6 +124,26 @@ class SamplingParams:
                 bad(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:  # also refuses NaN
                 bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tok}")
+
+    def _validate_pooling(self, bad) -> None:
+        if not isinstance(self.pooling, PoolingParams):
+            bad("pooling must be a PoolingParams")
+        if self.max_tokens != 0 or self.n != 1:
+            bad("pooling returns one embedding of the prompt, no tokens: it takes max_tokens 0 and n 1")
+        for name in ("kv_compression", "kv_transfer_params", "structured_outputs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                bad(f"pooling cannot be combined with {name}")
+
+    @property
+    def prompt_only(self) -> bool:
+        """The request asks only about its prompt (its logprobs, or its embedding): it ends once the prompt is computed."""
+        return self.prompt_logprobs is not None or self.pooling is not None
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Every prompt position must be computed, none taken from the prefix cache (its blocks hold keys and values:
+        no logits, no hidden states)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.whole_prompt)
 
     @property
     def greedy(self) -> bool:

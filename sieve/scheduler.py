@@ -215,8 +215,8 @@ class Scheduler:
                 break
             if self.pacer is not None and not self.pacer.admits(self.running, seq):
                 break  # it would push those running past their TPOT objective: it waits
-            # prompt logprobs need every prompt position's logits: such a prefill takes nothing from the cache
-            cached = 0 if seq.needs_prompt_logprobs else self.blocks.take_cached_prefix(seq)
+            # prompt logprobs (and mean pooling) need every prompt position's hidden state: nothing from the cache
+            cached = 0 if seq.params.whole_prompt else self.blocks.take_cached_prefix(seq)
             remaining = self._to_compute(seq)
             num_new = min(remaining, budget)
             no_room = self.pacer is not None and self.running and not self.pacer.leaves_room(

@@ -38,3 +38,21 @@ def wait_idle(engine, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while engine.has_unfinished() and time.time() < deadline:
         time.sleep(0.05)
+
+
+def faulty_engine(model_dir):
+    """A float32 engine on `model_dir` whose step raises "injected fault" at the call `state["fail_at"]` names
+    (`state["calls"]` counts them): (engine, state)."""
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
+    real_step, state = engine.step, {"calls": 0, "fail_at": None}
+
+    def step():
+        state["calls"] += 1
+        if state["calls"] == state["fail_at"]:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    engine.step = step
+    return engine, state

@@ -81,6 +81,20 @@ def test_a_batch_gives_what_each_request_gives_alone_and_reports_bad_lines(batch
     assert b.id in [x.id for x in listed.data]
 
 
+def test_a_batch_of_embeddings_gives_what_each_gives_alone(batch_server):
+    client = openai.OpenAI(base_url=batch_server[0] + "/v1", api_key=API_KEY)
+    texts = [f"document number {i}" for i in range(4)]
+    body = "\n".join(json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                                  "body": {"model": MODEL, "input": t, "encoding_format": "float"}}) for i, t in enumerate(texts))
+    f = client.files.create(file=("emb.jsonl", io.BytesIO(body.encode())), purpose="batch")
+    b = wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert b.status == "completed" and b.request_counts.completed == 4
+    out = results(client, b.output_file_id)
+    alone = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    for i, d in enumerate(alone.data):
+        assert out[f"e{i}"]["response"]["body"]["data"][0]["embedding"] == pytest.approx(d.embedding, abs=1e-5)
+
+
 def test_bad_requests_to_the_batch_api_are_named(batch_server, llama_dir):
     url = batch_server[0]
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
@@ -90,7 +104,7 @@ def test_bad_requests_to_the_batch_api_are_named(batch_server, llama_dir):
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="tomorrow")
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.AuthenticationError):

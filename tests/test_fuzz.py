@@ -38,7 +38,9 @@ def test_generated_requests_get_documented_answers(live):
     tally: collections.Counter = collections.Counter()
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     operations = [op.ok() for op in schema.get_all_operations()]
-    assert {o.path for o in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+    assert {o.path for o in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages",
+                                             "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}",
+                                             "/v1/models", "/tokenize", "/detokenize",
                                              "/health", "/metrics"}
     for operation, mode in itertools.product(operations, list(GenerationMode)):  # valid bodies, and invalid ones
         if mode is GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or not operation.body.items):

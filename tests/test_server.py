@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import API_KEY, MODEL, metrics_page, start_server, wait_idle
+from live_server import API_KEY, MODEL, faulty_engine, metrics_page, start_server, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -498,18 +498,7 @@ def test_a_failed_step_reaches_every_affected_client_and_serving_goes_on(llama_d
     """Fault injection: the engine's step raises at a chosen call. A stream in flight gets an error
     event (the openai client raises it) and [DONE]; a non-streaming request gets a 500 in OpenAI's shape;
     the next requests are served and no KV block is left behind."""
-    from sieve import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=256))
-    real_step, state = engine.step, {"calls": 0, "fail_at": None}
-
-    def step():
-        state["calls"] += 1
-        if state["calls"] == state["fail_at"]:
-            raise RuntimeError("injected fault")
-        return real_step()
-
-    engine.step = step
+    engine, state = faulty_engine(llama_dir)
     url, stop = start_server(engine)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=30, max_retries=0)

@@ -10,12 +10,15 @@ from fastapi import FastAPI
 
 import sieve
 from sieve.engine import LLMEngine
+from sieve.pooling import POOLING
 from sieve.server.async_engine import AsyncEngine
 from sieve.server.auth import APIKeys
 from sieve.server.batch_routes import BATCH_PATHS, batch_api
 from sieve.server.batch_runner import BatchRunner
 from sieve.server.batch_store import BatchStore
 from sieve.server.errors import BodyLimit, install_error_handlers
+from sieve.server.messages_routes import MESSAGES_PATHS, messages_api
+from sieve.server.responses_routes import RESPONSES_PATHS, responses_api
 from sieve.server.openapi import document
 from sieve.server.routes import KEYED, api, playground_page, public
 from sieve.server.state import ServerLimits, ServerOptions, ServerState
@@ -29,7 +32,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                health_stall_seconds: float = 60.0, max_n: int = 128, max_prompts: int = 64,
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
                grammar_timeout: float = 10.0, webui: bool = True, limits: ServerLimits | None = None,
-               shared_prefix_cache: bool = False, tenants: Tenants | None = None, batch_dir: str | None = None) -> FastAPI:
+               shared_prefix_cache: bool = False, tenants: Tenants | None = None, batch_dir: str | None = None,
+               embedding_pooling: str = "mean", max_stored_responses: int = 1000) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -44,10 +48,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     tenant's requests are salted apart in the prefix cache (a hit never crosses tenants) unless `shared_prefix_cache`,
     and then no response reports cached_tokens (a hit may be another tenant's). `tenants` (sieve/server/tenants.py):
     every key's tenant with its tier and limits, in place of `api_key`. `batch_dir`: the Batch API's files, batches
-    and results (SQLite), run in the capacity interactive requests leave."""
+    and results (SQLite), run in the capacity interactive requests leave. `embedding_pooling`: how /v1/embeddings pools
+    the final hidden states, "mean" or "last" (sieve/pooling.py). `max_stored_responses`: how many Responses API
+    responses are kept (in memory) for GET and `previous_response_id`."""
+    if embedding_pooling not in POOLING:
+        raise ValueError(f"embedding_pooling must be one of {', '.join(POOLING)}, got {embedding_pooling!r}")
     options = ServerOptions(served_model_name, max_waiting, allow_client_priority, metrics_public, health_stall_seconds, max_n,
                             max_prompts, max_body_bytes, max_prompt_tokens, tokenizer_workers, grammar_timeout, webui,
-                            limits or ServerLimits(), shared_prefix_cache, tenants)
+                            limits or ServerLimits(), shared_prefix_cache, tenants, embedding_pooling, max_stored_responses)
     if tenants is not None and (api_key.enabled if isinstance(api_key, APIKeys) else api_key):
         raise ValueError("give API keys either in the tenants file or as api keys, not both")
     aengine = AsyncEngine(engine, max_backlog=options.limits.max_stream_backlog)
@@ -77,8 +85,10 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
         app.include_router(playground_page)
     app.include_router(api)
     app.include_router(batch_api)
+    app.include_router(messages_api)
+    app.include_router(responses_api)
     if batch_dir is not None:
         st.batches = BatchStore(batch_dir)
         runner = app.state.batch_runner = BatchRunner(st.batches, app, st.engine, aengine, st.internal_secret)
-    document(app, protected=(KEYED | BATCH_PATHS | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
+    document(app, protected=(KEYED | BATCH_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
     return app

@@ -128,7 +128,7 @@ class AsyncEngine:
                     raise RequestError("kv_transfer_params.do_remote_prefill needs the prompt as token ids")
                 fetch, args = self.engine.fetch_kv, (list(ids), params.kv_transfer_params)
             elif (self.engine.kv_tiers is not None and ids is not None and params.kv_transfer_params is None
-                  and params.prompt_logprobs is None):
+                  and not params.whole_prompt):
                 fetch, args = self.engine.fetch_tiers, (list(ids), params.cache_salt)  # the KV tiers' blocks, read here
             else:
                 continue

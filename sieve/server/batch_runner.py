@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from sieve.server.batch_store import BatchStore
+from sieve.server.batch_store import STREAMING, BatchStore
 
 log = logging.getLogger("sieve")
 
@@ -74,7 +74,7 @@ class BatchRunner:
         endpoint = self.store.batch(None, bid)["endpoint"]
         self.num_sent += 1
         try:
-            r = await client.post(endpoint, json={**body, "stream": False},
+            r = await client.post(endpoint, json={**body, "stream": False} if endpoint in STREAMING else body,
                                   headers={"x-sieve-internal": self.secret, "x-sieve-tenant": tenant})
             payload = r.json()
         except asyncio.CancelledError:

@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, tenant TEXT, endpoint T
 CREATE TABLE IF NOT EXISTS requests (batch_id TEXT, line INTEGER, custom_id TEXT, body TEXT, state TEXT, result TEXT,
                                      PRIMARY KEY (batch_id, line));
 """
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+STREAMING = ("/v1/chat/completions", "/v1/completions")  # the endpoints whose requests a batch runs with stream false
 OPEN = ("validating", "in_progress", "cancelling")  # a batch still being worked on
 _WINDOW = re.compile(r"^(\d+)(s|m|h)$")
 

@@ -1,5 +1,6 @@
 """OpenAI's error object, shared by the server and the gateway: one exception (`APIError`), one response shape, the
-handlers that put every failure (a bad field, a wrong route, a bug) in that shape, and the body-size limit."""
+handlers that put every failure (a bad field, a wrong route, a bug) in that shape, and the body-size limit. Anthropic's
+routes (/v1/messages) answer the same failures in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -19,8 +20,24 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+                   code: str | None = None, headers: dict | None = None, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on its routes (`path`)."""
+    body = anthropic_body(status, message, type_) if path.startswith(ANTHROPIC_PATHS) else error_body(message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+# OpenAI's error types, and the statuses with a type of their own, as Anthropic names them
+ANTHROPIC_TYPES = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
+                   "rate_limit_exceeded": "rate_limit_error", "server_error": "api_error"}
+ANTHROPIC_STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str, openai_type: str = "invalid_request_error") -> dict:
+    """Anthropic's error object."""
+    kind = ANTHROPIC_STATUS_TYPES.get(status, ANTHROPIC_TYPES.get(openai_type, "api_error"))
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class APIError(Exception):
@@ -33,10 +50,10 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers, self.body = headers, body
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
         if self.body is not None:
             return JSONResponse(self.body, status_code=self.status, headers=self.headers)
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers, path)
 
 
 def install_error_handlers(app: FastAPI, what: str = "serving a request") -> None:
@@ -45,28 +62,33 @@ def install_error_handlers(app: FastAPI, what: str = "serving a request") -> Non
     its Allow header), and a bug as a 500."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return e.response()
+    async def api_error(request: Request, e: APIError):
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        if first.get("type") == "extra_forbidden":
-            return error_response(400, f"unknown field `{'.'.join(loc)}`: this server does not implement it", "invalid_request_error",
-                                  ".".join(loc) or None, code="unsupported_field")
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
-                              ".".join(loc) or None)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return validation_response(e.errors(), request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception):
+    async def unexpected(request: Request, e: Exception):
         log.exception("unhandled error while %s", what)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error",
-                              headers=getattr(e, "headers", None))
+                              headers=getattr(e, "headers", None), path=request.url.path)
+
+
+def validation_response(errors: list, path: str = "") -> JSONResponse:
+    """A body that fails validation: a 400 naming the field (an unknown field is `unsupported_field`)."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    if first.get("type") == "extra_forbidden":
+        return error_response(400, f"unknown field `{'.'.join(loc)}`: this server does not implement it", "invalid_request_error",
+                              ".".join(loc) or None, code="unsupported_field", path=path)
+    return error_response(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+                          ".".join(loc) or None, path=path)
 
 
 class BodyLimit:
@@ -111,4 +133,4 @@ class BodyLimit:
 
     async def _too_large(self, scope, receive, send):
         await error_response(413, f"the request body is over the {self.max_bytes}-byte limit (--max-request-body-bytes)",
-                             "invalid_request_error", code="request_too_large")(scope, receive, send)
+                             "invalid_request_error", code="request_too_large", path=scope.get("path", ""))(scope, receive, send)

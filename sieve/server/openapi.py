@@ -10,6 +10,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from sieve.server.errors import ANTHROPIC_PATHS
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -24,6 +26,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, on its routes (/v1/messages)."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -35,6 +49,40 @@ class CompletionResponse(_Open):
     model: str
     choices: list[dict[str, Any]]
     usage: dict[str, Any]
+
+
+class EmbeddingList(_Open):
+    object: str
+    data: list[dict[str, Any]]
+    model: str
+    usage: dict[str, Any]
+
+
+class Message(_Open):
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, Any]
+
+
+class ResponseObject(_Open):
+    id: str
+    object: str
+    status: str
+    output: list[dict[str, Any]]
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class TokenCount(_Open):
+    input_tokens: int
 
 
 class ModelList(_Open):
@@ -60,7 +108,8 @@ class HealthResponse(_Open):
 WHY = {
     400: "invalid request: a bad or unsupported field, a prompt too long, a value out of range",
     401: "missing or wrong API key",
-    404: "unknown model; or (the Batch API) no such file or batch, or no --batch-dir",
+    404: "unknown model; or (the Batch API) no such file or batch, or no --batch-dir; or (the Responses API) no such "
+         "stored response",
     405: "method not allowed",
     413: "request body over --max-request-body-bytes",
     429: "too many requests waiting (--max-waiting), or (--slo-reject) the time-to-first-token objective could no longer "
@@ -70,8 +119,9 @@ WHY = {
 }
 
 
-def _error(status: int) -> dict:
-    return {"description": WHY[status], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+def _error(status: int, path: str) -> dict:
+    shape = "AnthropicErrorResponse" if path.startswith(ANTHROPIC_PATHS) else "ErrorResponse"
+    return {"description": WHY[status], "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
 
 
 def document(app: FastAPI, protected: set[str]) -> None:
@@ -83,7 +133,9 @@ def document(app: FastAPI, protected: set[str]) -> None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ErrorResponse, ErrorDetail, CompletionResponse, ModelList, TokenizeResponse, DetokenizeResponse, HealthResponse):
+        for model in (ErrorResponse, ErrorDetail, AnthropicErrorResponse, AnthropicErrorDetail, Message, TokenCount,
+                      ResponseObject, ResponseDeleted,
+                      CompletionResponse, EmbeddingList, ModelList, TokenizeResponse, DetokenizeResponse, HealthResponse):
             components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
@@ -91,7 +143,7 @@ def document(app: FastAPI, protected: set[str]) -> None:
             for method, op in ops.items():
                 responses = op["responses"]
                 responses.pop("422", None)
-                ok = _success(path)
+                ok = _success(path, method)
                 if ok is not None:
                     responses["200"] = ok
                 statuses = {405}
@@ -99,24 +151,25 @@ def document(app: FastAPI, protected: set[str]) -> None:
                     statuses |= {400, 413}
                 if path in protected:
                     statuses.add(401)
-                if path.startswith("/v1/") and method == "post" and "completions" in path:
+                if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/responses"):
                     statuses |= {404, 429, 500, 503}
-                if path in ("/tokenize", "/detokenize") or path.startswith(("/v1/files", "/v1/batches")):
+                if path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens") or path.startswith(("/v1/files", "/v1/batches",
+                                                                                                       "/v1/responses/")):
                     statuses.add(404)
-                if path.startswith(("/v1/files", "/v1/batches")) and method == "get":
-                    statuses.add(400)  # (a bad `limit`)
+                if path.startswith(("/v1/files", "/v1/batches", "/v1/responses/")):
+                    statuses.add(400)  # (a bad `limit`; a query parameter, or a cancel of a response not in the background)
                 if path == "/health":
                     responses["503"] = {"description": WHY[503], "content": {"application/json": {"schema": {
                         "$ref": "#/components/schemas/HealthResponse"}}}}
                 for status in sorted(statuses):
-                    responses.setdefault(str(status), _error(status))
+                    responses.setdefault(str(status), _error(status, path))
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
 
 
-def _success(path: str) -> dict | None:
+def _success(path: str, method: str) -> dict | None:
     def body(name: str, stream: bool = False) -> dict:
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
         if stream:
@@ -128,6 +181,12 @@ def _success(path: str) -> dict | None:
     return {
         "/v1/completions": body("CompletionResponse", stream=True),
         "/v1/chat/completions": body("CompletionResponse", stream=True),
+        "/v1/embeddings": body("EmbeddingList"),
+        "/v1/messages": body("Message", stream=True),
+        "/v1/messages/count_tokens": body("TokenCount"),
+        "/v1/responses": body("ResponseObject", stream=True),
+        "/v1/responses/{response_id}": body("ResponseDeleted" if method == "delete" else "ResponseObject"),
+        "/v1/responses/{response_id}/cancel": body("ResponseObject"),
         "/v1/models": body("ModelList"),
         "/tokenize": body("TokenizeResponse"),
         "/detokenize": body("DetokenizeResponse"),

@@ -21,13 +21,16 @@ import sieve
 from sieve.engine import RequestError
 from sieve.server.async_engine import EngineError
 from sieve.server.errors import APIError
+from sieve.pooling import PoolingParams
+from sieve.sampling_params import SamplingParams
+from sieve.server.embeddings import EmbeddingRequest, embedding_response
 from sieve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sieve.server.responses import ResponseFormat
 from sieve.server.state import ServerState
 from sieve.server.streaming import EventStream, error_event, queue_headers, queue_ms
 
 # the routes that need a key when the server has keys (/metrics too, unless --metrics-public)
-KEYED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv_transfer/release"}
+KEYED = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/kv_transfer/release"}
 
 
 def state(request: Request) -> ServerState:
@@ -111,18 +114,60 @@ async def completions(body: CompletionRequest, raw: Request):
     if len(prompts) > st.options.max_prompts:
         raise APIError(400, f"{len(prompts)} prompts are over this server's limit of {st.options.max_prompts} per request "
                             "(--max-prompts-per-request)", param="prompt")
-    st.check_bytes(prompts)
-    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]  # token ids need no tokenizer: checked here
+    prompts = await encode_prompts(st, prompts)
+    return await serve(st, raw, body, prompts, params, "cmpl-", functools.partial(respond, chat=False))
+
+
+async def encode_prompts(st: ServerState, prompts: list, param: str = "prompt") -> list:
+    """Text prompts tokenized on the tokenizer pool, all at once; token ids checked here (they need no tokenizer)."""
+    st.check_bytes(prompts, param)
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     prompts = [p if isinstance(p, str) else st.encode_prompt(p) for p in prompts]
     for i, encoded in zip(texts, await asyncio.gather(*(st.off_loop(st.encode_prompt, prompts[i]) for i in texts))):
         prompts[i] = encoded
-    return await serve(st, raw, body, prompts, params, chat=False)
+    return prompts
+
+
+@api.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, raw: Request):
+    """OpenAI's embeddings: each input's final hidden states, pooled (--embedding-pooling), prefilled in the steps that
+    serve everything else."""
+    st = state(raw)
+    st.check_model(body.model)
+    size = st.engine.arch.hidden_size
+    if body.dimensions not in (None, size):
+        raise APIError(400, f"this model's embeddings have {size} dimensions and it was not trained to shorten them: "
+                            f"`dimensions` can only be {size}", param="dimensions", code="unsupported_field")
+    prompts = body.prompts()
+    if len(prompts) > st.options.max_prompts:
+        raise APIError(400, f"{len(prompts)} inputs are over this server's limit of {st.options.max_prompts} per request "
+                            "(--max-prompts-per-request)", param="input")
+    prompts = await encode_prompts(st, prompts, "input")
+    params = SamplingParams(max_tokens=0, pooling=PoolingParams(st.options.embedding_pooling))
+    st.tenant_salt(raw, params)
+    return await serve(st, raw, body, prompts, params, "embd-", embed)
+
+
+async def embed(st: ServerState, raw: Request, body: EmbeddingRequest, prompts: list, params, rid: str, created: int,
+                ids: list):
+    gens = await submit(st, raw, ids, prompts, params, 0)
+    finals = await collect(st, raw, gens, list(zip(gens, await first_outputs(st, gens))))
+    if finals is None:
+        return Response(status_code=499)
+    return JSONResponse(embedding_response(finals, st.model_name, body.encoding_format))
 
 
 @api.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request):
     st = state(raw)
     st.check_model(body.model)
+    prompt, params = await prepare_chat(st, raw, body)
+    return await serve(st, raw, body, [prompt], params, "chatcmpl-", functools.partial(respond, chat=True))
+
+
+async def prepare_chat(st: ServerState, raw: Request, body: ChatCompletionRequest) -> tuple[dict, SamplingParams]:
+    """A chat request's prompt (through the chat template, with its tools) and sampling parameters (its grammar
+    compiled), once every field has passed this server's checks."""
     if st.tokenizer is None:
         raise APIError(400, "this server has no tokenizer, so no chat template")
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -133,7 +178,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     await st.compile_grammar(params, "tool_choice" if body.tool_mode and body.tool_choice not in (None, "auto") else None)
     prompt = await st.off_loop(st.render_chat, [m.template_dict() for m in body.messages], body.add_generation_prompt,
                                body.tools if body.tool_mode else None)
-    return await serve(st, raw, body, [prompt], params, chat=True)
+    return prompt, params
 
 
 @api.post("/v1/kv_transfer/release")
@@ -186,19 +231,23 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     return {"prompt": await st.off_loop(st.tokenizer.decode, body.tokens)}
 
 
-async def serve(st: ServerState, raw: Request, body, prompts: list, params, chat: bool):
+async def serve(st: ServerState, raw: Request, body, prompts: list, params, kind: str, answer):
     """Admit every prompt of the request at once (they share the next step; the engine gives each its own copy of
-    the sampling parameters), then stream or collect their outputs. A client that goes away aborts them."""
+    the sampling parameters), then stream or collect their outputs: `answer(st, raw, body, prompts, params, rid,
+    created, ids)` gives the response, its id `kind` and a random hex. A client that goes away aborts them."""
     st.check_capacity(raw)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{kind}{uuid.uuid4().hex}"
     created = int(time.time())
     ids = [f"{rid}-{i}" for i in range(len(prompts))]
     leased = st.admit_tenant(raw, ids, sum(len(p.get("prompt_token_ids", ())) for p in prompts if isinstance(p, dict)))
     streaming = False
     try:
-        response = await respond(st, raw, body, prompts, params, chat, rid, created, ids)
-        streaming = leased and isinstance(response, StreamingResponse)
-        if streaming:  # the tenant's request is in flight until its stream ends
+        response = await answer(st, raw, body, prompts, params, rid, created, ids)
+        held_by = getattr(raw.state, "held_by", None)  # a task that runs on (a background response)
+        streaming = leased and (isinstance(response, StreamingResponse) or held_by is not None)
+        if streaming and held_by is not None:
+            held_by.add_done_callback(lambda _: st.release_tenant(raw))
+        elif streaming:  # the tenant's request is in flight until its stream ends
             response.body_iterator = released(response.body_iterator, Once(lambda: st.release_tenant(raw)))
         return response
     finally:
@@ -231,13 +280,18 @@ def released(events, release: Once):
     return g
 
 
-async def respond(st: ServerState, raw: Request, body, prompts: list, params, chat: bool, rid: str, created: int, ids: list):
-    """Stream or collect the outputs of the request's prompts, submitted together."""
-    priority = st.priority(raw, body.priority)
+async def submit(st: ServerState, raw: Request, ids: list, prompts: list, params, client_priority: int) -> list:
+    """The request's prompts into the engine together; their output generators."""
+    priority = st.priority(raw, client_priority)
     try:
-        gens = await st.aengine.submit([(i, prompt, params, priority, st.tenancy(raw)) for i, prompt in zip(ids, prompts)])
+        return await st.aengine.submit([(i, prompt, params, priority, st.tenancy(raw)) for i, prompt in zip(ids, prompts)])
     except (RequestError, EngineError) as e:
         raise st.as_api_error(e) from e
+
+
+async def respond(st: ServerState, raw: Request, body, prompts: list, params, rid: str, created: int, ids: list, chat: bool):
+    """Stream or collect the outputs of the request's prompts, submitted together."""
+    gens = await submit(st, raw, ids, prompts, params, body.priority)
     fmt = ResponseFormat(st.tokenizer, st.model_name, st.reports_cached(raw))
     n_top = params.logprobs or 0
     queue = queue_headers([g.queue_estimate for g in gens])

@@ -18,6 +18,7 @@ from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.auth import APIKeys
 from sieve.server.errors import APIError
 from sieve.server.metrics import Metrics
+from sieve.server.response_store import ResponseStore
 from sieve.server.tenants import TIER_STRIDE, Limited, TenantLimiter, Tenants
 
 BATCH_PRIORITY = 1 << 40  # below every tier's (tier x TIER_STRIDE + the client's own)
@@ -63,6 +64,8 @@ class ServerOptions:
     limits: ServerLimits | None = None
     shared_prefix_cache: bool = False
     tenants: Tenants | None = None  # --tenants: tiers, limits and keys per tenant
+    embedding_pooling: str = "mean"  # /v1/embeddings: "mean" or "last" (sieve/pooling.py)
+    max_stored_responses: int = 1000  # the Responses API's store (in memory)
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -94,6 +97,7 @@ class ServerState:
         self.tenants = options.tenants
         self.internal_secret = secrets.token_hex(32)  # the Batch API runner's requests (sieve/server/batch_runner.py)
         self.batches = None  # its store (BatchStore), with --batch-dir
+        self.responses = ResponseStore(options.max_stored_responses)  # the Responses API's stored responses
         self.limiter = TenantLimiter(options.tenants) if options.tenants is not None else None
         self._tenant_of_request: dict[str, str] = {}  # engine request id -> tenant (its finish is counted for it)
 
@@ -105,7 +109,9 @@ class ServerState:
         if request.state.batch:
             request.state.tenant = request.headers.get("x-sieve-tenant", "")
             return
-        request.state.tenant = self.keys.tenant(request.headers.get("authorization")) if self.keys.enabled else ""
+        key = request.headers.get("x-api-key")  # Anthropic's clients send the key there
+        authorization = request.headers.get("authorization") or (f"Bearer {key}" if key is not None else None)
+        request.state.tenant = self.keys.tenant(authorization) if self.keys.enabled else ""
         if request.state.tenant is None:
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 

@@ -162,3 +162,24 @@ def queue_headers(estimates: list) -> dict[str, str]:
 def error_event(message: str, code: str, kind: str = "server_error") -> str:
     return "data: " + json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}) + "\n\n"
 
+
+
+async def split_deltas(raw: Request, gen, first, parser: ToolCallParser | None) -> AsyncIterator[tuple[object, str, list]]:
+    """One prompt's outputs as they come, each with its new text split into content and the tool calls completed in
+    it (all content when `parser` is None): (output, content, calls). Ends at the finished output, or when the
+    client goes away; an engine failure is raised to the caller (whose stream tells the client). Closes `gen`."""
+    out = first
+    try:
+        while out is not None:
+            text = out.deltas[0][0] if out.deltas else ""
+            calls: list = []
+            if parser is not None:
+                text, calls = parser.feed(text)
+                if out.outputs[0].finish_reason:
+                    text += parser.finish()
+            yield out, text, calls
+            if out.finished or await raw.is_disconnected():
+                return
+            out = await anext(gen, None)
+    finally:
+        await gen.aclose()
