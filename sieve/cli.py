@@ -124,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_prompt_tokens=args.max_prompt_tokens, tokenizer_workers=args.tokenizer_workers,
                      grammar_timeout=args.structured_outputs_compile_timeout, webui=not args.no_webui, limits=limits,
                      tenants=tenants, batch_dir=args.batch_dir, embedding_pooling=args.embedding_pooling,
-                     max_stored_responses=args.max_stored_responses)
+                     max_stored_responses=args.max_stored_responses, lora_dir=args.lora_dir)
     name = args.served_model_name or app.state.async_engine.engine.model_name
     print(f"sieve serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     rc = serve(app, args.host, args.port, grace=args.shutdown_grace)
@@ -282,6 +282,12 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return _write_json_result(run_bench_tiers, args)
 
 
+def cmd_bench_lora(args: argparse.Namespace) -> int:
+    from sieve.bench.lora import run_bench_lora
+
+    return _write_json_result(run_bench_lora, args)
+
+
 def cmd_bench_kv(args: argparse.Namespace) -> int:
     from sieve.bench.kv import run_bench_kv
 
@@ -369,6 +375,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--embedding-pooling", default="mean", choices=["mean", "last"],
                     help="how /v1/embeddings pools the model's final hidden states over the input: their mean, or the "
                          "last token's (the mean bypasses the prefix cache)")
+    sv.add_argument("--lora-dir", default=None, metavar="DIR",
+                    help="with --enable-lora: POST /v1/load_lora_adapter may read adapters from inside DIR (off without it: "
+                         "a client never names a path the server reads)")
     sv.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
                     help="the Responses API keeps the last N stored responses in memory (GET /v1/responses/{id}, "
                          "previous_response_id); older ones are forgotten")
@@ -535,6 +544,12 @@ def add_feature_benches(bench) -> None:
 
     add_bench_tiers_args(bti)
     bti.set_defaults(func=cmd_bench_tiers)
+    blo = bench.add_parser("lora", help="many LoRA adapters over one base: throughput against the base alone, what LoRA on "
+                                        "costs base requests, the bytes a step reads, adapter load time")
+    from sieve.bench.lora import add_bench_lora_args
+
+    add_bench_lora_args(blo)
+    blo.set_defaults(func=cmd_bench_lora)
     bco = bench.add_parser("compression", help="KV compression: each press's retrieval and long-document accuracy against "
                                                "ratio, and the decode step at a long context, compressed and not")
     from sieve.bench.compression import add_bench_compression_args

@@ -107,6 +107,15 @@ class EngineConfig:
     kv_role: str | None = None
     kv_transfer_config: object = None
 
+    # LoRA adapters (sieve/lora), vLLM's options: adapters in PEFT's format over this base model; lora_modules
+    # registers name -> folder at start; max_loras adapters in one step, max_cpu_loras kept in memory (at least
+    # max_loras), ranks up to max_lora_rank
+    enable_lora: bool = False
+    lora_modules: dict | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
     def parsed_hf_overrides(self) -> dict:
         """hf_overrides as a dict (empty when unset); a ConfigError unless it is a JSON object."""
         value = self.hf_overrides
@@ -138,6 +147,16 @@ class EngineConfig:
                 raise ConfigError("kv_cache_remote is written by other servers: it needs kv_cache_secret_file, a secret (mode "
                                   "600, at least 16 bytes) every replica shares; a block without its MAC is never loaded")
 
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules registers adapters: it needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters are not built together with tensor parallelism yet")
+
     def validate(self) -> None:
         from sieve.spec_decode.config import SpeculativeConfig
 
@@ -167,6 +186,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self._check_kv_tiers()
+        self._check_lora()
         if self.kv_compression is not None:
             from sieve.kv_compression import KVCompression
 

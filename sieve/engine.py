@@ -37,6 +37,7 @@ from sieve.models.loader import default_num_threads, load_model, open_checkpoint
 from sieve.output_processor import OutputProcessor
 from sieve.outputs import RequestMetrics, RequestOutput
 from sieve.pacing import SloPacer
+from sieve.lora import LoRAError, LoRAManager
 from sieve.pooling import Pooler
 from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
@@ -129,6 +130,7 @@ class LLMEngine:
             if self.tp_workers is not None:
                 raise ConfigError("KV transfer is not built together with tensor parallelism yet")
             self.kv_connector = build_kv_connector(config, ckpt, self.arch, self.dtype, self.runner, self.block_manager)
+        self.lora = self._build_lora(config)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.speculator = None
         if config.speculative_config is not None:
@@ -310,6 +312,33 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is out of range for vocabulary size {self.arch.vocab_size}")
         return text, ids
 
+    def _build_lora(self, config: EngineConfig) -> LoRAManager | None:
+        """The adapters this engine serves (enable_lora), those of lora_modules registered now."""
+        if not config.enable_lora:
+            return None
+        # float32 activations over quantized weights (the default CPU path) keep adapters in bf16: half the bytes a step
+        # reads of them, against bases whose weights are 4 or 8 bits
+        quantized = any(getattr(layer, "qkv_proj", None) is not None and layer.qkv_proj.qkernel is not None
+                        for layer in self.runner.model.layers)
+        weight_dtype = torch.bfloat16 if self.dtype == torch.float32 and quantized and self.device.type == "cpu" else self.dtype
+        manager = LoRAManager(self.arch, weight_dtype, self.device, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        for name, path in (config.lora_modules or {}).items():
+            try:
+                manager.load(name, path)
+            except LoRAError as e:
+                raise ConfigError(f"lora_modules {name}={path}: {e}") from None
+        return manager
+
+    def cache_salt(self, params: SamplingParams) -> str | None:
+        """The namespace a request's blocks are hashed in: its cache_salt, and its adapter's fingerprint (the KV of one
+        adapter is never another's, nor the base model's). A LoRAError if its adapter cannot be had."""
+        if params.lora_request is None:
+            return params.cache_salt
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora / --enable-lora)")
+        adapter = self.lora.resolve(params.lora_request)
+        return f"lora:{adapter.fingerprint}" + (f"|{params.cache_salt}" if params.cache_salt else "")
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
                     kv_fetch=None, tenant: str | None = None, tier: str | None = None) -> None:
         """`kv_fetch`: the KV for this prompt fetched already off this thread: a decode server's blocks (`fetch_kv`) or
@@ -327,6 +356,7 @@ class LLMEngine:
             self.kv_compressor.admit(params)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        adapter = self._adapter(params)
         grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it already
             try:
@@ -349,7 +379,7 @@ class LLMEngine:
                 "give the cache more memory or ask for fewer tokens"
             )
         req = Request(request_id, text, ids, params, priority, RequestMetrics(arrival_time=time.monotonic()),
-                      tenant=tenant, tier=tier)
+                      tenant=tenant, tier=tier, lora=adapter)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         if params.pooling is not None:
@@ -373,6 +403,18 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         req.unforked = req.seqs[1:]
         self.requests[request_id] = req
+
+    def _adapter(self, params: SamplingParams):
+        """A request's LoRA adapter (None: the base model); its params' cache_salt becomes the adapter's namespace."""
+        if params.lora_request is None:
+            return None
+        if params.kv_compression is not None:
+            raise RequestError("kv_compression is not built together with LoRA adapters yet")
+        try:
+            params.cache_salt = self.cache_salt(params)
+            return self.lora.get(params.lora_request.lora_name)
+        except LoRAError as e:
+            raise RequestError(str(e)) from None
 
     def queue_estimate(self, request_id: str) -> QueueEstimate | None:
         """Where a request stands: the requests ahead of it, and the seconds until it starts and until its first

@@ -73,6 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N processes (spawned here; or run the same command under torchrun, "
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
+    add_lora_args(p.add_argument_group("LoRA adapters"))
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="the time-to-first-token objective, in ms (`sieve serve`: 2000)")
     g.add_argument("--slo-tpot-ms", type=float, default=None,
@@ -87,8 +88,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'or "auto" tokens; methods: ngram, suffix')
 
 
+def add_lora_args(g) -> None:
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT's format) over the base model")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH", type=lora_module,
+                   help="adapters to serve from the start, each under its name (a request's `model`)")
+    g.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in memory (at least --max-loras); the least recently used one is read again when asked for")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("lora_modules") is not None:
+        values["lora_modules"] = dict(values["lora_modules"])
     values.update(overrides)
     return EngineConfig(**values)

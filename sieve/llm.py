@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from sieve.config import EngineConfig
 from sieve.engine import LLMEngine, Prompt
+from sieve.lora import LoRARequest
 from sieve.outputs import RequestOutput
 from sieve.pooling import PoolingParams
 from sieve.sampling_params import SamplingParams
@@ -57,13 +59,20 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one `RequestOutput` per prompt, in input order."""
+        """Run every prompt to completion; one `RequestOutput` per prompt, in input order. `lora_request`: the LoRA
+        adapter every prompt runs with, or one per prompt (None: the base model), as vLLM's (enable_lora)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if lora_request is not None:
+            loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+            params = [dataclasses.replace(p, lora_request=lr) for p, lr in zip(params, loras)]
         engine = self.llm_engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}

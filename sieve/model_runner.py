@@ -23,6 +23,7 @@ from sieve.kernels import cpu_ops
 from sieve.block_manager import STATE_GROUP
 from sieve.layers.attention import AttentionMetadata, KVCacheLayer, QuantizedKVCacheLayer, QueryTap, build_metadata
 from sieve.layers.mamba import RecurrentMetadata, RecurrentState
+from sieve.lora import LoRABatch
 from sieve.models.arch import ModelArch
 from sieve.models.decoder import DecoderModel
 from sieve.outputs import Logprob
@@ -261,9 +262,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """One step: lay the scheduled sequences out as one flat batch (decode rows first, a decode and its drafts
-        together, then prefill chunks), run the model, sample, and verify whatever was drafted."""
-        items = sorted(sched.scheduled, key=lambda s: not s.is_decode)
+        """One step: lay the scheduled sequences out as one flat batch (decode rows first, grouped by LoRA adapter, a
+        decode and its drafts together, then prefill chunks), run the model, sample, and verify whatever was drafted."""
+        # decode rows first; among them, the rows of one LoRA adapter together (one run each, for its low-rank products)
+        items = sorted(sched.scheduled, key=lambda s: (not s.is_decode, s.seq.request.lora.fingerprint if s.seq.request.lora else ""))
         input_ids, positions, meta = self._layout(items)
         if sched.branch_copies:  # draft branches start from a copy of their sequence's partial last block
             self.copy_blocks(sched.branch_copies)
@@ -292,12 +294,14 @@ class ModelRunner:
         """The step's token ids, positions and attention metadata. A decode and its drafts are rows of one table
         (the kernel walks it once for them all); a draft tree's other chains follow as the last token again, then
         the chain, each in blocks of its own."""
-        input_ids, positions, writes, decodes, prefills, taps = [], [], [], [], [], []
+        input_ids, positions, writes, decodes, prefills, taps, adapters = [], [], [], [], [], [], []
         bs = self.block_size
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             row = len(input_ids)
+            if seq.request.lora is not None:  # its rows (and its draft chains', laid out below) run its adapter
+                adapters.append((seq.request.lora, row, row + item.num_rows))
             input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
             positions += range(start, end)  # rotary positions; K/V slots are positions less what a press dropped
             d = seq.kv_dropped
@@ -317,6 +321,7 @@ class ModelRunner:
                 decodes += [(branch, p + 1, -(-(b_end - d) // bs)) for p in range(start - d, b_end - d)]
         meta = self.metadata(writes, decodes, prefills)
         meta.query_taps = taps
+        meta.lora = LoRABatch.of(adapters, self.device) if adapters else None
         return input_ids, positions, meta
 
     def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:

@@ -42,6 +42,9 @@ class SamplingParams:
     kv_compression: KVCompression | dict | str | None = None
     # Embeddings (sieve/pooling.py): the prompt's pooled final hidden states instead of tokens (with max_tokens 0)
     pooling: PoolingParams | None = None
+    # LoRA (sieve/lora): the adapter this request runs with, a LoRARequest (vLLM passes it beside the params:
+    # LLM.generate(..., lora_request=...) and the server's `model` set it here)
+    lora_request: object = None
     stop_strings: list[str] = field(init=False, default_factory=list)
     _bias: tuple | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -210,6 +210,9 @@ class Scheduler:
         short_of_blocks = bool(out.preempted)
         while self.waiting and budget > 0 and not short_of_blocks:
             idx = self.tiers.pick(self.waiting, self.running) if self.tiers is not None else self._next_waiting()
+            idx = self._within_max_loras(idx)
+            if idx is None:
+                break
             seq = self.waiting[idx]
             if len(self.running) >= self.config.max_num_seqs and not self._displace(seq, out):
                 break
@@ -291,6 +294,22 @@ class Scheduler:
         for child in unforked:  # no room to fork now: they queue and compute their prompt themselves
             self.add(child)
         unforked.clear()
+
+    def _within_max_loras(self, idx: int) -> int | None:
+        """`idx`, unless its sequence's LoRA adapter would make one adapter too many in a step (max_loras): then the
+        first waiting sequence whose adapter fits (or that runs the base model), or None."""
+        if not self.config.enable_lora:
+            return idx
+        running = {s.request.lora.fingerprint for s in self.running if s.request.lora is not None}
+        if len(running) < self.config.max_loras:
+            return idx
+
+        def fits(seq: Sequence) -> bool:
+            return seq.request.lora is None or seq.request.lora.fingerprint in running
+
+        if fits(self.waiting[idx]):
+            return idx
+        return next((i for i, s in enumerate(self.waiting) if fits(s)), None)
 
     def _next_waiting(self) -> int:
         """Index in `waiting` of the sequence to admit next under the configured policy."""

@@ -38,6 +38,7 @@ class Request:
     kv_kept_tokens: int | None = None  # KV compression: prompt positions the press kept (per layer and KV head)
     tenant: str | None = None  # who asked (--tenants), for fair shares within its tier
     tier: str | None = None  # its tier: guaranteed running slots (sieve/tenancy.py)
+    lora: Any = None  # the LoRAAdapter its rows run with (sieve/lora), or None: the base model
     pooler: Any = None  # embeddings: its prompt's pooled hidden states, as prefill chunks compute them (sieve/pooling.py)
 
     @property

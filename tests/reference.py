@@ -49,9 +49,10 @@ def _load(path: str, stamp: int):
     return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
 
 
-def greedy_reference(path, prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """The reference's own greedy generation, one prompt at a time: its tokens, and each step's log-softmax."""
-    model = reference_model(str(path))
+def greedy_reference(path, prompt_ids: list[list[int]], n: int, model=None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The reference's own greedy generation, one prompt at a time: its tokens, and each step's log-softmax. `model`:
+    another reference than the checkpoint's own (a PEFT model over it)."""
+    model = model if model is not None else reference_model(str(path))
     tokens, logprobs = [], []
     for ids in prompt_ids:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
@@ -95,11 +96,12 @@ def assert_matches(outs, ref_tokens, ref_logprobs, what: str, tol: float = TOL) 
     assert compared >= total / 2, f"{what}: near-ties left {compared} of {total} tokens to compare; choose other prompts"
 
 
-def assert_matches_forward_pass(path, prompts: list[list[int]], outs, tol: float = TOL) -> None:
+def assert_matches_forward_pass(path, prompts: list[list[int]], outs, tol: float = TOL, model=None) -> None:
     """transformers' forward pass over each prompt and sieve's own tokens, as reference (its `generate` on GGUF models
     gave other logprobs than its own forward pass). Fed sieve's tokens, every position stays comparable: sieve's token
-    must be the reference's argmax, or within the near-tie of it, and logprobs within `tol` at every step."""
-    model = reference_model(str(path))
+    must be the reference's argmax, or within the near-tie of it, and logprobs within `tol` at every step. `model`:
+    another reference than the checkpoint's own (a PEFT model over it)."""
+    model = model if model is not None else reference_model(str(path))
     for ids, out in zip(prompts, outs, strict=True):
         got = out.outputs[0].token_ids
         with torch.no_grad():

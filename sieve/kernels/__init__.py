@@ -40,7 +40,7 @@ log = logging.getLogger("sieve")
 KERNEL_SOURCES = Path(__file__).parent
 _LOADED: dict = {}  # name -> module: cpu_ops.cache_clear() must not load a module twice
 _SOURCES = ("attention.cpp", "layer_ops.cpp", "gemv.cpp", "gemv_avx2.cpp", "gemm_bf16.cpp", "qmatmul.cpp", "qmatmul_avx2.cpp",
-            "qmatmul_q8act.cpp", "w8a8.cpp", "linear.cpp", "greedy_head.cpp", "decoder.cpp", "module.cpp")  # and kernels.h, which they include
+            "qmatmul_q8act.cpp", "w8a8.cpp", "linear.cpp", "greedy_head.cpp", "decoder.cpp", "lora.cpp", "module.cpp")  # and kernels.h, which they include
 
 
 _MARCH = {"avx512": "-march=native", "avx2": "-march=haswell", "generic": "-march=x86-64"}

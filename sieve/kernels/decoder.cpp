@@ -130,7 +130,8 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales,
                                      std::vector<torch::Tensor> v_scales, std::vector<int64_t> aux_layers,
                                      c10::optional<torch::Tensor> aux, std::vector<int64_t> tap_rows,
-                                     c10::optional<torch::Tensor> taps) const {
+                                     c10::optional<torch::Tensor> taps, std::vector<std::shared_ptr<NativeLoRA>> loras,
+                                     std::vector<int64_t> lora_spans) const {
   TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
   TORCH_CHECK(aux_layers.empty() == !aux.has_value(), "aux layers and their output tensor come together");
   for (int64_t l : aux_layers) TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers.size()), "aux layer ", l, " out of range");
@@ -144,11 +145,19 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                     taps->size(0) == static_cast<int64_t>(layers.size()) &&
                                     taps->size(1) == static_cast<int64_t>(tap_rows.size()) && taps->size(2) == H * D),
               "taps must be contiguous [layers, len(tap_rows), heads * head_dim] of the model's dtype");
+  TORCH_CHECK(lora_spans.size() % 3 == 0, "LoRA spans come as (adapter, first row, end row) triples");
+  for (size_t i = 0; i < lora_spans.size(); i += 3)
+    TORCH_CHECK(lora_spans[i] >= 0 && lora_spans[i] < static_cast<int64_t>(loras.size()) && 0 <= lora_spans[i + 1] &&
+                lora_spans[i + 1] <= lora_spans[i + 2] && lora_spans[i + 2] <= x.size(0), "LoRA span out of range");
+  for (const auto& lora : loras) {
+    TORCH_CHECK(lora && lora->num_layers() == static_cast<int64_t>(layers.size()), "a LoRA adapter must have one entry per layer");
+    TORCH_CHECK(lora->takes(dtype), "LoRA weights must be float32 or bf16 (bf16 activations: bf16)");
+  }
   if (dtype == at::kFloat)
     return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps);
+                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans);
   return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps);
+                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans);
 }
 
 template <class E>
@@ -159,7 +168,8 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                  std::vector<torch::Tensor> v_pools, const std::vector<torch::Tensor>& k_scales,
                                  const std::vector<torch::Tensor>& v_scales, const std::vector<int64_t>& aux_layers,
                                  const c10::optional<torch::Tensor>& aux, const std::vector<int64_t>& tap_rows,
-                                 const c10::optional<torch::Tensor>& taps) const {
+                                 const c10::optional<torch::Tensor>& taps, const std::vector<std::shared_ptr<NativeLoRA>>& loras,
+                                 const std::vector<int64_t>& lora_spans) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
@@ -235,12 +245,17 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   const float* sp = sin.data_ptr<float>();
   const int64_t P = cos.size(0);
   const float e = static_cast<float>(eps);
+  // each adapter's rows of the step: its low-rank product added to a projection's output (module 0 qkv, 1 o, 2 gate_up, 3 down)
+  auto lora = [&](size_t l, int m, const E* in, int64_t in_features, E* out, int64_t out_features) {
+    if (!lora_spans.empty()) NativeLoRA::apply_spans<E>(loras, lora_spans, static_cast<int64_t>(l), m, in, in_features, out, out_features);
+  };
 
   for (size_t l = 0; l < layers.size(); ++l) {
     const Layer& L = layers[l];
     if (l == 0) add_rms_norm_into<E>(R, hid, nullptr, L.input_norm.data_ptr<E>(), T, hid, e, Hb);  // residual = x
     else add_rms_norm_into<E>(X, hid, R, L.input_norm.data_ptr<E>(), T, hid, e, Hb);                // residual += x
     L.qkv->forward_into(Hb, T, QKV);
+    lora(l, 0, Hb, hid, QKV, width);
     const E *q = QKV, *k = QKV + qs, *v = QKV + qs + kvs;
     int64_t q_stride = width, k_stride = width;
     // KV compression's query statistics: the tapped rows' queries before rotation (after Qwen3's norm)
@@ -316,10 +331,13 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       attn.narrow(0, s, n).view({n, H, D}).copy_(oc[0].transpose(0, 1));
     }
     L.o->forward_into(A, T, O);
+    lora(l, 1, A, qs, O, hid);
     add_rms_norm_into<E>(O, hid, R, L.post_norm.data_ptr<E>(), T, hid, e, Hb);
     L.gate_up->forward_into(Hb, T, GU);
+    lora(l, 2, Hb, hid, GU, 2 * inter);
     silu_mul_into<E>(GU, T, inter, 2 * inter, ACT);
     L.down->forward_into(ACT, T, X);
+    lora(l, 3, ACT, inter, X, hid);
     for (size_t j = 0; j < aux_layers.size(); ++j) {  // the stream after layer l (EAGLE-3's features): its MLP output
       if (aux_layers[j] != static_cast<int64_t>(l)) continue;  // added to everything before it, as the next layer adds
       E* dst = aux->data_ptr<E>() + j * hid;

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <type_traits>
 #include <cstring>
 #include <vector>
@@ -337,6 +338,33 @@ struct NativeLinear {
 };
 
 // decoder.cpp: the layer loop of one step (bf16 or float32 activations, model-dtype KV cache)
+// LoRA (lora.cpp): y[rows] += (x[rows] A^T) B^T in float32 sums, rounded once per output; float32 activations may take
+// bf16 weights (half the bytes a step reads of an adapter)
+bool lora_dtypes_ok(at::ScalarType activations, at::ScalarType weights);
+
+// One adapter's matrices: per layer, per module (0 qkv, 1 o, 2 gate_up, 3 down), A^T [in, R] and B^T [R, out] with its
+// scaling folded in, kept in panels (undefined where it has none)
+class NativeLoRA {
+ public:
+  explicit NativeLoRA(int64_t num_layers);
+  void set(int64_t layer, int64_t module, torch::Tensor At, torch::Tensor Bt);
+  // y[start:end] += (x[start:end] A^T) B^T for one module (Python's layer loop: the same arithmetic as the C++ one)
+  void apply(int64_t layer, int64_t module, torch::Tensor x, torch::Tensor y, int64_t start, int64_t end) const;
+  // every span's (adapter index, first row, end row) product for one module of one layer, in two parallel regions
+  template <class E>
+  static void apply_spans(const std::vector<std::shared_ptr<NativeLoRA>>& loras, const std::vector<int64_t>& spans, int64_t layer,
+                          int64_t module, const E* x, int64_t in, E* y, int64_t out);
+  bool takes(at::ScalarType activations) const;
+  int64_t num_layers() const { return static_cast<int64_t>(mats.size()); }
+
+ private:
+  struct Mat {
+    torch::Tensor a, b;
+    int64_t in = 0, r = 0, out = 0;
+  };
+  std::vector<std::array<Mat, 4>> mats;
+};
+
 class NativeDecoder {
  public:
   NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor cos,
@@ -351,7 +379,8 @@ class NativeDecoder {
                         std::vector<torch::Tensor> v_pools, std::vector<torch::Tensor> k_scales = {},
                         std::vector<torch::Tensor> v_scales = {}, std::vector<int64_t> aux_layers = {},
                         c10::optional<torch::Tensor> aux = c10::nullopt, std::vector<int64_t> tap_rows = {},
-                        c10::optional<torch::Tensor> taps = c10::nullopt) const;
+                        c10::optional<torch::Tensor> taps = c10::nullopt,
+                        std::vector<std::shared_ptr<NativeLoRA>> loras = {}, std::vector<int64_t> lora_spans = {}) const;
 
  private:
   template <class T>
@@ -361,7 +390,8 @@ class NativeDecoder {
                     std::vector<torch::Tensor> chunk_tables, std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
                     const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
                     const std::vector<int64_t>& aux_layers, const c10::optional<torch::Tensor>& aux,
-                    const std::vector<int64_t>& tap_rows, const c10::optional<torch::Tensor>& taps) const;
+                    const std::vector<int64_t>& tap_rows, const c10::optional<torch::Tensor>& taps,
+                    const std::vector<std::shared_ptr<NativeLoRA>>& loras, const std::vector<int64_t>& lora_spans) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;

@@ -78,5 +78,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("chunk_ctx"), py::arg("chunk_tables"), py::arg("k_pools"), py::arg("v_pools"),
            py::arg("k_scales") = std::vector<torch::Tensor>{}, py::arg("v_scales") = std::vector<torch::Tensor>{},
            py::arg("aux_layers") = std::vector<int64_t>{}, py::arg("aux") = py::none(),
-           py::arg("tap_rows") = std::vector<int64_t>{}, py::arg("taps") = py::none());
+           py::arg("tap_rows") = std::vector<int64_t>{}, py::arg("taps") = py::none(),
+           py::arg("loras") = std::vector<std::shared_ptr<sieve::NativeLoRA>>{}, py::arg("lora_spans") = std::vector<int64_t>{});
+  py::class_<sieve::NativeLoRA, std::shared_ptr<sieve::NativeLoRA>>(m, "NativeLoRA")
+      .def(py::init<int64_t>())
+      .def("set", &sieve::NativeLoRA::set)
+      .def("apply", &sieve::NativeLoRA::apply, "y[start:end] += (x[start:end] A^T) B^T for one layer's module, float32 sums", nogil);
 }

@@ -62,6 +62,7 @@ class AttentionMetadata:
     write_kv: bool = True
     capture: list | None = None
     query_taps: list["QueryTap"] = field(default_factory=list)
+    lora: object = None  # LoRA: the step's rows grouped by adapter (sieve/lora LoRABatch), or None
 
 
 @dataclass

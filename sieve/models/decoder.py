@@ -65,11 +65,13 @@ class DecoderLayer(nn.Module):
             self.down_proj = Linear(a.intermediate_size, [a.hidden_size], a.mlp_bias, dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata,
+        lora=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None); residual: the sum of
         everything before it. Returns (this layer's MLP output, the residual stream before it). `rope` and
-        `meta` are this layer's: a sliding layer gets its own rotary tables and its window's view of the cache."""
+        `meta` are this layer's: a sliding layer gets its own rotary tables and its window's view of the cache.
+        `lora`: the step's rows grouped by adapter (sieve/lora LoRABatch), whose products each projection adds."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -79,22 +81,30 @@ class DecoderLayer(nn.Module):
         elif self.mla is not None:
             attn = self.mla(h, rope, cache, meta)
         else:
-            attn = self._attention(h, rope, cache, meta)
+            attn = self._attention(h, rope, cache, meta, lora)
         if self.a.gemma:  # Gemma's sandwich: the attention output is normed before the residual add, the MLP both sides
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), residual)
-            return self.post_feedforward_layernorm(self._reduce(self.down_proj(self.act(self.gate_up_proj(h))))), residual
+            return self.post_feedforward_layernorm(self._mlp(h, lora)), residual
         h, residual = self.post_attention_layernorm(attn, residual)
         if self.moe is not None:
             return self.moe(h), residual
-        return self._reduce(self.down_proj(self.act(self.gate_up_proj(h)))), residual
+        return self._mlp(h, lora), residual
+
+    def _mlp(self, h: torch.Tensor, lora) -> torch.Tensor:
+        return self._reduce(self._proj("down_proj", self.act(self._proj("gate_up_proj", h, lora)), lora))
+
+    def _proj(self, name: str, x: torch.Tensor, lora) -> torch.Tensor:
+        """A projection, with the step's adapters' low-rank products added to their rows' outputs."""
+        y = getattr(self, name)(x)
+        return y if lora is None else lora.apply(self.index, name, x, y)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The output of a row-parallel layer: every rank's partial sum added (no-op without tensor parallelism)."""
         return x if self.tp is None else self.tp.all_reduce(x)
 
-    def _attention(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata, lora=None) -> torch.Tensor:
         a, T = self.a, h.shape[0]
-        qkv = self.qkv_proj(h)  # [T, (H + 2 KVH) * D]: q | k | v
+        qkv = self._proj("qkv_proj", h, lora)  # [T, (H + 2 KVH) * D]: q | k | v
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         v = qkv[:, q_size + kv_size :].view(T, a.num_kv_heads, a.head_dim)
         if meta.query_taps:  # the queries before rotation (after Qwen3's norm), as the C++ loop hands them over
@@ -113,7 +123,7 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(T, a.num_heads, a.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, a.num_kv_heads, a.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        return self._reduce(self.o_proj(self.attn(q, k, v, cache, meta).view(T, -1)))
+        return self._reduce(self._proj("o_proj", self.attn(q, k, v, cache, meta).view(T, -1), lora))
 
 
 class DecoderModel(nn.Module):
@@ -178,8 +188,9 @@ class DecoderModel(nn.Module):
             self.tp.announce(("forward", input_ids, positions, meta))
         x, residual = self.embed(input_ids), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
-        if self.native is not None and meta.write_kv and meta.capture is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
-            out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux)
+        lora_native = meta.lora.native() if meta.lora is not None else ([], [])
+        if self.native is not None and meta.write_kv and meta.capture is None and lora_native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
+            out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux, lora_native)
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
         rope_local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
@@ -188,9 +199,9 @@ class DecoderModel(nn.Module):
             slots.setdefault(l, []).append(j)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if layer.window is None:
-                x, residual = layer(x, residual, rope, cache, meta)
+                x, residual = layer(x, residual, rope, cache, meta, meta.lora)
             else:
-                x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window])
+                x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window], meta.lora)
             if i in slots:  # the stream after layer i: its output added to everything before it
                 H = x.shape[1]
                 for j in slots[i]:
@@ -199,7 +210,7 @@ class DecoderModel(nn.Module):
         return (out, aux) if aux_layers else out
 
     def _forward_native(self, x, positions, caches, meta: AttentionMetadata, aux_layers: list[int] | None = None,
-                        aux: torch.Tensor | None = None) -> torch.Tensor:
+                        aux: torch.Tensor | None = None, lora: tuple[list, list[int]] = ([], [])) -> torch.Tensor:
         chunks = meta.prefills
         rows = [r for tap in meta.query_taps for r in range(tap.row, tap.row + tap.num_rows)]
         taps = x.new_empty(len(self.layers), len(rows), self.arch.num_heads * self.arch.head_dim) if rows else None
@@ -208,7 +219,7 @@ class DecoderModel(nn.Module):
             [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
             [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches],
             [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None],
-            aux_layers or [], aux, rows, taps)
+            aux_layers or [], aux, rows, taps, lora[0], lora[1])
         first = 0
         for tap in meta.query_taps:  # each layer's tapped queries to their sinks, as the Python loop hands them over
             for layer in range(len(self.layers)):

@@ -18,6 +18,7 @@ from sieve.server.batch_runner import BatchRunner
 from sieve.server.batch_store import BatchStore
 from sieve.server.errors import BodyLimit, install_error_handlers
 from sieve.server.messages_routes import MESSAGES_PATHS, messages_api
+from sieve.server.lora_routes import LORA_PATHS, lora_api
 from sieve.server.responses_routes import RESPONSES_PATHS, responses_api
 from sieve.server.openapi import document
 from sieve.server.routes import KEYED, api, playground_page, public
@@ -33,7 +34,7 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
                max_body_bytes: int = 16 << 20, max_prompt_tokens: int | None = None, tokenizer_workers: int = 1,
                grammar_timeout: float = 10.0, webui: bool = True, limits: ServerLimits | None = None,
                shared_prefix_cache: bool = False, tenants: Tenants | None = None, batch_dir: str | None = None,
-               embedding_pooling: str = "mean", max_stored_responses: int = 1000) -> FastAPI:
+               embedding_pooling: str = "mean", max_stored_responses: int = 1000, lora_dir: str | None = None) -> FastAPI:
     """`engine`: an engine, or a function that builds one in the engine's own thread (what `sieve serve`
     does: see sieve/server/async_engine.py for why). A request's `priority` is honoured only with
     `allow_client_priority` (otherwise setting it is a 400: any client could jump the queue); with an
@@ -50,12 +51,14 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     every key's tenant with its tier and limits, in place of `api_key`. `batch_dir`: the Batch API's files, batches
     and results (SQLite), run in the capacity interactive requests leave. `embedding_pooling`: how /v1/embeddings pools
     the final hidden states, "mean" or "last" (sieve/pooling.py). `max_stored_responses`: how many Responses API
-    responses are kept (in memory) for GET and `previous_response_id`."""
+    responses are kept (in memory) for GET and `previous_response_id`. `lora_dir`: the folder /v1/load_lora_adapter may
+    read adapters from (None: adapters are loaded only at start)."""
     if embedding_pooling not in POOLING:
         raise ValueError(f"embedding_pooling must be one of {', '.join(POOLING)}, got {embedding_pooling!r}")
     options = ServerOptions(served_model_name, max_waiting, allow_client_priority, metrics_public, health_stall_seconds, max_n,
                             max_prompts, max_body_bytes, max_prompt_tokens, tokenizer_workers, grammar_timeout, webui,
-                            limits or ServerLimits(), shared_prefix_cache, tenants, embedding_pooling, max_stored_responses)
+                            limits or ServerLimits(), shared_prefix_cache, tenants, embedding_pooling, max_stored_responses,
+                            lora_dir)
     if tenants is not None and (api_key.enabled if isinstance(api_key, APIKeys) else api_key):
         raise ValueError("give API keys either in the tenants file or as api keys, not both")
     aengine = AsyncEngine(engine, max_backlog=options.limits.max_stream_backlog)
@@ -87,8 +90,9 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     app.include_router(batch_api)
     app.include_router(messages_api)
     app.include_router(responses_api)
+    app.include_router(lora_api)
     if batch_dir is not None:
         st.batches = BatchStore(batch_dir)
         runner = app.state.batch_runner = BatchRunner(st.batches, app, st.engine, aengine, st.internal_secret)
-    document(app, protected=(KEYED | BATCH_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
+    document(app, protected=(KEYED | BATCH_PATHS | MESSAGES_PATHS | RESPONSES_PATHS | LORA_PATHS | (set() if metrics_public else {"/metrics"})) if keys.enabled else set())
     return app

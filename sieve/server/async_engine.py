@@ -129,7 +129,11 @@ class AsyncEngine:
                 fetch, args = self.engine.fetch_kv, (list(ids), params.kv_transfer_params)
             elif (self.engine.kv_tiers is not None and ids is not None and params.kv_transfer_params is None
                   and not params.whole_prompt):
-                fetch, args = self.engine.fetch_tiers, (list(ids), params.cache_salt)  # the KV tiers' blocks, read here
+                try:  # (the namespace its blocks are hashed in: its adapter's too)
+                    salt = self.engine.cache_salt(params)
+                except ValueError as e:
+                    raise RequestError(str(e)) from None
+                fetch, args = self.engine.fetch_tiers, (list(ids), salt)  # the KV tiers' blocks, read here
             else:
                 continue
             if self._kv_pool is None:

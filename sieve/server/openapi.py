@@ -153,7 +153,7 @@ def document(app: FastAPI, protected: set[str]) -> None:
                     statuses.add(401)
                 if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/responses"):
                     statuses |= {404, 429, 500, 503}
-                if path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens") or path.startswith(("/v1/files", "/v1/batches",
+                if path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/unload_lora_adapter") or path.startswith(("/v1/files", "/v1/batches",
                                                                                                        "/v1/responses/")):
                     statuses.add(404)
                 if path.startswith(("/v1/files", "/v1/batches", "/v1/responses/")):
@@ -187,6 +187,8 @@ def _success(path: str, method: str) -> dict | None:
         "/v1/responses": body("ResponseObject", stream=True),
         "/v1/responses/{response_id}": body("ResponseDeleted" if method == "delete" else "ResponseObject"),
         "/v1/responses/{response_id}/cancel": body("ResponseObject"),
+        "/v1/load_lora_adapter": {"description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "/v1/unload_lora_adapter": {"description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}},
         "/v1/models": body("ModelList"),
         "/tokenize": body("TokenizeResponse"),
         "/detokenize": body("DetokenizeResponse"),

@@ -95,8 +95,9 @@ async def playground(request: Request):
 @api.get("/v1/models")
 async def models(request: Request):
     st = state(request)
-    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "sieve",
-                                        "max_model_len": st.engine.config.max_model_len}]}
+    base = {"object": "model", "created": 0, "owned_by": "sieve", "max_model_len": st.engine.config.max_model_len}
+    return {"object": "list", "data": [{"id": st.model_name, **base},
+                                       *({"id": name, **base, "parent": st.model_name} for name in st.adapter_names())]}
 
 
 @api.post("/v1/completions")
@@ -143,7 +144,8 @@ async def embeddings(body: EmbeddingRequest, raw: Request):
         raise APIError(400, f"{len(prompts)} inputs are over this server's limit of {st.options.max_prompts} per request "
                             "(--max-prompts-per-request)", param="input")
     prompts = await encode_prompts(st, prompts, "input")
-    params = SamplingParams(max_tokens=0, pooling=PoolingParams(st.options.embedding_pooling))
+    params = SamplingParams(max_tokens=0, pooling=PoolingParams(st.options.embedding_pooling),
+                            lora_request=st.lora_request(body.model))
     st.tenant_salt(raw, params)
     return await serve(st, raw, body, prompts, params, "embd-", embed)
 
@@ -283,6 +285,7 @@ def released(events, release: Once):
 async def submit(st: ServerState, raw: Request, ids: list, prompts: list, params, client_priority: int) -> list:
     """The request's prompts into the engine together; their output generators."""
     priority = st.priority(raw, client_priority)
+    await st.ready_adapter(params)
     try:
         return await st.aengine.submit([(i, prompt, params, priority, st.tenancy(raw)) for i, prompt in zip(ids, prompts)])
     except (RequestError, EngineError) as e:

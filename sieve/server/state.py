@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from sieve.engine import ServerBusy
+from sieve.lora import LoRAError, LoRARequest
 from sieve.server.async_engine import AsyncEngine, EngineError
 from sieve.server.auth import APIKeys
 from sieve.server.errors import APIError
@@ -66,6 +67,7 @@ class ServerOptions:
     tenants: Tenants | None = None  # --tenants: tiers, limits and keys per tenant
     embedding_pooling: str = "mean"  # /v1/embeddings: "mean" or "last" (sieve/pooling.py)
     max_stored_responses: int = 1000  # the Responses API's store (in memory)
+    lora_dir: str | None = None  # --lora-dir: the folder /v1/load_lora_adapter may read adapters from (None: none)
 
 
 def longest_token_bytes(tokenizer) -> int:
@@ -174,9 +176,21 @@ class ServerState:
             self.limiter.count_generated(name, sum(len(c.token_ids) for c in out.outputs))
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`", code="model_not_found",
-                           param="model")
+        """The base model's name, or one of its LoRA adapters' (--enable-lora); a 404 otherwise."""
+        if name is None or name == self.model_name or name in self.adapter_names():
+            return
+        raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`" +
+                       (f" and its adapters {', '.join(self.adapter_names())}" if self.adapter_names() else ""),
+                       code="model_not_found", param="model")
+
+    def adapter_names(self) -> list[str]:
+        return self.engine.lora.names if self.engine.lora is not None else []
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        if name is None or name == self.model_name or self.engine.lora is None:
+            return None
+        return LoRARequest(name, 0, self.engine.lora.paths.get(name, ""))
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -262,7 +276,9 @@ class ServerState:
             raise APIError(400, "`priority` is honoured only when the server runs with --allow-client-priority", param="priority",
                            code="unsupported_field")
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params.lora_request = self.lora_request(body.model)
+            return params
         except ValueError as e:
             raise APIError(400, str(e), param="kv_compression" if str(e).startswith("kv_compression") else None) from e
 
@@ -288,6 +304,16 @@ class ServerState:
         if len(body.logit_bias or {}) > limits.max_logit_bias:
             self.metrics.limit_refused("logit_bias")
             raise APIError(400, f"logit_bias takes at most {limits.max_logit_bias} tokens (--max-logit-bias)", param="logit_bias")
+
+    async def ready_adapter(self, params) -> None:
+        """A request's adapter in memory before it reaches the engine (read from its folder here, off the engine
+        thread, if it was dropped); a 404 if it was unloaded meanwhile."""
+        if params.lora_request is None:
+            return
+        try:
+            await self.off_loop(self.engine.lora.get, params.lora_request.lora_name)
+        except LoRAError as e:
+            raise APIError(404, str(e), code="model_not_found", param="model") from None
 
     def check_capacity(self, request: Request) -> None:
         max_waiting = self.options.max_waiting

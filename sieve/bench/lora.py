@@ -1,0 +1,144 @@
+"""`sieve bench lora`: many LoRA adapters over one base model (sieve/lora), offline, in one process.
+
+- Throughput at `--users` concurrent sequences (max_num_seqs), `--requests` requests of `--max-tokens` tokens each:
+  the base model on an engine without LoRA; base-only requests on an engine with LoRA on (what turning it on costs
+  requests that use none); and requests spread evenly over `--adapters` adapters of rank `--rank` on every linear.
+  The three are measured `--repeats` times, interleaved, and their medians compared.
+- The bytes a decode step reads: the base model's linears, and each adapter's matrices (every adapter in a step is
+  read whole): what a step of many adapters costs where bytes bind.
+- Loading: the time to read and check an adapter, and the first request after a load against the same request again.
+
+The adapters are random, in PEFT's format (as `sieve finetune --lora` or PEFT writes them): their cost does not
+depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def add_bench_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--users", type=int, default=32, help="sequences running at once (max_num_seqs)")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--output-json", default=None)
+
+
+def write_random_adapter(folder: Path, arch, rank: int, seed: int) -> str:
+    """A rank-`rank` adapter on every linear of every layer, in PEFT's format."""
+    from safetensors.torch import save_file
+
+    from sieve.lora.adapter import module_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(arch)
+    dims = {"q_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][0]), "k_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][1]),
+            "v_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][2]), "o_proj": (shapes["o_proj"][0], shapes["o_proj"][1][0]),
+            "gate_proj": (shapes["gate_up_proj"][0], shapes["gate_up_proj"][1][0]),
+            "up_proj": (shapes["gate_up_proj"][0], shapes["gate_up_proj"][1][1]),
+            "down_proj": (shapes["down_proj"][0], shapes["down_proj"][1][0])}
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for module, (n_in, n_out) in dims.items():
+            kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                            "target_modules": list(TARGETS), "bias": "none"}))
+    return str(folder)
+
+
+def throughput(llm, prompts: list, params, loras) -> float:
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_request=loras)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+
+
+def step_bytes(llm, adapters: int) -> dict:
+    model = llm.llm_engine.runner.model
+    base = sum(m.weight_bytes for name, m in model.named_modules() if name.startswith("layers.") and hasattr(m, "weight_bytes"))
+    engine = llm.llm_engine
+    rank = engine.lora.get(engine.lora.names[0]).rank
+    itemsize = torch.tensor([], dtype=engine.lora.dtype).element_size()
+    per_adapter = sum(_module_params(engine.arch, m, rank) for m in TARGETS) * engine.arch.num_layers * itemsize
+    return {"base_linear_bytes": base, "adapter_bytes": per_adapter, "adapters_in_a_step": adapters,
+            "floor_ratio_if_bytes_bind": round(base / (base + adapters * per_adapter), 3)}
+
+
+def _module_params(arch, module: str, rank: int) -> int:
+    q, kv, h, i = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, arch.intermediate_size
+    n_in, n_out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                   "up_proj": (h, i), "down_proj": (i, h)}[module]
+    return rank * (n_in + n_out)
+
+
+def loading(llm, folder: str, prompt, params) -> dict:
+    from sieve.lora import LoRARequest
+
+    started = time.perf_counter()
+    llm.llm_engine.lora.load("fresh", folder)
+    load_s = time.perf_counter() - started
+    firsts = []
+    for _ in range(2):
+        started = time.perf_counter()
+        llm.generate(prompt, params, lora_request=LoRARequest("fresh", 99, folder))
+        firsts.append(time.perf_counter() - started)
+    return {"load_ms": round(1e3 * load_s, 1), "first_request_ms": round(1e3 * firsts[0], 1),
+            "same_request_again_ms": round(1e3 * firsts[1], 1)}
+
+
+def run_bench_lora(args) -> dict:
+    from sieve import LLM, SamplingParams
+    from sieve.lora import LoRARequest
+    from sieve.models.default import default_model_path
+
+    model = args.model or str(default_model_path())
+    common = dict(max_num_seqs=args.users, kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=1024)
+    plain = LLM(model, **common)
+    lora = LLM(model, enable_lora=True, max_loras=args.adapters, max_cpu_loras=args.adapters + 1, max_lora_rank=args.rank, **common)
+    tmp = Path(tempfile.mkdtemp(prefix="sieve-bench-lora-"))
+    folders = [write_random_adapter(tmp / f"a{i}", lora.llm_engine.arch, args.rank, i) for i in range(args.adapters + 1)]
+    tok = plain.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(f"Write a short story about the number {i}.")} for i in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    spread = [LoRARequest(f"a{i % args.adapters}", 1 + i % args.adapters, folders[i % args.adapters]) for i in range(args.requests)]
+    runs: dict[str, list[float]] = {"base_no_lora": [], "base_lora_enabled": [], "adapters": []}
+    for llm, loras in ((plain, None), (lora, None), (lora, spread)):  # warm-up: each path's first steps, every adapter read
+        llm.generate(prompts[: args.users], params, lora_request=loras[: args.users] if loras else None)
+    for r in range(args.repeats):
+        runs["base_no_lora"].append(throughput(plain, prompts, params, None))
+        runs["base_lora_enabled"].append(throughput(lora, prompts, params, None))
+        runs["adapters"].append(throughput(lora, prompts, params, spread))
+        print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    result = {
+        "model": model, "adapters": args.adapters, "rank": args.rank, "users": args.users, "requests": args.requests,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "tok_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+        "median_tok_s": {k: round(v, 1) for k, v in med.items()},
+        "adapters_vs_base": round(med["adapters"] / med["base_no_lora"], 3),
+        "base_lora_enabled_vs_no_lora": round(med["base_lora_enabled"] / med["base_no_lora"], 3),
+        "step_bytes": step_bytes(lora, args.adapters),
+        "loading": loading(lora, folders[-1], prompts[0], SamplingParams(temperature=0, max_tokens=1)),
+    }
+    print(f"adapters ({args.adapters} x rank {args.rank}) / base: {result['adapters_vs_base']}x; base on a LoRA engine / without: "
+          f"{result['base_lora_enabled_vs_no_lora']}x; bytes if they bound: {result['step_bytes']['floor_ratio_if_bytes_bind']}x; "
+          f"load {result['loading']['load_ms']} ms, first request after it {result['loading']['first_request_ms']} ms "
+          f"(again: {result['loading']['same_request_again_ms']} ms)")
+    return result

@@ -1,0 +1,180 @@
+"""A LoRA adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`), read and checked against the
+model it will run on, and laid out for sieve's fused projections.
+
+sieve's decoder fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`. A fused module's adapters become
+one pair of matrices: the A's stacked ([r_q + r_k + r_v, in]) and the B's block-diagonal ([out, r_q + r_k + r_v], each
+B in its own output rows and its own rank columns), so one low-rank product serves the fused output. The scaling
+(`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA) is folded into B. Both are kept transposed (A^T [in, R],
+B^T [R, out]): x A^T B^T is then x @ A^T @ B^T, and the C++ kernel's products are axpys over contiguous rows.
+
+Everything a file could get wrong is refused by name (LoRAError) before anything is kept: a missing file, a rank over
+the maximum, a module the model lacks (or that is not a linear sieve runs LoRA on), shapes that do not match, a layer
+out of range, and the PEFT options sieve does not run (DoRA, biases, modules_to_save, fan_in_fan_out)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# PEFT module name -> (sieve's module, shard index within it)
+TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, and why."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int  # the largest rank of any of its modules
+    fingerprint: str  # sha256 of its weights and config: what its KV depends on besides the base model
+    # (layer, sieve module) -> (A^T [in, R], B^T [R, out] with the scaling folded in), in the model's dtype and device
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    native: object = None  # the same matrices for sieve's CPU kernels (NativeLoRA), which then hold the only copy
+    modules: set = field(default_factory=set)  # the (layer, sieve module) pairs it changes
+
+
+
+def module_shapes(arch) -> dict[str, tuple[int, list[int]]]:
+    """sieve module -> (in features, its shards' out features), for a dense layer of `arch`."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return {"qkv_proj": (arch.hidden_size, [q, kv, kv]), "o_proj": (q, [arch.hidden_size]),
+            "gate_up_proj": (arch.hidden_size, [arch.intermediate_size] * 2), "down_proj": (arch.intermediate_size, [arch.hidden_size])}
+
+
+def dense_layers(arch) -> set[int]:
+    """The layers whose attention and MLP are the plain linears LoRA targets here."""
+    if arch.is_mla:
+        return set()
+    return {i for i in range(arch.num_layers) if i not in arch.mamba_layers and i not in arch.sparse_layers}
+
+
+def read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except OSError as e:
+        raise LoRAError(f"{path}: cannot read adapter_config.json ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise LoRAError(f"{path}/adapter_config.json is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{path}/adapter_config.json must be a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, ok, why in (("use_dora", lambda v: not v, "DoRA adapters are not supported"),
+                         ("bias", lambda v: v in (None, "none"), "adapters that train biases are not supported"),
+                         ("modules_to_save", lambda v: not v, "adapters with modules_to_save (whole modules) are not supported"),
+                         ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out (Conv1D) layouts are not supported")):
+        if not ok(config.get(key)):
+            raise LoRAError(f"{path}: {why} ({key} = {config.get(key)!r})")
+    return config
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        raise LoRAError(f"{path}: no adapter_model.safetensors (PEFT's format: adapter_config.json and adapter_model.safetensors)")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoRAError(f"{file}: not a safetensors file ({e})") from None
+
+
+def scaling(config: dict, module: str, rank: int) -> float:
+    alpha = (config.get("alpha_pattern") or {}).get(module, config.get("lora_alpha", 8))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def pairs(path: Path, tensors: dict[str, torch.Tensor], arch) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, PEFT module) -> {"A": ..., "B": ...}, every key named and every module one the model has."""
+    dense, found = dense_layers(arch), {}
+    for key, tensor in tensors.items():
+        m = KEY.match(key)
+        if m is None:
+            raise LoRAError(f"{path}: {key}: not a LoRA weight of a decoder layer's linear (sieve runs LoRA on "
+                            f"{', '.join(TARGETS)})")
+        layer, module, which = int(m[1]), m[2], m[3]
+        if module not in TARGETS:
+            raise LoRAError(f"{path}: {key}: the model has no {module!r} that LoRA runs on here (targets: {', '.join(TARGETS)})")
+        if layer not in dense:
+            raise LoRAError(f"{path}: {key}: layer {layer} of this model has no dense {module} (it has {arch.num_layers} "
+                            "layers; mixture-of-experts, MLA and Mamba layers take no LoRA here)")
+        found.setdefault((layer, module), {})[which] = tensor
+    for (layer, module), ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"{path}: layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+    if not found:
+        raise LoRAError(f"{path}: adapter_model.safetensors holds no LoRA weights")
+    return found
+
+
+def load_adapter(name: str, path: str, arch, max_rank: int, dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
+    """Read and check the adapter at `path` for a model of `arch`; its weights laid out per fused module."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoRAError(f"{path}: no such adapter folder")
+    config, tensors = read_config(folder), read_tensors(folder)
+    shapes, rank = module_shapes(arch), 0
+    per_module: dict[tuple[int, str], list] = {}
+    for (layer, module), ab in sorted(pairs(folder, tensors, arch).items()):
+        a, b = ab["A"], ab["B"]
+        target, shard = TARGETS[module]
+        in_features, outs = shapes[target]
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (outs[shard], r):
+            raise LoRAError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                            f"this model's {module} ({in_features} -> {outs[shard]}): A must be [r, {in_features}], "
+                            f"B [{outs[shard]}, r]")
+        if r > max_rank:
+            raise LoRAError(f"{path}: layer {layer} {module} has rank {r}, over this server's --max-lora-rank {max_rank}")
+        rank = max(rank, r)
+        per_module.setdefault((layer, target), []).append((shard, a.float(), b.float() * scaling(config, module, r)))
+    weights = {}
+    for (layer, target), parts in per_module.items():
+        in_features, outs = shapes[target]
+        offsets = [sum(outs[:i]) for i in range(len(outs))]
+        total = sum(a.shape[0] for _, a, _ in parts)
+        A, B, col = torch.zeros(total, in_features), torch.zeros(sum(outs), total), 0
+        for shard, a, b in parts:
+            A[col: col + a.shape[0]] = a
+            B[offsets[shard]: offsets[shard] + outs[shard], col: col + a.shape[0]] = b
+            col += a.shape[0]
+        weights[(layer, target)] = (A.t().to(device=device, dtype=dtype).contiguous(), B.t().to(device=device, dtype=dtype).contiguous())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for key in sorted(tensors):
+        digest.update(key.encode())
+        digest.update(tensors[key].float().numpy().tobytes())
+    adapter = LoRAAdapter(name, str(folder), rank, digest.hexdigest(), weights, modules=set(weights))
+    adapter.native = native_lora(weights, arch.num_layers, dtype, device)
+    if adapter.native is not None:  # it keeps its own copy, laid out as its kernel reads it
+        adapter.weights = {}
+    return adapter
+
+
+MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C++ layer loop's order
+
+
+def native_lora(weights: dict, num_layers: int, dtype: torch.dtype, device: torch.device):
+    """The adapter's matrices for sieve's C++ layer loop (None where it does not run: not a CPU, no kernels, or a
+    dtype it does not take)."""
+    from sieve.kernels import cpu_ops
+
+    ops = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None  # (the loop checks the pair)
+    if ops is None or not hasattr(ops, "NativeLoRA"):
+        return None
+    native = ops.NativeLoRA(num_layers)
+    for (layer, module), (a, b) in weights.items():
+        native.set(layer, MODULES.index(module), a, b)
+    return native

@@ -1,0 +1,67 @@
+"""One step's adapters: the rows each adapter serves, and the low-rank products added to a layer's projections.
+
+Every row goes through the base projection together (one GEMM, whatever its weights' format); then, per adapter in
+the step, its rows' `(x A^T) B^T` (A^T and B^T as the adapter keeps them) is added to their outputs (the SGMV idea: the rows of one adapter, one pair of
+small GEMMs). Rows of one adapter are usually one run (the model runner lays a step out by sequence), and a run is
+a slice, not a gather."""
+
+from __future__ import annotations
+
+import torch
+
+from sieve.lora.adapter import MODULES, LoRAAdapter
+
+
+class LoRABatch:
+    def __init__(self, groups: list[tuple[LoRAAdapter, list[tuple[int, int]]]], device: torch.device):
+        self.spans = groups
+        self.groups = []  # (adapter, slice or row-index tensor)
+        for adapter, spans in groups:
+            if len(spans) == 1:
+                rows = slice(*spans[0])
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+            self.groups.append((adapter, rows))
+
+    @classmethod
+    def of(cls, spans: list[tuple[LoRAAdapter | None, int, int]], device: torch.device) -> "LoRABatch | None":
+        """From (adapter or None, first row, end row) per scheduled item, in row order; None when no row runs one."""
+        by_adapter: dict[str, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
+        for adapter, a, b in spans:
+            if adapter is None or a == b:
+                continue
+            runs = by_adapter.setdefault(adapter.fingerprint, (adapter, []))[1]
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+        return cls(list(by_adapter.values()), device) if by_adapter else None
+
+    @property
+    def adapters(self) -> list[LoRAAdapter]:
+        return [a for a, _ in self.groups]
+
+    def native(self) -> tuple[list, list[int]] | None:
+        """The C++ layer loop's arguments (its adapters, and (adapter, first row, end row) triples), or None where an
+        adapter has no native form."""
+        if any(a.native is None for a, _ in self.spans):
+            return None
+        triples = [v for i, (_, spans) in enumerate(self.spans) for a, b in spans for v in (i, a, b)]
+        return [a.native for a, _ in self.spans], triples
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base projection of `x`, [T, out]) with each adapter's rows' low-rank product added in place: with
+        sieve's CPU kernels, by the C++ layer loop's own kernel (the same bits either way)."""
+        for (adapter, rows), (_, spans) in zip(self.groups, self.spans):
+            if (layer, module) not in adapter.modules:
+                continue
+            if adapter.native is not None:
+                for start, end in spans:
+                    adapter.native.apply(layer, MODULES.index(module), x, y, start, end)
+                continue
+            a, b = adapter.weights[(layer, module)]
+            if isinstance(rows, slice):
+                y[rows] += (x[rows] @ a.to(x.dtype)) @ b.to(x.dtype)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.to(x.dtype)) @ b.to(x.dtype))
+        return y

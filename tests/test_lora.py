@@ -1,0 +1,279 @@
+"""LoRA adapters (sieve/lora) against PEFT on the same adapter: identical greedy tokens and logprobs within 1e-3 in
+float32 (every target module, rsLoRA, alpha and rank patterns), and over the default model's quantized weights within the
+default path's tolerance; a batch mixing adapters and the base model equals each request alone; the prefix cache never
+crosses adapters; --max-loras and --max-cpu-loras hold; a bad adapter is refused by name and changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reference import DEFAULT_PATH_TOL, assert_matches, assert_matches_forward_pass, greedy_reference, reference_model
+from sieve import LLM, LoRARequest, SamplingParams
+from sieve.lora import LoRAError
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[1, 5, 9, 200, 31, 7, 8, 100], [17, 3, 3, 950, 12, 44, 600, 2000, 77, 5, 8]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+def make_adapter(base, folder, seed: int, scale: float = 3.0, **config):
+    """A PEFT adapter over `base` (its B's random, not zero, times `scale` so that it matters), saved to `folder`;
+    `base` is left as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(folder)
+    model.unload()
+    return str(folder)
+
+
+ADAPTERS = {  # name -> LoraConfig
+    "all": dict(r=8, lora_alpha=16, target_modules=ALL),
+    "attention-rslora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True),
+    "mlp-r16": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "patterns": dict(r=8, lora_alpha=16, target_modules=ALL, rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    base = copy.deepcopy(reference_model(llama_dir))
+    return {name: make_adapter(base, root / name, seed, **cfg) for seed, (name, cfg) in enumerate(ADAPTERS.items())}
+
+
+def peft_model(base_path, adapter: str):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(reference_model(base_path)), adapter).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=256, enable_lora=True, max_loras=4,
+               max_lora_rank=16)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_each_adapter_equals_peft(llm, llama_dir, adapters, name):
+    ref_tokens, ref_logprobs = greedy_reference(llama_dir, PROMPTS, 12, model=peft_model(llama_dir, adapters[name]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=LoRARequest(name, 1, adapters[name]))
+    assert_matches(outs, ref_tokens, ref_logprobs, f"LoRA {name}")
+    base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in outs], "the adapter changes nothing"
+
+
+def test_a_mixed_batch_equals_each_request_alone(llm, adapters):
+    """Four adapters and the base model in the same steps (one prompt each), prefills and decodes, against each alone."""
+    names = [None, *ADAPTERS]
+    loras = [LoRARequest(n, i, adapters[n]) if n else None for i, n in enumerate(names)]
+    prompts = [{"prompt_token_ids": PROMPTS[i % 2] + [i + 3]} for i in range(len(names))]
+    together = llm.generate(prompts, GREEDY, lora_request=loras)
+    for prompt, lora, out in zip(prompts, loras, together):
+        alone = llm.generate(prompt, GREEDY, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        for a, b in zip(out.outputs[0].logprobs, alone.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in a.items()} == pytest.approx({t: v.logprob for t, v in b.items()}, abs=1e-5)
+
+
+def test_the_prefix_cache_never_crosses_adapters(llm, adapters):
+    prompt = {"prompt_token_ids": list(range(100, 180))}
+    one = SamplingParams(temperature=0, max_tokens=1)
+    first = LoRARequest("all", 1, adapters["all"])
+    assert llm.generate(prompt, one, lora_request=first)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, one, lora_request=first)[0].num_cached_tokens > 0  # its own blocks
+    assert llm.generate(prompt, one, lora_request=LoRARequest("mlp-r16", 2, adapters["mlp-r16"]))[0].num_cached_tokens == 0
+    assert llm.generate(prompt, one)[0].num_cached_tokens == 0  # nor the base model's
+
+
+def test_adapters_over_quantized_weights_equal_peft_over_them(tmp_path):
+    """The default model's Q4_1 weights with an adapter: its low-rank product (bf16 weights, float32 sums) added to the
+    quantized kernels' output, against PEFT over transformers' dequantized model. The tolerance is three times the
+    default path's: its own (inputs rounded to bf16, 0.007 on Zen 4), and the adapter's bf16 weights (a random adapter
+    of a fine-tune's size moved logprobs up to 0.014 on the Intel AMX host; a three times larger one, 0.09)."""
+    from sieve.models.default import default_model_path
+
+    path = default_model_path()
+    base = copy.deepcopy(reference_model(path))
+    folder = make_adapter(base, tmp_path / "smol", 7, scale=0.3, r=8, lora_alpha=16, target_modules=ALL)
+    llm = LLM(str(path), kv_cache_memory_gb=0.2, max_model_len=512, enable_lora=True)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode("The best way to learn a language is"), tok.encode("Once upon a time, in a small village,")]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16, logprobs=1),
+                        lora_request=LoRARequest("smol", 1, folder))
+    assert_matches_forward_pass(path, prompts, outs, 3 * DEFAULT_PATH_TOL, model=peft_model(path, folder))
+    base_outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16))
+    assert [o.outputs[0].token_ids for o in base_outs] != [o.outputs[0].token_ids for o in outs], "the adapter changes nothing"
+    native = llm.llm_engine.lora.get("smol").native
+    assert native is not None or llm.llm_engine.runner.model.native is None  # the C++ layer loop ran it where there is one
+
+
+def test_max_loras_holds_adapters_back_and_max_cpu_loras_reloads(llama_dir, adapters, monkeypatch):
+    from sieve.lora import LoRABatch
+
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=256, enable_lora=True, max_loras=2,
+              max_cpu_loras=2)
+    seen = []
+    of = LoRABatch.of
+    monkeypatch.setattr(LoRABatch, "of", staticmethod(lambda spans, device: (seen.append({a.name for a, *_ in spans}), of(spans, device))[1]))
+    names = list(ADAPTERS)
+    loras = [LoRARequest(n, i, adapters[n]) for i, n in enumerate(names)] * 2
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * len(loras), GREEDY, lora_request=loras)
+    assert max(len(s) for s in seen) == 2 and set().union(*seen) == set(names)  # never three adapters in a step
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in outs[4:]]
+    manager = llm.llm_engine.lora
+    assert len(manager.loaded) == 2 and manager.num_loads > len(names)  # dropped past 2 in memory, read again when asked
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("rank", "rank 8, over"),
+    ("missing", "no adapter_model.safetensors"),
+    ("module", "no 'lm_head'"),
+    ("shape", "do not fit"),
+    ("layer", "layer 7"),
+    ("dora", "DoRA"),
+    ("half", "lora_A missing"),
+])
+def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(llm, adapters, tmp_path, breakage, message):
+    import shutil
+
+    folder = tmp_path / breakage
+    shutil.copytree(adapters["all"], folder)
+    tensors, config = load_file(folder / "adapter_model.safetensors"), json.loads((folder / "adapter_config.json").read_text())
+    key = next(k for k in tensors if "q_proj.lora_A" in k)
+    if breakage == "missing":
+        (folder / "adapter_model.safetensors").unlink()
+    elif breakage == "module":
+        tensors[key.replace("self_attn.q_proj", "self_attn.lm_head")] = tensors[key].clone()
+    elif breakage == "shape":
+        tensors[key] = torch.zeros(8, 17)
+    elif breakage == "layer":
+        tensors[key.replace("layers.0.", "layers.7.")] = tensors[key].clone()
+    elif breakage == "dora":
+        config["use_dora"] = True
+    elif breakage == "half":
+        del tensors[key]
+    if breakage != "missing":
+        save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    manager, before = llm.llm_engine.lora, llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(LoRAError, match=message):
+        manager.read(breakage, str(folder)) if breakage != "rank" else type(manager)(
+            llm.llm_engine.arch, torch.float32, torch.device("cpu"), max_lora_rank=4).read(breakage, str(folder))
+    assert breakage not in manager.names
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].outputs[0].token_ids == before
+
+
+@pytest.fixture(scope="module")
+def lora_server(llama_dir, adapters):
+    from live_server import start_server
+    from sieve import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+                                    enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=16,
+                                    lora_modules={"all": adapters["all"]}))
+    root = str(__import__("pathlib").Path(adapters["all"]).parent)
+    url, stop = start_server(engine, lora_dir=root)
+    yield url, engine, root
+    stop()
+
+
+def test_the_request_model_names_the_adapter(lora_server, llm, adapters):
+    import anthropic
+    import openai
+
+    from live_server import API_KEY, MODEL
+
+    url = lora_server[0]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {MODEL, "all"} and models["all"].parent == MODEL
+    kw = dict(prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    served = client.completions.create(model="all", **kw).choices[0].text
+    offline = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                           lora_request=LoRARequest("all", 1, adapters["all"]))[0].outputs[0].text
+    assert served == offline != client.completions.create(model=MODEL, **kw).choices[0].text
+    chat = client.chat.completions.create(model="all", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.model == MODEL and chat.usage.completion_tokens >= 1
+    m = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0).messages.create(
+        model="all", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert m.usage.output_tokens >= 1
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", **kw)
+
+
+def test_loading_is_confined_to_the_lora_dir_and_refuses_bad_adapters(lora_server, adapters, tmp_path):
+    import httpx
+
+    from live_server import API_KEY
+
+    url, engine, root = lora_server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def load(name, path):
+        return httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=headers)
+
+    for path in ("/etc", "../", str(tmp_path)):
+        r = load("x", path)
+        assert r.status_code == 400 and "--lora-dir" in r.json()["error"]["message"], r.text
+    r = load("big", "mlp-r16")  # rank 16 over a --max-lora-rank 16 server: loads; the same name twice does not
+    assert r.status_code == 200 and "added" in r.text
+    assert load("big", "mlp-r16").status_code == 400
+    r = load("nothing", "missing-folder")
+    assert r.status_code == 400 and "no such adapter folder" in r.json()["error"]["message"]
+    assert root not in r.text  # the server's own paths stay its own
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "big"}, headers=headers).status_code == 200
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "big"}, headers=headers).status_code == 404
+    r = httpx.post(url + "/v1/completions", json={"model": "big", "prompt": "x", "max_tokens": 2}, headers=headers)
+    assert r.status_code == 404
+
+
+def test_loading_and_unloading_under_load_loses_no_request(lora_server):
+    """Streams for an adapter, for the base model and for an adapter loaded meanwhile run while adapters are loaded and
+    unloaded, the streamed one too: every request finishes with all its tokens; then the unloaded name is a 404."""
+    import threading
+
+    import httpx
+    import openai
+
+    from live_server import API_KEY, MODEL, wait_idle
+
+    url, engine, _ = lora_server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "rs", "lora_path": "attention-rslora"},
+                      headers=headers).status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    counts, errors = {}, []
+
+    def stream(i, model):
+        try:
+            chunks = client.completions.create(model=model, prompt=PROMPTS[i % 2], max_tokens=40, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+            counts[i] = [c.usage.completion_tokens for c in chunks if c.usage][-1]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(i, m)) for i, m in enumerate(["all", MODEL, "rs"] * 2)]
+    for t in threads:
+        t.start()
+    for name, path in (("p1", "patterns"), ("p2", "mlp-r16")):
+        assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=headers).status_code == 200
+    for name in ("p1", "rs", "p2"):  # "rs" while its streams run
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, headers=headers).status_code == 200
+    for t in threads:
+        t.join(60)
+    assert not errors and counts == {i: 40 for i in range(6)}
+    r = httpx.post(url + "/v1/completions", json={"model": "rs", "prompt": "x", "max_tokens": 2}, headers=headers)
+    assert r.status_code == 404
+    wait_idle(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
