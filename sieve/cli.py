@@ -1,4 +1,4 @@
-"""`sieve` command line: generate, serve, eval, quantize, distill, plan, router, bench."""
+"""`sieve` command line: generate, serve, eval, quantize, distill, finetune, plan, router, bench."""
 
 from __future__ import annotations
 
@@ -228,6 +228,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return _write_json_result(run_distill, args)
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from sieve.train.lora import run_finetune
+
+    try:
+        return _write_json_result(run_finetune, args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from sieve.bench.offline import run_offline_benchmark
 
@@ -449,6 +459,11 @@ def add_tool_parsers(sub) -> None:
 
     add_kv_distill_args(ds)
     ds.set_defaults(func=cmd_distill)
+    ft = sub.add_parser("finetune", help="train a LoRA adapter (--lora) on your own JSONL, written in PEFT's format")
+    from sieve.train.lora import add_finetune_args
+
+    add_finetune_args(ft)
+    ft.set_defaults(func=cmd_finetune)
     pl = sub.add_parser("plan", help="roofline planner: bytes per token, KV per token, users per device")
     from sieve.plan.command import add_plan_args, run_plan
 

@@ -277,3 +277,33 @@ def test_loading_and_unloading_under_load_loses_no_request(lora_server):
     assert r.status_code == 404
     wait_idle(engine)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sieve_finetune_lora_writes_an_adapter_that_learned_its_task(llama_dir, tmp_path):
+    """A tiny task (a fixed completion for each of four prompts) on the random checkpoint: the loss falls, the file is
+    PEFT's format, and sieve serves the learned completions. (The loss stays above zero: the end-of-text token each
+    completion ends with is one whose head row this random checkpoint leaves out of reach.)"""
+    import subprocess
+    import sys
+
+    tasks = [("Colour of the sky:", " blue blue"), ("Colour of grass:", " green green"), ("Colour of snow:", " white white"),
+             ("Colour of coal:", " black black")]
+    data = tmp_path / "task.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in tasks))
+    out, report = tmp_path / "adapter", tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "sieve.cli", "finetune", "--lora", "--model", str(llama_dir), "--data", str(data),
+                        "--out", str(out), "--rank", "8", "--epochs", "40", "--lr", "0.003", "--output-json", str(report)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(report.read_text())
+    assert result["loss_after"] < 0.25 * result["loss_before"], result
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64, enable_lora=True)
+    tok = llm.get_tokenizer()
+    params = [SamplingParams(temperature=0, max_tokens=len(tok.encode(c, add_special_tokens=False))) for _, c in tasks]
+    outs = llm.generate([tok.encode(p) for p, _ in tasks], params, lora_request=LoRARequest("task", 1, str(out)))
+    assert [o.outputs[0].text for o in outs] == [c for _, c in tasks]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    r = subprocess.run([sys.executable, "-m", "sieve.cli", "finetune", "--lora", "--model", str(llama_dir), "--data", str(bad),
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
