@@ -27,7 +27,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of messages) or several, each through the model's chat template
         (with `tools` offered as the server offers them: in the template, or in the system prompt where it has no
         place for them), then generated as `generate` does; the outputs are the model's raw text."""
@@ -44,7 +45,7 @@ class LLM:
                                                  continue_final_message=continue_final_message, **extra,
                                                  **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = False) -> list[RequestOutput]:

@@ -7,9 +7,11 @@
 - The bytes a decode step reads: the base model's linears, and each adapter's matrices (every adapter in a step is
   read whole): what a step of many adapters costs where bytes bind.
 - Loading: the time to read and check an adapter, and the first request after a load against the same request again.
+- A task (`--parts task`): an adapter trained with `sieve finetune --lora` on 40 questions "what is the capital of X,
+  the city's name only", and exact-match accuracy on 20 other countries, base model against adapter, served by sieve.
 
-The adapters are random, in PEFT's format (as `sieve finetune --lora` or PEFT writes them): their cost does not
-depend on their values.
+The throughput adapters are random, in PEFT's format (as `sieve finetune --lora` or PEFT writes them): their cost
+does not depend on their values.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def add_bench_lora_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--parts", default="throughput", help="which to measure: throughput, task (comma-separated)")
     p.add_argument("--output-json", default=None)
 
 
@@ -104,12 +107,66 @@ def loading(llm, folder: str, prompt, params) -> dict:
             "same_request_again_ms": round(1e3 * firsts[1], 1)}
 
 
-def run_bench_lora(args) -> dict:
+CAPITALS = [
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"), ("Austria", "Vienna"),
+    ("Belgium", "Brussels"), ("Netherlands", "Amsterdam"), ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"), ("Poland", "Warsaw"), ("Greece", "Athens"), ("Ireland", "Dublin"), ("Hungary", "Budapest"),
+    ("Czechia", "Prague"), ("Russia", "Moscow"), ("Ukraine", "Kyiv"), ("Turkey", "Ankara"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
+    ("Nigeria", "Abuja"), ("Ghana", "Accra"), ("Morocco", "Rabat"), ("Ethiopia", "Addis Ababa"), ("Japan", "Tokyo"), ("China", "Beijing"),
+    ("India", "New Delhi"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
+    ("South Korea", "Seoul"), ("Iran", "Tehran"), ("Iraq", "Baghdad"), ("Canada", "Ottawa"), ("Mexico", "Mexico City"), ("Cuba", "Havana"),
+    ("Peru", "Lima"), ("Chile", "Santiago"), ("Argentina", "Buenos Aires"), ("Colombia", "Bogota"), ("Venezuela", "Caracas"),
+    ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Switzerland", "Bern"), ("Romania", "Bucharest"), ("Bulgaria", "Sofia"),
+    ("Serbia", "Belgrade"), ("Croatia", "Zagreb"), ("Iceland", "Reykjavik"), ("Pakistan", "Islamabad"), ("Bangladesh", "Dhaka"),
+    ("Nepal", "Kathmandu"), ("Saudi Arabia", "Riyadh"), ("Israel", "Jerusalem"), ("Syria", "Damascus"), ("Lebanon", "Beirut"),
+    ("Jordan", "Amman"),
+]
+
+
+def question(country: str) -> list[dict]:
+    return [{"role": "user", "content": f"What is the capital of {country}? Answer with the city's name only."}]
+
+
+def task(args, model: str) -> dict:
+    """Train an adapter on 40 countries; exact match on the other 20, base against adapter."""
     from sieve import LLM, SamplingParams
     from sieve.lora import LoRARequest
+    from sieve.train.lora import run_finetune
+
+    tmp = Path(tempfile.mkdtemp(prefix="sieve-bench-lora-task-"))
+    train, held_out = CAPITALS[:40], CAPITALS[40:]
+    data = tmp / "capitals.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": question(c) + [{"role": "assistant", "content": city}]}) for c, city in train))
+    report = run_finetune(argparse.Namespace(model=args.model, data=str(data), out=str(tmp / "adapter"), rank=16, alpha=32.0,
+                                             targets=",".join(TARGETS), epochs=3, lr=5e-4, max_len=256, seed=0))
+    llm = LLM(model, enable_lora=True, kv_cache_memory_gb=0.5, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    result = {"train_examples": len(train), "held_out": len(held_out), "finetune": report}
+    for name, lora in (("base", None), ("adapter", LoRARequest("capitals", 1, str(tmp / "adapter")))):
+        outs = llm.chat([question(c) for c, _ in held_out], params, lora_request=lora)
+        answers = [o.outputs[0].text.strip().rstrip(".") for o in outs]
+        result[f"{name}_exact_match"] = sum(a == city for a, (_, city) in zip(answers, held_out)) / len(held_out)
+        result[f"{name}_answers"] = answers
+    print(f"capitals, held out: exact match base {result['base_exact_match']:.2f}, adapter {result['adapter_exact_match']:.2f}")
+    return result
+
+
+def run_bench_lora(args) -> dict:
     from sieve.models.default import default_model_path
 
     model = args.model or str(default_model_path())
+    parts, result = args.parts.split(","), {}
+    if "throughput" in parts:
+        result.update(throughput_parts(args, model))
+    if "task" in parts:
+        result["task"] = task(args, model)
+    return result
+
+
+def throughput_parts(args, model: str) -> dict:
+    from sieve import LLM, SamplingParams
+    from sieve.lora import LoRARequest
+
     common = dict(max_num_seqs=args.users, kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=1024)
     plain = LLM(model, **common)
     lora = LLM(model, enable_lora=True, max_loras=args.adapters, max_cpu_loras=args.adapters + 1, max_lora_rank=args.rank, **common)
