@@ -307,3 +307,14 @@ def test_sieve_finetune_lora_writes_an_adapter_that_learned_its_task(llama_dir, 
     r = subprocess.run([sys.executable, "-m", "sieve.cli", "finetune", "--lora", "--model", str(llama_dir), "--data", str(bad),
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+
+
+def test_a_request_naming_no_registered_adapter_reads_no_path(llm, monkeypatch):
+    """The server names adapters by name only: an unregistered one (unloaded meanwhile) is refused, never read from
+    wherever an empty path would resolve (the working directory)."""
+    manager = llm.llm_engine.lora
+    monkeypatch.setattr(manager, "read", lambda *a: pytest.fail("an adapter was read"))
+    with pytest.raises(LoRAError, match="no adapter named 'gone'"):
+        manager.resolve(LoRARequest("gone", 0, ""))
+    with pytest.raises(Exception, match="no adapter named 'gone'"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=LoRARequest("gone", 0, ""))

@@ -98,6 +98,8 @@ class LoRAManager:
         request's folder."""
         with self.lock:
             known = request.lora_name in self.paths
+        if not known and not request.lora_path:  # (the server names registered adapters only, with no path of their own)
+            raise LoRAError(f"no adapter named {request.lora_name!r} is loaded")
         if not known:
             return self.load(request.lora_name, request.lora_path)
         return self.get(request.lora_name)

@@ -190,7 +190,7 @@ class ServerState:
         """The adapter a request's `model` names (None: the base model)."""
         if name is None or name == self.model_name or self.engine.lora is None:
             return None
-        return LoRARequest(name, 0, self.engine.lora.paths.get(name, ""))
+        return LoRARequest(name, 0, "")  # a registered adapter, by name: the engine reads no path a request gives
 
     def check_tokenizer(self) -> None:
         if self.tokenizer is None:
