@@ -41,22 +41,22 @@ def add_bench_lora_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
+def peft_dims(arch) -> dict[str, tuple[int, int]]:
+    """PEFT module -> (in features, out features) in a dense layer of `arch` (sieve fuses q/k/v and gate/up)."""
+    from sieve.lora.adapter import TARGETS as SHARDS, module_shapes
+
+    shapes = module_shapes(arch)
+    return {m: (shapes[fused][0], shapes[fused][1][shard]) for m, (fused, shard) in SHARDS.items()}
+
+
 def write_random_adapter(folder: Path, arch, rank: int, seed: int) -> str:
     """A rank-`rank` adapter on every linear of every layer, in PEFT's format."""
     from safetensors.torch import save_file
 
-    from sieve.lora.adapter import module_shapes
-
     gen = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(arch)
-    dims = {"q_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][0]), "k_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][1]),
-            "v_proj": (shapes["qkv_proj"][0], shapes["qkv_proj"][1][2]), "o_proj": (shapes["o_proj"][0], shapes["o_proj"][1][0]),
-            "gate_proj": (shapes["gate_up_proj"][0], shapes["gate_up_proj"][1][0]),
-            "up_proj": (shapes["gate_up_proj"][0], shapes["gate_up_proj"][1][1]),
-            "down_proj": (shapes["down_proj"][0], shapes["down_proj"][1][0])}
     tensors = {}
     for layer in range(arch.num_layers):
-        for module, (n_in, n_out) in dims.items():
+        for module, (n_in, n_out) in peft_dims(arch).items():
             kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
@@ -80,16 +80,9 @@ def step_bytes(llm, adapters: int) -> dict:
     engine = llm.llm_engine
     rank = engine.lora.get(engine.lora.names[0]).rank
     itemsize = torch.tensor([], dtype=engine.lora.dtype).element_size()
-    per_adapter = sum(_module_params(engine.arch, m, rank) for m in TARGETS) * engine.arch.num_layers * itemsize
+    per_adapter = sum(rank * (n_in + n_out) for n_in, n_out in peft_dims(engine.arch).values()) * engine.arch.num_layers * itemsize
     return {"base_linear_bytes": base, "adapter_bytes": per_adapter, "adapters_in_a_step": adapters,
             "floor_ratio_if_bytes_bind": round(base / (base + adapters * per_adapter), 3)}
-
-
-def _module_params(arch, module: str, rank: int) -> int:
-    q, kv, h, i = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size, arch.intermediate_size
-    n_in, n_out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-                   "up_proj": (h, i), "down_proj": (i, h)}[module]
-    return rank * (n_in + n_out)
 
 
 def loading(llm, folder: str, prompt, params) -> dict:

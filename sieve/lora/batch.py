@@ -37,10 +37,6 @@ class LoRABatch:
                 runs.append((a, b))
         return cls(list(by_adapter.values()), device) if by_adapter else None
 
-    @property
-    def adapters(self) -> list[LoRAAdapter]:
-        return [a for a, _ in self.groups]
-
     def native(self) -> tuple[list, list[int]] | None:
         """The C++ layer loop's arguments (its adapters, and (adapter, first row, end row) triples), or None where an
         adapter has no native form."""
