@@ -137,7 +137,10 @@ class LLMEngine:
             self.speculator = build_speculator(config.speculative_config, self.arch, self.runner, self.device, self.dtype,
                                                config.max_model_len, config.max_num_batched_tokens, self._draft_engine,
                                                config.slo_tpot_ms, self.step_cost)
-        if spec_auto:  # drafting's choice needs the cost of every small row count from the first step
+        # Drafting's choice, and the pacer's, need the cost of every small row count from the first step: a model
+        # that learns it from the first requests alone takes their warm-up for the machine's speed (SmolLM2: two rows
+        # at 40-86 ms, ten times their cost, under a burst), and a row count it then never admits is never measured again.
+        if spec_auto or pacer is not None:
             calibrate_step_cost(self.step_cost, self._time_decode_rows, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
                                 self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
         self.kv_tiers = self._build_tiers(config) if config.kv_tiers_on else None

@@ -6,7 +6,9 @@ come first: a prefill chunk takes the budget only beyond one row for each of the
 Sarathi-Serve). Under a TPOT objective the budget itself, and whether a waiting request may join, come from the
 SLO pacer (sieve/pacing.py); otherwise the budget is max_num_batched_tokens.
 Order of service is (priority, arrival); with tenants' tiers (sieve/tenancy.py) a tier owed running slots goes
-first and takes one back from a borrower, and the tenants of one priority are served by least service so far. When
+first and takes one back from a borrower, and the tenants of one priority are served by least service so far. A
+waiting request goes before running prompts' chunks of a lower priority, and displaces a running request of a lower
+priority where slots, blocks or the pacer leave no room for it. When
 blocks run out the sequence with the largest key
 (lowest priority, latest arrival) is preempted by recompute and goes back to the waiting queue,
 keeping its generated tokens so that it resumes exactly where it stopped.
@@ -150,13 +152,20 @@ class Scheduler:
             self._preempt(victim, out)
 
         # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks. A
-        # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too.
+        # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too. A chunk of a
+        # priority below one waiting is deferred until that waiting request has had its turn (step 2).
         reserve = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        urgent = self.waiting[0].request.priority if self.waiting else None  # (waiting is sorted by priority first)
+        deferred: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = self._to_compute(seq)
             decode = seq.num_tokens - seq.num_computed_tokens == 1
+            if not decode and urgent is not None and seq.request.priority > urgent:
+                deferred.append(seq)
+                i += 1
+                continue
             num_new = 1 if decode else min(remaining, budget - reserve)
             if num_new < 1 or (not self.config.enable_chunked_prefill and num_new < remaining):
                 i += 1
@@ -184,7 +193,14 @@ class Scheduler:
                 continue
             break  # `seq` itself was preempted: nothing after it can run either
 
-        # 2. Waiting sequences, while there is budget, room and no one was just preempted.
+        # 2. Waiting sequences, while there is budget, room and no one was just preempted: first those of a priority
+        # above a deferred chunk's (less the tokens the deferred chunks' tiers are guaranteed), then the deferred
+        # chunks, then the rest.
+        if deferred:
+            held = self.tiers.held_tokens(deferred, step_budget) if self.tiers is not None else 0
+            held = min(held, budget)
+            budget = held + self._admit_waiting(out, budget - held, deferred[0].request.priority)
+            budget = self._continue_deferred(deferred, out, budget)
         budget = self._admit_waiting(out, budget)
 
         if self.tiers is not None:  # each tenant's service, for fair shares within a tier
@@ -203,20 +219,27 @@ class Scheduler:
                 budget -= self._branch(item, out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences while there is budget, room and no one was just preempted for want of blocks; the
-        budget left. A waiting sequence of a higher priority than one running displaces it where slots or blocks are
-        short (the lowest first, preempted by recompute), so a batch request never holds up an interactive one."""
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, below: int | None = None) -> int:
+        """Admit waiting sequences (only those of a priority better than `below`, where given) while there is
+        budget, room and no one was just preempted for want of blocks; the budget left. A waiting sequence of a higher
+        priority than one running displaces it where slots or blocks are short (the lowest first, preempted by
+        recompute), so a batch request never holds up an interactive one."""
         short_of_blocks = bool(out.preempted)
         while self.waiting and budget > 0 and not short_of_blocks:
-            idx = self.tiers.pick(self.waiting, self.running) if self.tiers is not None else self._next_waiting()
-            idx = self._within_max_loras(idx)
+            # the waiting queue is sorted by priority first: those better than `below` are a prefix of it
+            n = len(self.waiting) if below is None else bisect.bisect_left(self.waiting, below, key=lambda s: s.request.priority)
+            if n == 0:
+                break
+            idx = self.tiers.pick(self.waiting[:n] if below is not None else self.waiting, self.running) if self.tiers is not None else self._next_waiting(n)
+            idx = self._within_max_loras(idx, n)
             if idx is None:
                 break
             seq = self.waiting[idx]
             if len(self.running) >= self.config.max_num_seqs and not self._displace(seq, out):
                 break
             if self.pacer is not None and not self.pacer.admits(self.running, seq):
+                if self._displace(seq, out):
+                    continue  # a lower priority's row given up for it
                 break  # it would push those running past their TPOT objective: it waits
             # prompt logprobs (and mean pooling) need every prompt position's hidden state: nothing from the cache
             cached = 0 if seq.params.whole_prompt else self.blocks.take_cached_prefix(seq)
@@ -240,6 +263,21 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        return budget
+
+    def _continue_deferred(self, deferred: list[Sequence], out: SchedulerOutput, budget: int) -> int:
+        """The deferred prefill chunks, in order of service, from the budget left (none preempts for blocks: a
+        chunk that finds none waits for the next step); the budget left."""
+        for seq in deferred:
+            if budget <= 0:
+                break
+            remaining = self._to_compute(seq)
+            num_new = min(remaining, budget)
+            if seq.status is not SequenceStatus.RUNNING or (not self.config.enable_chunked_prefill and num_new < remaining):
+                continue  # (displaced meanwhile by a waiting request of a higher priority)
+            if self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
         return budget
 
     @staticmethod
@@ -295,9 +333,9 @@ class Scheduler:
             self.add(child)
         unforked.clear()
 
-    def _within_max_loras(self, idx: int) -> int | None:
+    def _within_max_loras(self, idx: int, n: int) -> int | None:
         """`idx`, unless its sequence's LoRA adapter would make one adapter too many in a step (max_loras): then the
-        first waiting sequence whose adapter fits (or that runs the base model), or None."""
+        first of the first `n` waiting sequences whose adapter fits (or that runs the base model), or None."""
         if not self.config.enable_lora:
             return idx
         running = {s.request.lora.fingerprint for s in self.running if s.request.lora is not None}
@@ -309,14 +347,14 @@ class Scheduler:
 
         if fits(self.waiting[idx]):
             return idx
-        return next((i for i, s in enumerate(self.waiting) if fits(s)), None)
+        return next((i for i, s in enumerate(self.waiting[:n]) if fits(s)), None)
 
-    def _next_waiting(self) -> int:
-        """Index in `waiting` of the sequence to admit next under the configured policy."""
+    def _next_waiting(self, n: int) -> int:
+        """Index among the first `n` in `waiting` of the sequence to admit next under the configured policy."""
         cfg = self.config
-        if cfg.scheduling_policy != "lpm" or len(self.waiting) < cfg.lpm_min_waiting:
+        if cfg.scheduling_policy != "lpm" or n < cfg.lpm_min_waiting:
             return 0
-        window = self.waiting[:256]  # bound the cost of a very long queue
+        window = self.waiting[:min(n, 256)]  # bound the cost of a very long queue
         now = time.monotonic()
         starved = [i for i, s in enumerate(window) if now - s.request.metrics.arrival_time > cfg.lpm_max_wait_s]
         if starved:

@@ -5,6 +5,9 @@ slots, and fair service between the tenants of one tier.
   waiting. A slot it leaves idle is lent to the others; a waiting request of a tier below its guarantee takes one back
   at the next step (the borrower with the largest (priority, arrival) among the tiers over their guarantee is
   preempted, by recompute, keeping its tokens and its place: it re-enters the queue with its arrival order).
+- **Guaranteed tokens.** A waiting request goes before the prompt chunks of running requests of a lower priority
+  (the scheduler defers them until it has had its turn), but each deferred chunk's tier keeps floor(s x the step's
+  token budget) of the step for them, so a higher tier's prompts never stop a lower tier's prompts in progress.
 - **Fair shares within a tier.** Among waiting requests of the same priority the tenant that has been served least
   goes first, counted in weighted tokens (the Virtual Token Counter of Sheng et al., 2024: a prompt token weighs 1,
   a generated one 2). A tenant that comes back after being idle starts at the least counter of those active, so it
@@ -71,6 +74,15 @@ class TierPolicy:
         best = min(waiting[i].request.priority for i in pool)
         return min((i for i in pool if waiting[i].request.priority == best),
                    key=lambda i: (self.served.get(self.tenant_of(waiting[i]), 0.0), waiting[i].arrival_order))
+
+    def held_tokens(self, deferred: list, step_budget: int) -> int:
+        """Tokens of a step held for the deferred prompts (`deferred`, running sequences a waiting request of a
+        higher priority goes before): each of their tiers' guaranteed share of the step's budget, at most what its
+        prompts there have left."""
+        left: dict[str, int] = {}
+        for s in deferred:
+            left[self.tier_of(s)] = left.get(self.tier_of(s), 0) + s.num_tokens - s.num_computed_tokens
+        return sum(min(n, math.floor(self.shares.get(t, 0.0) * step_budget)) for t, n in left.items())
 
     def may_lose(self, seq, running: list) -> bool:
         """Whether `seq`'s tier keeps its guarantee without it (a higher priority may then displace it)."""

@@ -144,3 +144,74 @@ def test_a_waiting_higher_priority_displaces_a_running_lower_one(llama_dir):
         for out in alone.step():
             if out.finished:
                 assert out.outputs[0].token_ids == outputs[out.request_id]
+
+
+@pytest.mark.parametrize("shares", [None, {"gold": 0.25, "free": 0.25}])
+def test_a_waiting_higher_priority_prompt_goes_before_a_running_lower_prompts_chunks(llama_dir, shares):
+    """Steps of 32 tokens; a free (priority 1) 200-token prompt is being computed in chunks when a gold (priority 0)
+    40-token prompt arrives. The gold prompt's chunks take the step first, so its first token comes after two steps,
+    not after the free prompt's remaining five; with free's share of 0.25 the free prompt keeps 8 tokens of every
+    step meanwhile (its guaranteed share of the step's budget), without one it waits. Tokens are each request's own."""
+    engine = engine_with(llama_dir, max_num_batched_tokens=32, tier_shares=shares)
+    add(engine, "long", "f", "free", 1, length=200)
+    engine.step()
+    add(engine, "urgent", "g", "gold", 0, length=40)
+    steps, chunks = 0, []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.append({i.seq.request.request_id: i.num_new_tokens for i in out.scheduled})
+        return out
+
+    engine.scheduler.schedule = recorded
+    first_token = False
+    while not first_token and steps < 10:
+        steps += 1
+        first_token = any(out.request_id == "urgent" and out.outputs[0].token_ids for out in engine.step())
+    assert first_token and steps == 2, chunks
+    held = 0 if shares is None else 8
+    assert chunks[0] == ({"urgent": 32 - held, "long": held} if held else {"urgent": 32})
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    for rid, length in (("long", 200), ("urgent", 40)):
+        alone = engine_with(llama_dir, max_num_batched_tokens=32)
+        add(alone, rid, None, None, 0, length=length)
+        while alone.has_unfinished():
+            for out in alone.step():
+                if out.finished:
+                    assert out.outputs[0].token_ids == outputs[rid]
+
+
+def test_a_higher_priority_the_pacer_refuses_displaces_a_lower_one(llama_dir):
+    """Under a TPOT objective with an injected step cost (9.9 ms + 4 ms a token: four decodes beside a minimal chunk
+    fit in the 90 ms a step may take, five do not) four priority-5 requests decode. A priority-0 request starts at
+    the next step, the latest lower one preempted; one of priority 5 waits until one finishes."""
+    from tests.test_pacing import linear_cost
+
+    engine = engine_with(llama_dir, max_num_seqs=16, slo_tpot_ms=100)
+    engine.scheduler.pacer.cost = linear_cost(0.0099, 0.004)
+    for i in range(4):
+        add(engine, f"low{i}", None, None, 5)
+    for _ in range(3):
+        engine.step()
+    add(engine, "same", None, None, 5)
+    engine.step()
+    assert {s.request.request_id for s in engine.scheduler.running} == {f"low{i}" for i in range(4)}
+    add(engine, "urgent", None, None, 0)
+    engine.step()
+    running = {s.request.request_id for s in engine.scheduler.running}
+    assert "urgent" in running and len(running) == 4 and engine.scheduler.num_preemptions == 1
+
+
+def test_a_paced_engine_knows_its_step_cost_before_the_first_request(llama_dir):
+    """A TPOT objective calibrates the step-cost model at load (every small row count, and the keys' part): learnt
+    from the first requests alone, their warm-up reads as the machine's speed, and a row count the pacer then never
+    admits is never measured again."""
+    engine = engine_with(llama_dir, slo_tpot_ms=100)
+    cost = engine.scheduler.pacer.cost
+    assert cost.ready and len(cost.buckets) >= 32 and engine.num_steps == 0
+    assert cost.predict(1) <= cost.predict(16) <= cost.predict(256)
