@@ -78,6 +78,10 @@ class EngineConfig:
     # Tenants' tiers (sieve/tenancy.py; the server's --tenants): each tier's guaranteed share of max_num_seqs, and fair
     # shares between the tenants of one priority. None: requests are served by (priority, arrival) alone.
     tier_shares: dict[str, float] | None = None
+    # Background work (priority sieve.tenancy.BACKGROUND and past it: the Batch API's): how much its rows may slow a
+    # step that computes anything for the other requests, as a fraction of that step's predicted time (needs a TPOT
+    # objective's step-cost model; without one background rows are limited by priority alone).
+    background_slowdown: float = 0.1
 
     # Threads (CPU)
     num_threads: int | None = None
@@ -201,6 +205,9 @@ class EngineConfig:
             if not isinstance(shares, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
                                                    for v in shares.values()) or sum(shares.values()) > 1 + 1e-9:
                 raise ConfigError(f"tier_shares must map tiers to fractions in [0, 1] adding up to at most 1, got {shares!r}")
+        if isinstance(self.background_slowdown, bool) or not isinstance(self.background_slowdown, (int, float)) \
+                or not 0 <= self.background_slowdown <= 100:
+            raise ConfigError(f"background_slowdown must be a fraction >= 0 (0.1: a tenth), got {self.background_slowdown!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:

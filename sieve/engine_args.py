@@ -75,6 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
     add_lora_args(p.add_argument_group("LoRA adapters"))
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
+    add_slo_args(p.add_argument_group("objectives"))
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or "auto" tokens; methods: ngram, suffix')
+
+
+def add_slo_args(g) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="the time-to-first-token objective, in ms (`sieve serve`: 2000)")
     g.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="the time-per-output-token objective, in ms (`sieve serve`: 100): speculation's \"auto\" keeps every "
@@ -83,9 +90,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-reject", action="store_true",
                    help="refuse a waiting request once its TTFT objective can no longer be met (429 with Retry-After) "
                         "instead of serving it late")
-    g.add_argument("--speculative-config", default=None,
-                   help='speculative decoding as JSON (vLLM\'s fields), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or "auto" tokens; methods: ngram, suffix')
+    g.add_argument("--background-slowdown", type=float, default=0.1,
+                   help="how much background work (the Batch API's requests) may slow a step with interactive work in "
+                        "it, as a fraction of its predicted time (default 0.1)")
 
 
 def add_lora_args(g) -> None:

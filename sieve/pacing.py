@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from sieve.sequence import Sequence
 from sieve.step_cost import StepCostModel
+from sieve.tenancy import BACKGROUND
 
 # A step may take this share of the TPOT objective; the rest is margin for noise and the machine's drift between
 # measurements. A user's TPOT is the mean of the steps it decodes in, so the margin need not cover one slow step:
@@ -33,9 +34,10 @@ class SloPacer:
 
     def token_budget(self, running: list[Sequence]) -> int:
         """Tokens the next step may compute: the most predicted to fit in the share, given the running decodes
-        (each with its drafts), and at least those decodes and one minimal chunk."""
+        (each with its drafts), and at least those decodes and one minimal chunk. Background rows do not count
+        where others run: they take only what they are allowed beyond (`background_allowance`)."""
         rows = keys = 0
-        for s in running:
+        for s in foreground(running):
             if s.num_tokens - s.num_computed_tokens == 1:
                 n = 1 + len(s.draft_state.token_ids)
                 rows += n
@@ -47,11 +49,20 @@ class SloPacer:
 
     def admits(self, running: list[Sequence], seq: Sequence) -> bool:
         """May `seq` join the running batch: is the decode step with it still predicted within the share?"""
-        if not running or not self.cost.ready:
+        others = running if seq.request.priority >= BACKGROUND else foreground(running)
+        if not others or not self.cost.ready:
             return True
-        rows = len(running) + 1
-        keys = sum(s.num_tokens for s in running) + seq.num_tokens
+        rows = len(others) + 1
+        keys = sum(s.num_tokens for s in others) + seq.num_tokens
         return self.cost.predict(rows + self.min_chunk, keys) <= self.target
+
+    def background_allowance(self, tokens: int, keys: int, slowdown: float) -> int:
+        """Tokens background work may add to a step whose other rows are `tokens` (their decodes attending to `keys`
+        keys): the most predicted to make it at most `slowdown` slower (its own keys left out)."""
+        if not self.cost.ready:
+            return self.max_budget
+        limit = (1 + slowdown) * self.cost.predict(tokens, keys)
+        return self._largest(0, lambda n: self.cost.predict(tokens + n, keys) <= limit)
 
     @staticmethod
     def leaves_room(seq: Sequence, free_tokens: int, num_running: int, block_size: int) -> bool:
@@ -62,15 +73,23 @@ class SloPacer:
         return seq.num_tokens - seq.num_computed_tokens + block_size * (num_running + 1) <= free_tokens
 
     def _fit(self, rows: int, keys: int) -> int:
-        """The largest token count in [rows, max_budget] whose step is predicted within the share (`rows` if none):
-        a bisection, the prediction being non-decreasing in the tokens."""
+        """The largest token count in [rows, max_budget] whose step is predicted within the share (`rows` if none)."""
         if self.cost.predict(rows, keys) > self.target:
             return rows
-        lo, hi = rows, self.max_budget
+        return self._largest(rows, lambda n: self.cost.predict(n, keys) <= self.target)
+
+    def _largest(self, lo: int, fits) -> int:
+        """The largest n in [lo, max_budget] that `fits` (`lo` fitting): a bisection, the prediction being
+        non-decreasing in the tokens."""
+        hi = self.max_budget
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.cost.predict(mid, keys) <= self.target:
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+def foreground(running: list[Sequence]) -> list[Sequence]:
+    """The running sequences that are not background work, or all of them where all are."""
+    return [s for s in running if s.request.priority < BACKGROUND] or running

@@ -28,7 +28,8 @@ from sieve.block_manager import BlockFork, BlockManager
 from sieve.config import EngineConfig
 from sieve.pacing import SloPacer
 from sieve.sequence import Sequence, SequenceStatus
-from sieve.tenancy import TierPolicy
+from sieve.step_cost import decode_keys
+from sieve.tenancy import BACKGROUND, TierPolicy
 
 
 @dataclass
@@ -202,6 +203,7 @@ class Scheduler:
             budget = held + self._admit_waiting(out, budget - held, deferred[0].request.priority)
             budget = self._continue_deferred(deferred, out, budget)
         budget = self._admit_waiting(out, budget)
+        self._limit_background(out)
 
         if self.tiers is not None:  # each tenant's service, for fair shares within a tier
             for item in out.scheduled:
@@ -279,6 +281,24 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
         return budget
+
+    def _limit_background(self, out: SchedulerOutput) -> None:
+        """Background work (priority BACKGROUND and past it) in a step that computes anything else: only the rows the
+        pacer predicts to slow that step by at most `background_slowdown`, in order of service (a prompt's chunk cut
+        to what is left); the others wait for a later step, keeping their blocks."""
+        background = [item for item in out.scheduled if item.seq.request.priority >= BACKGROUND]
+        if self.pacer is None or not background or len(background) == len(out.scheduled):
+            return
+        others = SchedulerOutput([item for item in out.scheduled if item.seq.request.priority < BACKGROUND])
+        room = self.pacer.background_allowance(others.num_batched_tokens, decode_keys(others),
+                                               self.config.background_slowdown)
+        for item in background:
+            if item.num_rows > room and not item.is_decode and not item.draft and room > 0 and self.config.enable_chunked_prefill:
+                item.num_new_tokens = room  # (its blocks stay allocated for the rest of the chunk)
+            if item.num_rows <= room:
+                room -= item.num_rows
+            else:
+                out.scheduled.remove(item)
 
     @staticmethod
     def _to_compute(seq: Sequence) -> int:

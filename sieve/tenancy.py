@@ -14,6 +14,11 @@ slots, and fair service between the tenants of one tier.
   cannot bank credit while away.
 
 Requests without a tier (no --tenants, or the offline API) are one tier, "default", with no guarantee.
+
+**Background work.** A request of priority `BACKGROUND` or past it (the Batch API's) runs only in the capacity the
+others leave: in a step that computes anything for them, its rows may slow that step by at most
+`EngineConfig.background_slowdown` (a tenth, by default), as the step-cost model predicts; the rest of its rows wait
+for a later step. A step with nothing else in it is all its own.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 DEFAULT = "default"
+BACKGROUND = 1 << 40  # a priority from which a request is background work: below every tier's (tier x stride + own)
 PROMPT_WEIGHT, OUTPUT_WEIGHT = 1, 2
 
 

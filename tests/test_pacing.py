@@ -21,7 +21,7 @@ def linear_cost(fixed: float, per_token: float) -> StepCostModel:
 
 
 def decoding(n: int, context: int = 20, drafts: int = 0):
-    return [SimpleNamespace(num_tokens=context, num_computed_tokens=context - 1,
+    return [SimpleNamespace(num_tokens=context, num_computed_tokens=context - 1, request=SimpleNamespace(priority=0),
                             draft_state=SimpleNamespace(token_ids=[7] * drafts)) for _ in range(n)]
 
 
@@ -34,7 +34,7 @@ def test_the_budget_is_what_fits_in_the_share_of_the_objective():
     assert pacer.token_budget(decoding(8)) == 400
     assert pacer.token_budget(decoding(6) + decoding(2, drafts=3)) == 400
     assert pacer.token_budget([]) == 2048
-    prefilling = [SimpleNamespace(num_tokens=500, num_computed_tokens=100, draft_state=SimpleNamespace(token_ids=[]))]
+    prefilling = [SimpleNamespace(num_tokens=500, num_computed_tokens=100, request=SimpleNamespace(priority=0), draft_state=SimpleNamespace(token_ids=[]))]
     assert pacer.token_budget(prefilling) == 2048  # no decode: no TPOT at stake
     assert pacer.token_budget(decoding(450)) == 466
     assert SloPacer(linear_cost(0.0099, 0.0002), 0.100, max_budget=256, min_chunk=16).token_budget(decoding(8)) == 256

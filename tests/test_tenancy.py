@@ -215,3 +215,42 @@ def test_a_paced_engine_knows_its_step_cost_before_the_first_request(llama_dir):
     cost = engine.scheduler.pacer.cost
     assert cost.ready and len(cost.buckets) >= 32 and engine.num_steps == 0
     assert cost.predict(1) <= cost.predict(16) <= cost.predict(256)
+
+
+def test_background_work_slows_a_step_with_others_in_it_by_at_most_its_share(llama_dir):
+    """An injected step cost of 20 ms + 0.5 ms a token: background rows may make a step with f other tokens at most
+    a tenth slower, so they take at most 4 + f / 10 tokens of it (hand arithmetic). Four interactive requests run
+    beside six background ones: every step with interactive tokens keeps to that, the background still progresses
+    in them, and takes whole steps once the interactive ones are done; each request's tokens are its own alone."""
+    from sieve.tenancy import BACKGROUND
+    from tests.test_pacing import linear_cost
+
+    engine = engine_with(llama_dir, max_num_seqs=16, slo_tpot_ms=100)
+    engine.scheduler.pacer.cost = linear_cost(0.02, 0.0005)
+    for i in range(4):
+        add(engine, f"fg{i}", None, None, 0)
+    for i in range(6):
+        add(engine, f"bg{i}", None, None, BACKGROUND)
+    steps, outputs = [], {}
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        fg = sum(i.num_rows for i in out.scheduled if i.seq.request.priority < BACKGROUND)
+        steps.append((fg, out.num_batched_tokens - fg))
+        return out
+
+    engine.scheduler.schedule = recorded
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    shared = [(fg, bg) for fg, bg in steps if fg]
+    assert all(bg <= 4 + fg / 10 for fg, bg in shared), shared
+    assert sum(bg for _, bg in shared) > 0 and max(bg for fg, bg in steps if not fg) >= 6
+    alone = engine_with(llama_dir, max_num_seqs=16)
+    add(alone, "bg5", None, None, 0)
+    while alone.has_unfinished():
+        for out in alone.step():
+            if out.finished:
+                assert out.outputs[0].token_ids == outputs["bg5"]

@@ -21,10 +21,11 @@ from sieve.server.errors import APIError
 from sieve.server.metrics import Metrics
 from sieve.server.response_store import ResponseStore
 from sieve.server.tenants import TIER_STRIDE, Limited, TenantLimiter, Tenants
-
-BATCH_PRIORITY = 1 << 40  # below every tier's (tier x TIER_STRIDE + the client's own)
 from sieve.server.tools import render_messages
 from sieve.structured import GrammarError
+from sieve.tenancy import BACKGROUND
+
+BATCH_PRIORITY = BACKGROUND  # below every tier's (tier x TIER_STRIDE + the client's own): in the capacity left
 
 
 @dataclass
