@@ -151,18 +151,66 @@ class Scheduler:
         victim = self.tiers.take_back(self.waiting, self.running) if self.tiers is not None else None
         if victim is not None:
             self._preempt(victim, out)
+        # Background work shares a step with others only as far as the pacer lets it (sieve/tenancy.py)
+        shared = self.pacer is not None and any(s.request.priority < BACKGROUND for s in self.running + self.waiting[:1])
+        deferred: list[Sequence] = []  # prompts' chunks of a priority below one waiting
+        background: list[Sequence] = []  # background sequences, in a step shared with others
 
-        # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks. A
-        # chunk leaves one row for every decode not yet scheduled (`reserve`); drafts leave it too. A chunk of a
-        # priority below one waiting is deferred until that waiting request has had its turn (step 2).
-        reserve = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        # 1. Running sequences, in order of service: decodes (with their drafts) and unfinished prefill chunks.
+        budget = self._continue_running(out, budget, deferred, background if shared else None)
+
+        # 2. Waiting sequences, while there is budget, room and no one was just preempted: first those of a priority
+        # above a deferred chunk's (less the tokens the deferred chunks' tiers are guaranteed), then the deferred
+        # chunks, then the rest; background work last, within what it may add to the step.
+        if deferred:
+            held = self.tiers.held_tokens(deferred, step_budget) if self.tiers is not None else 0
+            held = min(held, budget)
+            budget = held + self._admit_waiting(out, budget - held, deferred[0].request.priority)
+            budget = self._continue_deferred(deferred, out, budget)
+        if shared:
+            budget = self._admit_waiting(out, budget, BACKGROUND)
+            room = min(budget, self.pacer.background_allowance(out.num_batched_tokens, decode_keys(out),
+                                                               self.config.background_slowdown))
+            left = self._admit_waiting(out, self._continue_deferred(background, out, room))
+            budget -= room - left
+        else:
+            budget = self._admit_waiting(out, budget)
+
+        if self.tiers is not None:  # each tenant's service, for fair shares within a tier
+            for item in out.scheduled:
+                self.tiers.count(item.seq, 0 if item.is_decode else item.num_new_tokens, 1 if item.is_decode else 0)
+
+        # 3. Choices waiting for their first sibling's prompt: forked as that prompt's last chunk is scheduled.
+        for item in out.scheduled:
+            if item.seq.request.unforked and item.samples:
+                self._fork(item, out)
+
+        # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
+        budget = step_budget - out.num_batched_tokens
+        for item in out.scheduled:
+            if item.draft and item.seq.draft_state.alternatives and budget > 1:
+                budget -= self._branch(item, out, budget)
+        return out
+
+    def _continue_running(self, out: SchedulerOutput, budget: int, deferred: list[Sequence],
+                          background: list[Sequence] | None) -> int:
+        """Schedule the running sequences in order of service; the budget left. A chunk leaves one row for every
+        decode not yet scheduled (`reserve`); drafts leave it too. Set aside rather than scheduled: a prompt's chunk
+        of a priority below one waiting (into `deferred`, until that waiting request has had its turn), and, where
+        `background` is a list, every background sequence (into it). When blocks run out the sequence with the
+        largest key is preempted."""
         urgent = self.waiting[0].request.priority if self.waiting else None  # (waiting is sorted by priority first)
-        deferred: list[Sequence] = []
+        reserve = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1
+                      and (background is None or s.request.priority < BACKGROUND))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = self._to_compute(seq)
             decode = seq.num_tokens - seq.num_computed_tokens == 1
+            if background is not None and seq.request.priority >= BACKGROUND:
+                background.append(seq)
+                i += 1
+                continue
             if not decode and urgent is not None and seq.request.priority > urgent:
                 deferred.append(seq)
                 i += 1
@@ -193,33 +241,7 @@ class Scheduler:
                 i += 1
                 continue
             break  # `seq` itself was preempted: nothing after it can run either
-
-        # 2. Waiting sequences, while there is budget, room and no one was just preempted: first those of a priority
-        # above a deferred chunk's (less the tokens the deferred chunks' tiers are guaranteed), then the deferred
-        # chunks, then the rest.
-        if deferred:
-            held = self.tiers.held_tokens(deferred, step_budget) if self.tiers is not None else 0
-            held = min(held, budget)
-            budget = held + self._admit_waiting(out, budget - held, deferred[0].request.priority)
-            budget = self._continue_deferred(deferred, out, budget)
-        budget = self._admit_waiting(out, budget)
-        self._limit_background(out)
-
-        if self.tiers is not None:  # each tenant's service, for fair shares within a tier
-            for item in out.scheduled:
-                self.tiers.count(item.seq, 0 if item.is_decode else item.num_new_tokens, 1 if item.is_decode else 0)
-
-        # 3. Choices waiting for their first sibling's prompt: forked as that prompt's last chunk is scheduled.
-        for item in out.scheduled:
-            if item.seq.request.unforked and item.samples:
-                self._fork(item, out)
-
-        # 4. Draft trees' other chains, last: from the budget and the blocks nobody else needs this step.
-        budget = step_budget - out.num_batched_tokens
-        for item in out.scheduled:
-            if item.draft and item.seq.draft_state.alternatives and budget > 1:
-                budget -= self._branch(item, out, budget)
-        return out
+        return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, below: int | None = None) -> int:
         """Admit waiting sequences (only those of a priority better than `below`, where given) while there is
@@ -268,8 +290,9 @@ class Scheduler:
         return budget
 
     def _continue_deferred(self, deferred: list[Sequence], out: SchedulerOutput, budget: int) -> int:
-        """The deferred prefill chunks, in order of service, from the budget left (none preempts for blocks: a
-        chunk that finds none waits for the next step); the budget left."""
+        """The sequences set aside in step 1 (prompts' chunks; background decodes too, without drafts), in order of
+        service, from the budget left (none preempts for blocks: one that finds none waits for the next step); the
+        budget left."""
         for seq in deferred:
             if budget <= 0:
                 break
@@ -281,24 +304,6 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
         return budget
-
-    def _limit_background(self, out: SchedulerOutput) -> None:
-        """Background work (priority BACKGROUND and past it) in a step that computes anything else: only the rows the
-        pacer predicts to slow that step by at most `background_slowdown`, in order of service (a prompt's chunk cut
-        to what is left); the others wait for a later step, keeping their blocks."""
-        background = [item for item in out.scheduled if item.seq.request.priority >= BACKGROUND]
-        if self.pacer is None or not background or len(background) == len(out.scheduled):
-            return
-        others = SchedulerOutput([item for item in out.scheduled if item.seq.request.priority < BACKGROUND])
-        room = self.pacer.background_allowance(others.num_batched_tokens, decode_keys(others),
-                                               self.config.background_slowdown)
-        for item in background:
-            if item.num_rows > room and not item.is_decode and not item.draft and room > 0 and self.config.enable_chunked_prefill:
-                item.num_new_tokens = room  # (its blocks stay allocated for the rest of the chunk)
-            if item.num_rows <= room:
-                room -= item.num_rows
-            else:
-                out.scheduled.remove(item)
 
     @staticmethod
     def _to_compute(seq: Sequence) -> int:
