@@ -117,6 +117,12 @@ def test_bad_tier_shares_are_refused():
             EngineConfig(model="x", tier_shares=shares).validate()
 
 
+def test_a_bad_background_slowdown_is_refused():
+    for value in (-0.1, "fast", True, None):
+        with pytest.raises(ConfigError, match="background_slowdown"):
+            EngineConfig(model="x", background_slowdown=value).validate()
+
+
 def test_a_waiting_higher_priority_displaces_a_running_lower_one(llama_dir):
     """Slots full (max_num_seqs 2) with priority-5 requests: a priority-0 request starts at the next step, the
     latest lower one preempted (by recompute: its tokens are what they are alone); one of equal priority waits."""
