@@ -22,6 +22,36 @@ def add(engine, rid, tenant, tier, priority, params=LONG, length=12):
                        tenant=tenant, tier=tier)
 
 
+def watch(engine, record) -> None:
+    """Call `record(out)` with each step's SchedulerOutput as it is scheduled."""
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        record(out)
+        return out
+
+    engine.scheduler.schedule = recorded
+
+
+def finish(engine, outputs: dict | None = None) -> dict:
+    """Step until nothing is left; each finished request's tokens by id (into `outputs`, where given)."""
+    outputs = {} if outputs is None else outputs
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return outputs
+
+
+def assert_as_alone(llama_dir, outputs: dict, requests, **kw) -> None:
+    """Each (id, priority, prompt length) of `requests`, run alone, gives the tokens `outputs` holds for it."""
+    for rid, priority, length in requests:
+        alone = engine_with(llama_dir, **kw)
+        add(alone, rid, None, None, priority, length=length)
+        assert finish(alone)[rid] == outputs[rid], rid
+
+
 def running_by_tier(engine) -> dict[str, int]:
     counts: dict[str, int] = {}
     for s in engine.scheduler.running:
@@ -39,21 +69,15 @@ def test_a_lower_tier_keeps_its_guaranteed_slots_under_a_higher_tiers_flood(llam
         add(engine, f"g{i}", "g", "gold", 0)
     for i in range(4):
         add(engine, f"f{i}", "f", "free", 1)
-    seen, outputs = [], {}
-    schedule = engine.scheduler.schedule
+    seen = []
 
-    def recorded():  # who runs each step, as scheduled
-        out = schedule()
+    def recorded(out):  # who runs each step, as scheduled
         free_left = sum(1 for r in engine.requests.values() if r.tier == "free" and not r.finished)
         gold_waiting = sum(1 for s in engine.scheduler.waiting if s.request.tier == "gold")
         seen.append((running_by_tier(engine), free_left, gold_waiting))
-        return out
 
-    engine.scheduler.schedule = recorded
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    watch(engine, recorded)
+    outputs = finish(engine)
     contended = [(run, free_left) for run, free_left, gold_waiting in seen if gold_waiting]
     assert len(contended) > 20
     if shares is None:
@@ -65,13 +89,7 @@ def test_a_lower_tier_keeps_its_guaranteed_slots_under_a_higher_tiers_flood(llam
         assert not short, short
         assert all(run.get("gold", 0) >= 1 for run, _ in contended), [c for c in contended if c[0].get("gold", 0) < 1]
     # whatever the order and the preemptions, each request's tokens are its own alone
-    alone = engine_with(llama_dir, max_num_seqs=4)
-    for rid in ("g3", "f2"):
-        add(alone, rid, None, None, 0)
-        while alone.has_unfinished():
-            for out in alone.step():
-                if out.finished:
-                    assert out.outputs[0].token_ids == outputs[rid]
+    assert_as_alone(llama_dir, outputs, [("g3", 0, 12), ("f2", 0, 12)], max_num_seqs=4)
 
 
 @pytest.mark.parametrize("fair", [False, True])
@@ -138,18 +156,7 @@ def test_a_waiting_higher_priority_displaces_a_running_lower_one(llama_dir):
     engine.step()
     assert "urgent" in {s.request.request_id for s in engine.scheduler.running}
     assert engine.scheduler.num_preemptions == 1
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-    alone = engine_with(llama_dir, max_num_seqs=2)
-    for rid in ("low0", "low1"):
-        add(alone, rid, None, None, 5)
-    while alone.has_unfinished():
-        for out in alone.step():
-            if out.finished:
-                assert out.outputs[0].token_ids == outputs[out.request_id]
+    assert_as_alone(llama_dir, finish(engine), [("low0", 5, 12), ("low1", 5, 12)], max_num_seqs=2)
 
 
 @pytest.mark.parametrize("shares", [None, {"gold": 0.25, "free": 0.25}])
@@ -163,14 +170,7 @@ def test_a_waiting_higher_priority_prompt_goes_before_a_running_lower_prompts_ch
     engine.step()
     add(engine, "urgent", "g", "gold", 0, length=40)
     steps, chunks = 0, []
-    schedule = engine.scheduler.schedule
-
-    def recorded():
-        out = schedule()
-        chunks.append({i.seq.request.request_id: i.num_new_tokens for i in out.scheduled})
-        return out
-
-    engine.scheduler.schedule = recorded
+    watch(engine, lambda out: chunks.append({i.seq.request.request_id: i.num_new_tokens for i in out.scheduled}))
     first_token = False
     while not first_token and steps < 10:
         steps += 1
@@ -178,18 +178,7 @@ def test_a_waiting_higher_priority_prompt_goes_before_a_running_lower_prompts_ch
     assert first_token and steps == 2, chunks
     held = 0 if shares is None else 8
     assert chunks[0] == ({"urgent": 32 - held, "long": held} if held else {"urgent": 32})
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-    for rid, length in (("long", 200), ("urgent", 40)):
-        alone = engine_with(llama_dir, max_num_batched_tokens=32)
-        add(alone, rid, None, None, 0, length=length)
-        while alone.has_unfinished():
-            for out in alone.step():
-                if out.finished:
-                    assert out.outputs[0].token_ids == outputs[rid]
+    assert_as_alone(llama_dir, finish(engine), [("long", 0, 200), ("urgent", 0, 40)], max_num_batched_tokens=32)
 
 
 def test_a_higher_priority_the_pacer_refuses_displaces_a_lower_one(llama_dir):
@@ -237,26 +226,15 @@ def test_background_work_slows_a_step_with_others_in_it_by_at_most_its_share(lla
         add(engine, f"fg{i}", None, None, 0)
     for i in range(6):
         add(engine, f"bg{i}", None, None, BACKGROUND)
-    steps, outputs = [], {}
-    schedule = engine.scheduler.schedule
+    steps = []
 
-    def recorded():
-        out = schedule()
+    def recorded(out):
         fg = sum(i.num_rows for i in out.scheduled if i.seq.request.priority < BACKGROUND)
         steps.append((fg, out.num_batched_tokens - fg))
-        return out
 
-    engine.scheduler.schedule = recorded
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    watch(engine, recorded)
+    outputs = finish(engine)
     shared = [(fg, bg) for fg, bg in steps if fg]
     assert all(bg <= 4 + fg / 10 for fg, bg in shared), shared
     assert sum(bg for _, bg in shared) > 0 and max(bg for fg, bg in steps if not fg) >= 6
-    alone = engine_with(llama_dir, max_num_seqs=16)
-    add(alone, "bg5", None, None, 0)
-    while alone.has_unfinished():
-        for out in alone.step():
-            if out.finished:
-                assert out.outputs[0].token_ids == outputs["bg5"]
+    assert_as_alone(llama_dir, outputs, [("bg5", 0, 12)], max_num_seqs=16)
