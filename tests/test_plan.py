@@ -173,20 +173,21 @@ def test_disaggregation_weighs_the_kv_transfer_against_the_prefill_it_moves():
 def test_the_closed_loop_terms_against_hand_arithmetic():
     """The terms the roofline leaves out, on a toy device (1 TFLOP/s, 100 GB/s) and Llama-2-7B at 1,000 tokens of
     context and 100 out: 10 users each bringing 500 new prompt tokens a turn put 10 x 500 / 100 = 50 prefill rows in
-    every step; the step is the roofline's floor of those FLOPs and bytes, times the measured scale, plus the fixed
-    cost; the p99 TPOT is that over the tokens a step gives, times the measured spread."""
+    every step; the step is its bytes at the bandwidth plus its FLOPs at the peak times the measured compute scale,
+    plus the fixed cost; the p99 TPOT is that over the tokens a step gives, times the measured spread."""
     from sieve.plan.devices import Device
-    from sieve.plan.roofline import Calibration, closed_loop_point, closed_loop_users, steady_prefill_rows, tpot_p99_ms
+    from sieve.plan.roofline import (Calibration, closed_loop_point, closed_loop_users, steady_prefill_rows, step_terms,
+                                     tpot_p99_ms)
 
     m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
     w = Workload(weights="bf16", kv="bf16", context=1000, output_tokens=100, slo_tpot_ms=400)
-    cal = Calibration(fixed_ms=5.0, roofline_scale=1.5, p99_over_mean=1.2, prefill_tokens_per_turn=500)
+    cal = Calibration(fixed_ms=5.0, compute_scale=1.5, p99_over_mean=1.2, prefill_tokens_per_turn=500)
     assert steady_prefill_rows(w, cal, 10) == 50
     flops = 10 * m.flops_per_token(1000) + 50 * m.flops_per_token(500)
     bytes_ = m.step_weight_bytes("bf16", 10) + 10 * m.kv_bytes(1000, "bf16")
-    floor = max(flops / 1e12, bytes_ / 100e9)
+    assert step_terms(m, dev, w, 10, cal) == pytest.approx((1e3 * bytes_ / 100e9, 1e3 * flops / 1e12))
     p = closed_loop_point(m, dev, w, 10, cal)
-    assert p.step_ms == pytest.approx(1e3 * floor * 1.5 + 5.0) and p.bound == "compute"
+    assert p.step_ms == pytest.approx(1e3 * (bytes_ / 100e9 + 1.5 * flops / 1e12) + 5.0) and p.bound == "compute"
     assert tpot_p99_ms(m, dev, w, 10, cal) == pytest.approx(p.step_ms * 1.2)
     # with speculation the turn takes fewer steps, so each carries more prompt rows
     spec = Workload(**{**w.__dict__, "spec_tokens": 3, "acceptance": 0.5})
@@ -209,7 +210,7 @@ def test_a_paced_running_batch_and_its_queue_against_hand_arithmetic():
 
     m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
     w = Workload(weights="bf16", kv="bf16", context=1000, output_tokens=100, slo_tpot_ms=400, slo_ttft_ms=20000)
-    cal = Calibration(fixed_ms=5.0, roofline_scale=1.5, p99_over_mean=1.05, prefill_tokens_per_turn=50, step_share=0.9,
+    cal = Calibration(fixed_ms=5.0, compute_scale=1.5, p99_over_mean=1.05, prefill_tokens_per_turn=50, step_share=0.9,
                       queue_p99_over_mean=2.0)
     b, binding = running_capacity(m, dev, w, cal)
     mean_tpot = lambda n: tpot_ms(closed_loop_point(m, dev, w, n, cal), w)  # noqa: E731
@@ -227,38 +228,49 @@ def test_a_paced_running_batch_and_its_queue_against_hand_arithmetic():
 
 
 def test_the_ladder_calibrates_the_terms_from_its_own_probes():
-    """Probes made by a known closed loop (fixed 4 ms, the roofline x 2.5, p99 1.3 x p50, half of each 600-token prompt
-    cached) give those terms back."""
+    """Probes made by a known closed loop (fixed 4 ms, FLOPs at 1/2.5 of the peak, p99 1.3 x p50, half of each
+    600-token prompt cached) give those terms back; the share of the objective its steps reached where a queue
+    formed is the median of those probes' TPOT over the objective (probes without a queue do not count)."""
     from sieve.bench.ladder import calibration, running_batch
     from sieve.plan.devices import Device
     from sieve.plan.roofline import Calibration, closed_loop_point
 
     m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
-    w = Workload(weights="bf16", kv="bf16", context=700, output_tokens=100, slo_tpot_ms=400)
-    truth = Calibration(fixed_ms=4.0, roofline_scale=2.5, p99_over_mean=1.3, prefill_tokens_per_turn=300)
-    probes = []
-    for running, queued in ((4, 0), (9, 3), (6, 2)):  # users = the running batch + those waiting in the queue
-        t = closed_loop_point(m, dev, w, running, truth).step_ms
+    w = Workload(weights="bf16", kv="bf16", context=700, output_tokens=100, slo_tpot_ms=4000)
+    truth = Calibration(fixed_ms=4.0, compute_scale=2.5, p99_over_mean=1.3, prefill_tokens_per_turn=300)
+    probes, steps = [], {}
+    for running, queued in ((4, 0), (9, 3), (6, 2), (10, 4)):  # users = the running batch + those waiting in the queue
+        t = steps[running] = closed_loop_point(m, dev, w, running, truth).step_ms
         wait = queued * 100 * t / running  # the FIFO queue's mean wait: queued x a turn (100 tokens) / running
         probes.append({"users": running + queued, "requests": 50, "tpot_p50_ms": t, "tpot_p99_ms": 1.3 * t,
                        "mean_prompt_tokens": 600, "prefix_cache_hit_rate": 0.5, "mean_output_tokens": 100,
                        "output_tokens_per_s": running / (t / 1e3), "ttft_p99_ms": 2.5 * wait if queued else 50.0})
-    got = calibration(m, dev, w, probes, step_share=0.9)
-    assert got.fixed_ms == pytest.approx(4.0) and got.roofline_scale == pytest.approx(2.5)
+    got = calibration(m, dev, w, probes, step_share=0.95)
+    assert got.fixed_ms == pytest.approx(4.0) and got.compute_scale == pytest.approx(2.5)
     assert got.p99_over_mean == pytest.approx(1.3) and got.prefill_tokens_per_turn == pytest.approx(300)
-    assert got.queue_p99_over_mean == pytest.approx(2.5) and got.step_share == 0.9
+    assert got.queue_p99_over_mean == pytest.approx(2.5)
+    assert steps[6] < steps[9] < steps[10] < 0.95 * 4000
+    assert got.step_share == pytest.approx(steps[9] / 4000)  # the median of 6, 9 and 10 running: 9's
+    assert calibration(m, dev, w, probes, step_share=0.1).step_share == 0.1  # never past what the pacer aims at
+    # no probe with a queue: the pacer's own share
+    assert calibration(m, dev, w, probes[:1], step_share=0.9).step_share == 0.9
     # without a throughput figure a probe's users all count as running (the fit then sees other batches)
     assert running_batch({"users": 7, "tpot_p50_ms": 50.0}) == 7.0
     assert running_batch({"users": 7, "tpot_p50_ms": 50.0, "output_tokens_per_s": 100.0}) == 5.0
 
 
 def test_the_step_fit_never_returns_a_negative_cost():
+    """(running batch, bytes' ms, FLOPs' ms, measured ms): measured - bytes = fixed + scale x FLOPs."""
     from sieve.bench.ladder import fit_step
 
-    assert fit_step([(10.0, 25.0), (20.0, 45.0), (30.0, 65.0)]) == pytest.approx((2.0, 5.0))
-    assert fit_step([(10.0, 5.0), (20.0, 35.0)]) == pytest.approx((4.0 / 3.0, 0.0))  # intercept < 0: through the means
-    assert fit_step([(10.0, 30.0), (20.0, 20.0)]) == pytest.approx((1.0, 10.0))  # decreasing (noise): scale 1, the mean gap
-    assert fit_step([(10.0, 30.0)]) == pytest.approx((1.0, 20.0))
+    assert fit_step([(2, 3.0, 10.0, 28.0), (4, 4.0, 20.0, 49.0), (8, 6.0, 30.0, 71.0)]) == pytest.approx((5.0, 2.0))
+    # intercept < 0: through the origin, the FLOPs carry all the step past its bytes
+    assert fit_step([(2, 0.0, 10.0, 5.0), (4, 0.0, 20.0, 35.0)]) == pytest.approx((0.0, 40.0 / 30.0))
+    # decreasing (noise): through the origin too
+    assert fit_step([(2, 0.0, 10.0, 30.0), (4, 0.0, 20.0, 20.0)]) == pytest.approx((0.0, 50.0 / 30.0))
+    # running batches within a factor of 2 cannot tell a fixed cost from arithmetic: through the origin
+    assert fit_step([(30, 10.0, 20.0, 60.0), (33, 11.0, 22.0, 69.0)]) == pytest.approx((0.0, 108.0 / 42.0))
+    assert fit_step([(1, 5.0, 10.0, 30.0)]) == pytest.approx((0.0, 2.5))
 
 
 def test_w8a8_reads_int8_bytes_and_multiplies_at_the_int8_rate():

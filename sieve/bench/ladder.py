@@ -371,15 +371,20 @@ def calibration(m, device, w, probes: list[dict], step_share: float = 1.0):
     - The new prompt tokens a turn brings: the mean prompt less its prefix-cache hits.
     - Each probe's running batch, by Little's law: output tokens/s x mean TPOT (TPOT p50); the users beyond it
       were waiting in the queue (a paced server admits no more than its TPOT objective allows).
-    - The step: each probe's measured mean step (TPOT p50 x the tokens a step gives) against the roofline's step
-      of its running batch with that prefill load, fitted by least squares: the slope is the roofline's scale on
-      this machine, the intercept the step's fixed cost (one running batch alone: scale 1).
+    - The step: each probe's measured mean step (TPOT p50 x the tokens a step gives) less its bytes' time at the
+      measured bandwidth, against its FLOPs' time at the peak rate (`step_terms`, at its running batch with that
+      prefill load), fitted by least squares (`fit_step`): the slope is the share of the peak a step attains, the
+      intercept the step's fixed cost.
+    - The share of the TPOT objective the mean step reaches where a queue formed (the pacer holds newcomers there):
+      the median TPOT p50 over the objective on the probes whose users exceed their running batch by one or more,
+      at most `step_share` (what the pacer aims at: `sieve.pacing.STEP_SHARE`). Its prediction of a step counts
+      the newcomer's prompt and its own margin, so the steps it lets run come out shorter (~0.75 of the objective
+      on the chat ladder, 0.9 aimed at).
     - TPOT p99 over p50, and a queued turn's TTFT p99 over the FIFO queue's mean wait (`queued_users`), each the
-      median over the probes (the queue's over those that had one).
-    `step_share`: the share of the TPOT objective the server paces its steps to (`sieve.pacing.STEP_SHARE`)."""
+      median over the probes (the queue's over those that had one)."""
     import statistics
 
-    from sieve.plan.roofline import Calibration, closed_loop_point, expected_tokens_per_step
+    from sieve.plan.roofline import Calibration, expected_tokens_per_step, step_terms
 
     seen = [p for p in probes if p.get("requests") and p.get("tpot_p50_ms") and p.get("tpot_p99_ms")]
     if not seen:
@@ -389,18 +394,23 @@ def calibration(m, device, w, probes: list[dict], step_share: float = 1.0):
     base = Calibration(prefill_tokens_per_turn=new_tokens)
     per_step = expected_tokens_per_step(w)
     running = {id(p): running_batch(p) for p in seen}
-    points = [(closed_loop_point(m, device, w, max(1, round(running[id(p)])), base).step_ms, p["tpot_p50_ms"] * per_step)
-              for p in seen]
-    scale, fixed = fit_step(points)
+    points = []
+    for p in seen:
+        batch = max(1, round(running[id(p)]))
+        points.append((batch, *step_terms(m, device, w, batch, base), p["tpot_p50_ms"] * per_step))
+    fixed, compute_scale = fit_step(points)
     spread = statistics.median(p["tpot_p99_ms"] / p["tpot_p50_ms"] for p in seen)
-    waits = []
+    waits, held = [], []
     for p in seen:
         queued = p["users"] - running[id(p)]
+        if queued >= 1:
+            held.append(p["tpot_p50_ms"] / w.slo_tpot_ms)
         if queued >= 1 and p.get("ttft_p99_ms") and p.get("mean_output_tokens"):
             mean_wait = queued * p["mean_output_tokens"] * p["tpot_p50_ms"] / running[id(p)]
             waits.append(p["ttft_p99_ms"] / mean_wait)
     queue = statistics.median(waits) if waits else 0.0
-    return Calibration(fixed, scale, spread, new_tokens, step_share, queue)
+    share = min(step_share, statistics.median(held)) if held else step_share
+    return Calibration(fixed, compute_scale, spread, new_tokens, share, queue)
 
 
 def running_batch(p: dict) -> float:
@@ -412,23 +422,25 @@ def running_batch(p: dict) -> float:
     return min(float(p["users"]), max(1.0, tps * p["tpot_p50_ms"] / 1e3))
 
 
-def fit_step(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(scale, fixed ms) of measured = scale x roofline + fixed over (roofline ms, measured ms) points, by least
-    squares. One roofline step alone (or a fit that is not increasing, noise over too narrow a span): scale 1
-    and the mean difference as the fixed cost, at least 0."""
+def fit_step(points: list[tuple[int, float, float, float]]) -> tuple[float, float]:
+    """(fixed ms, compute scale) of measured = bytes' ms + scale x FLOPs' ms + fixed over (running batch, bytes' ms,
+    FLOPs' ms, measured ms) points, by least squares, neither below 0. Where the running batches span less than a
+    factor of 2 (a rung whose probes all sat near its capacity) the two cannot be told apart: the line goes through
+    the origin (all of the step past its bytes is arithmetic)."""
     import statistics
 
-    xs = [x for x, _ in points]
-    ys = [y for _, y in points]
+    xs = [c for _, _, c, _ in points]
+    ys = [max(0.0, y - b) for _, b, _, y in points]  # what the bytes' time leaves
+    through_origin = (sum(ys) / sum(xs) if sum(xs) > 0 else 1.0), 0.0
+    batches = [n for n, *_ in points]
+    if max(batches) < 2 * min(batches):
+        return through_origin[1], through_origin[0]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx > 1e-9 * max(mx, 1e-9) ** 2:
-        scale = sum((x - mx) * (y - my) for x, y in points) / sxx
-        if scale > 0 and my - scale * mx >= 0:
-            return scale, my - scale * mx
-        if scale > 0:
-            return my / mx, 0.0  # through the origin: the fixed cost cannot be negative
-    return 1.0, max(0.0, my - mx)
+    scale = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    if scale <= 0 or my - scale * mx < 0:
+        return through_origin[1], through_origin[0]
+    return my - scale * mx, scale
 
 
 # ------------------------------------------------------------------------------------------- the command

@@ -248,10 +248,10 @@ class Calibration:
     """The terms the roofline leaves out, each measured on the run it explains (`sieve bench ladder`)."""
 
     fixed_ms: float = 0.0  # a step's cost no byte or FLOP accounts for (scheduling, sampling, Python, launches)
-    roofline_scale: float = 1.0  # measured seconds per roofline second of a step (kernels below the device's peak)
+    compute_scale: float = 1.0  # measured seconds per second of the step's FLOPs at the device's peak rate
     p99_over_mean: float = 1.0  # a user's TPOT p99 over the TPOT of the mean step at the same load
     prefill_tokens_per_turn: float = 0.0  # new prompt tokens each turn of a closed loop brings (the rest is cached)
-    step_share: float = 1.0  # the share of the TPOT objective a paced server lets the mean step take (sieve: 0.9)
+    step_share: float = 1.0  # the share of the TPOT objective the mean step reaches when a paced server holds newcomers
     queue_p99_over_mean: float = 0.0  # a queued turn's TTFT p99 over the FIFO queue's mean wait (0: no queue counted)
 
 
@@ -263,20 +263,38 @@ def steady_prefill_rows(w: Workload, cal: Calibration, batch: int) -> float:
     return batch * cal.prefill_tokens_per_turn / steps_per_turn
 
 
-def closed_loop_point(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> Point:
-    """The mean step of a closed loop of `batch` users: the decode step (weights, every sequence's KV, attention over
-    its context), plus the steady prefill rows' FLOPs (a prompt row attends to half the context on average; the
-    weights are read once for all rows), that floor times `roofline_scale`, plus the step's fixed cost."""
+def step_terms(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> tuple[float, float]:
+    """The two parts of a closed loop's mean step, in ms: its bytes (weights, every sequence's KV) at the device's
+    bandwidth, and its FLOPs at the device's peak rate: the decode rows' (attention over their context included) and
+    the steady prefill rows' (a prompt row attends to half the context on average; the weights are read once for
+    all rows). Tensor parallelism divides both."""
     p = decode_point(m, dev, w, batch)
-    rows = steady_prefill_rows(w, cal, batch)
-    flops = p.flops_per_step + rows * m.flops_per_token(w.context // 2)
     n = w.tensor_parallel
-    t_mem = p.bytes_per_step / n / (dev.bandwidth_gbps * 1e9)
-    t_cmp = flops / n / dev.flops(compute_dtype(dev, w.weights))
-    step = max(t_mem, t_cmp) * cal.roofline_scale + p.comm_ms / 1e3 + cal.fixed_ms / 1e3
+    return (1e3 * p.bytes_per_step / n / (dev.bandwidth_gbps * 1e9),
+            1e3 * closed_loop_flops(m, w, cal, batch) / n / dev.flops(compute_dtype(dev, w.weights)))
+
+
+def closed_loop_flops(m: ModelShape, w: Workload, cal: Calibration, batch: int) -> float:
+    """A closed loop's mean step's FLOPs: the decode step's plus the steady prefill rows'."""
+    tokens = 1 + w.spec_tokens
+    return (batch * tokens * m.flops_per_token(w.context)
+            + steady_prefill_rows(w, cal, batch) * m.flops_per_token(w.context // 2))
+
+
+def closed_loop_point(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> Point:
+    """The mean step of a closed loop of `batch` users: its bytes' time at the measured bandwidth plus its FLOPs' time
+    at the rate a step attains (`compute_scale` x the peak's: `step_terms`), plus the collectives and the step's
+    fixed cost. The two add where the roofline takes the larger: the steps measured on a CPU overlap little of one
+    with the other, and attain a fraction of the peak FLOP/s a large GEMM reaches, so that the roofline called
+    bandwidth-bound the steps in which every row cost arithmetic."""
+    p = decode_point(m, dev, w, batch)
+    t_mem, t_cmp = step_terms(m, dev, w, batch, cal)
+    t_cmp *= cal.compute_scale
+    step = t_mem + t_cmp + p.comm_ms + cal.fixed_ms
+    flops = closed_loop_flops(m, w, cal, batch)
     per_step = expected_tokens_per_step(w)
-    return Point(batch, step * 1e3, p.bytes_per_step, flops, "bandwidth" if t_mem >= t_cmp else "compute",
-                 per_step / step, batch * per_step / step, p.comm_ms)
+    return Point(batch, step, p.bytes_per_step, flops, "bandwidth" if t_mem >= t_cmp else "compute",
+                 per_step / step * 1e3, batch * per_step / step * 1e3, p.comm_ms)
 
 
 def tpot_p99_ms(m: ModelShape, dev: Device, w: Workload, batch: int, cal: Calibration) -> float:
