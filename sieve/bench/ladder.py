@@ -376,15 +376,16 @@ def calibration(m, device, w, probes: list[dict], step_share: float = 1.0):
       prefill load), fitted by least squares (`fit_step`): the slope is the share of the peak a step attains, the
       intercept the step's fixed cost.
     - The share of the TPOT objective the mean step reaches where a queue formed (the pacer holds newcomers there):
-      the median TPOT p50 over the objective on the probes whose users exceed their running batch by one or more,
-      at most `step_share` (what the pacer aims at: `sieve.pacing.STEP_SHARE`). Its prediction of a step counts
+      the median TPOT p50 over the objective on the probes whose users exceed their running batch by one or more
+      and whose running batch is short of what the KV pool holds by more than one (else memory held them), at most
+      `step_share` (what the pacer aims at: `sieve.pacing.STEP_SHARE`). Its prediction of a step counts
       the newcomer's prompt and its own margin, so the steps it lets run come out shorter (~0.75 of the objective
       on the chat ladder, 0.9 aimed at).
     - TPOT p99 over p50, and a queued turn's TTFT p99 over the FIFO queue's mean wait (`queued_users`), each the
       median over the probes (the queue's over those that had one)."""
     import statistics
 
-    from sieve.plan.roofline import Calibration, expected_tokens_per_step, step_terms
+    from sieve.plan.roofline import Calibration, expected_tokens_per_step, sequences_that_fit, step_terms
 
     seen = [p for p in probes if p.get("requests") and p.get("tpot_p50_ms") and p.get("tpot_p99_ms")]
     if not seen:
@@ -401,9 +402,10 @@ def calibration(m, device, w, probes: list[dict], step_share: float = 1.0):
     fixed, compute_scale = fit_step(points)
     spread = statistics.median(p["tpot_p99_ms"] / p["tpot_p50_ms"] for p in seen)
     waits, held = [], []
+    fit = sequences_that_fit(m, device, w)
     for p in seen:
         queued = p["users"] - running[id(p)]
-        if queued >= 1:
+        if queued >= 1 and running[id(p)] < fit - 1:
             held.append(p["tpot_p50_ms"] / w.slo_tpot_ms)
         if queued >= 1 and p.get("ttft_p99_ms") and p.get("mean_output_tokens"):
             mean_wait = queued * p["mean_output_tokens"] * p["tpot_p50_ms"] / running[id(p)]
