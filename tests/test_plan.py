@@ -233,7 +233,7 @@ def test_the_ladder_calibrates_the_terms_from_its_own_probes():
     formed is the median of those probes' TPOT over the objective (probes without a queue do not count)."""
     from sieve.bench.ladder import calibration, running_batch
     from sieve.plan.devices import Device
-    from sieve.plan.roofline import Calibration, closed_loop_point
+    from sieve.plan.roofline import MEMORY_UTILIZATION, Calibration, closed_loop_point, sequences_that_fit
 
     m, dev = shape("llama-2-7b"), Device("toy", memory_gb=40, bandwidth_gbps=100, tflops={"bf16": 1.0})
     w = Workload(weights="bf16", kv="bf16", context=700, output_tokens=100, slo_tpot_ms=4000)
@@ -254,6 +254,12 @@ def test_the_ladder_calibrates_the_terms_from_its_own_probes():
     assert calibration(m, dev, w, probes, step_share=0.1).step_share == 0.1  # never past what the pacer aims at
     # no probe with a queue: the pacer's own share
     assert calibration(m, dev, w, probes[:1], step_share=0.9).step_share == 0.9
+    # a pool that holds 10 sequences held the probes running 9 and 10, not the pacer: 6's alone
+    per_seq = m.kv_bytes(w.context + w.output_tokens, "bf16")
+    small = Device("toy", memory_gb=(m.weight_bytes("bf16") + 10.5 * per_seq) / MEMORY_UTILIZATION / 1e9,
+                   bandwidth_gbps=100, tflops={"bf16": 1.0})
+    assert sequences_that_fit(m, small, w) == 10
+    assert calibration(m, small, w, probes, step_share=0.95).step_share == pytest.approx(steps[6] / 4000)
     # without a throughput figure a probe's users all count as running (the fit then sees other batches)
     assert running_batch({"users": 7, "tpot_p50_ms": 50.0}) == 7.0
     assert running_batch({"users": 7, "tpot_p50_ms": 50.0, "output_tokens_per_s": 100.0}) == 5.0
