@@ -118,7 +118,8 @@ class LLMEngine:
         self.step_timer = self.step_cost if self.step_cost is not None else StepCostModel()
         self.queue_eta = QueueETA(self.step_timer, config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
         self.queue_head_eta_s: float | None = None
-        self.track_queue_head = False  # keep queue_head_eta_s current each step (a server with --max-waiting asks)
+        self.tier_head_eta_s: dict[str, float] = {}  # each tier's first waiting request's: a full tier's Retry-After
+        self.track_queue_head = False  # keep them current each step (a server with --max-waiting, or a tier's, asks)
         tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
         self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
         self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
@@ -535,6 +536,10 @@ class LLMEngine:
         """Requests with a sequence waiting (a request of n choices counts once, as vLLM's metric does)."""
         return len({seq.request.request_id for seq in self.scheduler.waiting})
 
+    def num_waiting_in(self, tier: str) -> int:
+        """Requests of `tier` (a tenants file's) with a sequence waiting."""
+        return len({seq.request.request_id for seq in list(self.scheduler.waiting) if seq.request.tier == tier})
+
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32) at every position of `token_ids`, for evaluation. Runs between
         steps on blocks borrowed from the pool; `chunk` splits the prefill so later chunks read the
@@ -644,10 +649,22 @@ class LLMEngine:
         self.step_timer.observe(num_tokens, seconds, keys)
         for seq in finished:
             self.queue_eta.finished(seq.num_tokens - seq.num_prompt_tokens, seq.params.max_tokens)
-        waiting = self.scheduler.waiting
         if self.track_queue_head:
-            self.queue_head_eta_s = self.queue_eta.estimate(waiting[0], waiting, self.scheduler.running, lambda s: 0,
-                                                            self.scheduler.token_budget()).start_s if waiting else 0.0
+            self._track_queue_heads()
+
+    def _track_queue_heads(self) -> None:
+        """When the head of the queue, and each tier's first waiting request, are now expected to start."""
+        waiting, budget = self.scheduler.waiting, self.scheduler.token_budget()
+
+        def start_s(seq) -> float:
+            return self.queue_eta.estimate(seq, waiting, self.scheduler.running, lambda s: 0, budget).start_s
+
+        heads = {}
+        for seq in waiting:
+            if seq.request.tier is not None:
+                heads.setdefault(seq.request.tier, seq)
+        self.queue_head_eta_s = start_s(waiting[0]) if waiting else 0.0
+        self.tier_head_eta_s = {tier: start_s(seq) for tier, seq in heads.items()}
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:
         """After a step's tokens are appended: the scheduler's accounting, the KV tiers' writes, and the finished

@@ -159,6 +159,28 @@ def test_a_waiting_higher_priority_displaces_a_running_lower_one(llama_dir):
     assert_as_alone(llama_dir, finish(engine), [("low0", 5, 12), ("low1", 5, 12)], max_num_seqs=2)
 
 
+def test_a_displaced_request_keeps_its_kv_and_its_place(llama_dir):
+    """Displaced for a higher priority where blocks allow, a request keeps its KV: its full blocks stay in the prefix
+    cache, and it resumes from them, computing again only its partial last block (fewer than block_size tokens), not
+    its 12-token prompt and the tokens it had generated. And it keeps its place: back in the queue, it goes before a
+    request of its priority that arrived after it."""
+    engine = engine_with(llama_dir, max_num_seqs=1, block_size=4)
+    computed: dict[str, int] = {}
+    watch(engine, lambda out: [computed.__setitem__(s.seq.request.request_id, computed.get(s.seq.request.request_id, 0)
+                                                    + s.num_new_tokens) for s in out.scheduled])
+    add(engine, "low", None, None, 5)
+    for _ in range(7):  # its prompt, then 6 tokens: 18 tokens in context, 4 full blocks and 2 in a partial one
+        engine.step()
+    add(engine, "later", None, None, 5)
+    add(engine, "urgent", None, None, 0)
+    outputs = finish(engine)
+    assert engine.scheduler.num_preemptions == 1 and list(outputs) == ["urgent", "low", "later"]
+    alone = 12 + LONG.max_tokens - 1  # its prompt, then a row for each token but the last
+    assert 0 < computed["low"] - alone < 4, computed
+    assert computed["later"] == computed["urgent"] == alone
+    assert_as_alone(llama_dir, outputs, [("low", 5, 12)], max_num_seqs=1)
+
+
 @pytest.mark.parametrize("shares", [None, {"gold": 0.25, "free": 0.25}])
 def test_a_waiting_higher_priority_prompt_goes_before_a_running_lower_prompts_chunks(llama_dir, shares):
     """Steps of 32 tokens; a free (priority 1) 200-token prompt is being computed in chunks when a gold (priority 0)

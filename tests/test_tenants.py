@@ -15,7 +15,7 @@ from live_server import MODEL, start_server
 from sieve.server.tenants import Tenants, TenantsError
 
 BASE = {
-    "tiers": {"premium": {"priority": 0, "share": 0.5}, "free": {"priority": 1}},
+    "tiers": {"premium": {"priority": 0, "share": 0.5}, "free": {"priority": 1}, "capped": {"priority": 1, "max_waiting": 1}},
     "tenants": {
         "acme": {"keys": ["sk-acme"], "tier": "premium"},
         "hashed": {"key_sha256": [hashlib.sha256(b"sk-secret").hexdigest()], "tier": "free"},
@@ -24,6 +24,7 @@ BASE = {
         "single": {"keys": ["sk-single"], "tier": "free", "max_concurrent": 1},
         "share1": {"keys": ["sk-share1"], "share_prefix_cache": True},
         "share2": {"keys": ["sk-share2"], "share_prefix_cache": True},
+        "capped": {"keys": ["sk-capped"], "tier": "capped"},
     },
 }
 
@@ -43,6 +44,14 @@ def tenant_server(llama_dir):
 def post(url: str, key: str, **body) -> httpx.Response:
     body = {"prompt": "hello there", "max_tokens": 2, "temperature": 0, **body}
     return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json=body, timeout=60)
+
+
+def until(condition, done: dict) -> None:
+    """Wait for `condition` while the request that holds the one running slot ("hold" in `done` once over) runs."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline and "hold" not in done, "the long request ended before the others queued"
+        time.sleep(0.005)
 
 
 def test_keys_plain_and_as_sha256_and_a_wrong_key_is_401(tenant_server):
@@ -108,28 +117,57 @@ def test_a_higher_tier_is_served_first(tenant_server):
         assert r.status_code == 200, r.text
         done[name] = time.monotonic()
 
-    def until(condition):
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline and "hold" not in done, "the long request ended before the others queued"
-            time.sleep(0.005)
-
     try:
         hold = threading.Thread(target=run, args=("hold", "sk-share1"), kwargs=dict(max_tokens=200, ignore_eos=True))
         hold.start()
-        until(lambda: engine.scheduler.running)
+        until(lambda: engine.scheduler.running, done)
         free = threading.Thread(target=run, args=("free", "sk-secret"))
         free.start()
-        until(lambda: engine.num_waiting >= 1)
+        until(lambda: engine.num_waiting >= 1, done)
         premium = threading.Thread(target=run, args=("premium", "sk-acme"))
         premium.start()
-        until(lambda: engine.num_waiting >= 2)
+        until(lambda: engine.num_waiting >= 2, done)
         for t in (hold, free, premium):
             t.join()
     finally:
         aengine.step_delay = 0
     assert done["hold"] < done["premium"] < done["free"]
     assert {"acme", "hashed", "share1"} <= set(engine.scheduler.tiers.served)  # each tenant's service counted
+
+
+def test_a_tier_past_its_max_waiting_is_answered_429_and_other_tiers_still_queue(tenant_server):
+    """One running slot, held by a long request: one request of the tier `capped` (max_waiting 1) waits, the next is
+    refused with 429 queue_full naming the tier, with a Retry-After; a premium request still queues and is served,
+    and so is the capped one that waited."""
+    url, engine, stop = tenant_server
+    aengine = stop.app.state.async_engine
+    aengine.step_delay = 0.02
+    codes: dict[str, int] = {}
+
+    def run(name, key, **body):
+        codes[name] = post(url, key, **body).status_code
+
+    try:
+        threads = [threading.Thread(target=run, args=("hold", "sk-share1"), kwargs=dict(max_tokens=200, ignore_eos=True))]
+        threads[0].start()
+        until(lambda: engine.scheduler.running, codes)
+        threads.append(threading.Thread(target=run, args=("waits", "sk-capped")))
+        threads[-1].start()
+        until(lambda: engine.num_waiting_in("capped") == 1, codes)
+        refused = post(url, "sk-capped")
+        threads.append(threading.Thread(target=run, args=("premium", "sk-acme")))
+        threads[-1].start()
+        until(lambda: engine.num_waiting >= 2, codes)
+        for t in threads:
+            t.join()
+    finally:
+        aengine.step_delay = 0
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert "the capped tier is at capacity (1 of its requests waiting)" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert codes == {"hold": 200, "waits": 200, "premium": 200}
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-acme"}).text
+    assert f'sieve:tenant_limit_refusals_total{{limit="max_waiting",model_name="{MODEL}",tenant="capped"}} 1.0' in metrics
 
 
 def test_tenants_that_share_their_prefix_cache_hit_each_other_and_no_one_else(tenant_server):
@@ -159,6 +197,8 @@ def test_tenants_that_share_their_prefix_cache_hit_each_other_and_no_one_else(te
     ({"tenants": {"a": {"key_sha256": ["abc"]}}}, "is not a sha256 hex digest"),
     ({"tiers": {"x": {"share": 0.6}, "y": {"share": 0.5}}, "tenants": {"a": {"keys": ["k"]}}}, "add up to more than 1"),
     ({"tiers": {"x": {"share": 2}}, "tenants": {"a": {"keys": ["k"]}}}, "tiers.x: expected"),
+    ({"tiers": {"x": {"max_waiting": 0}}, "tenants": {"a": {"keys": ["k"]}}}, "tiers.x: expected"),
+    ({"tiers": {"x": {"max_wait": 3}}, "tenants": {"a": {"keys": ["k"]}}}, "unknown field 'max_wait'"),
     ({"tenants": {"a": {"tier": "default"}}}, "tenants.a: no keys"),
     ({"tenants": {"a": {"keys": ["k"], "share_prefix_cache": "yes"}}}, "share_prefix_cache: expected true or false"),
 ])

@@ -65,7 +65,8 @@ def create_app(engine: LLMEngine | Callable[[], LLMEngine], served_model_name: s
     keys = tenants.keys if tenants is not None else \
         api_key if isinstance(api_key, APIKeys) else APIKeys({api_key: "default"} if api_key else {})
     st = ServerState(aengine, keys, options)
-    st.engine.track_queue_head = max_waiting is not None  # a full queue's Retry-After: when its head should start
+    # a full queue's Retry-After: when its head should start
+    st.engine.track_queue_head = max_waiting is not None or (tenants is not None and tenants.caps_waiting)
     aengine.on_finished = st.finished
     aengine.on_slow_reader = lambda rid: st.metrics.limit_refused("stream_backlog")
     runner = None

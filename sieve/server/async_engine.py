@@ -156,6 +156,11 @@ class AsyncEngine:
         with self._lock:
             return sum(1 for cmd in self._inbox if cmd[0] == "add")
 
+    def num_pending_in(self, tier: str) -> int:
+        """Requests of `tier` handed to the engine thread but not yet in its queues."""
+        with self._lock:
+            return sum(1 for cmd in self._inbox if cmd[0] == "add" and cmd[7][1] == tier)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))

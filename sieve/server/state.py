@@ -317,13 +317,22 @@ class ServerState:
             raise APIError(404, str(e), code="model_not_found", param="model") from None
 
     def check_capacity(self, request: Request) -> None:
+        """429 `queue_full` where --max-waiting requests wait, or the request's tier's `max_waiting` of its own
+        (--tenants); Retry-After: when the head of that queue is expected to start. Batch requests wait elsewhere."""
+        if request.state.batch:
+            return
         max_waiting = self.options.max_waiting
-        if max_waiting is not None and not request.state.batch and self.engine.num_waiting + self.aengine.num_pending >= max_waiting:
+        if max_waiting is not None and self.engine.num_waiting + self.aengine.num_pending >= max_waiting:
             self.metrics.rejected.inc()
-            head = self.engine.queue_head_eta_s  # when the head of the queue is expected to start
-            raise APIError(429, f"the server is at capacity ({max_waiting} requests waiting); retry after Retry-After "
-                                "seconds", "rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": str(max(1, math.ceil(head or 1)))})
+            raise queue_full(f"the server is at capacity ({max_waiting} requests waiting)", self.engine.queue_head_eta_s)
+        tenant = self.tenants.tenant(request.state.tenant) if self.tenants is not None else None
+        tier = tenant.tier if tenant is not None else None
+        if tier is not None and tier.max_waiting is not None and \
+                self.engine.num_waiting_in(tier.name) + self.aengine.num_pending_in(tier.name) >= tier.max_waiting:
+            self.metrics.rejected.inc()
+            self.metrics.tenant_refused(self.tenants.label(request.state.tenant), "max_waiting")
+            raise queue_full(f"the {tier.name} tier is at capacity ({tier.max_waiting} of its requests waiting)",
+                             self.engine.tier_head_eta_s.get(tier.name))
 
     def slo_unmet(self, retry_after_s: float) -> APIError:
         """--slo-reject: the request waited until its time-to-first-token objective could no longer be met."""
@@ -342,3 +351,8 @@ class ServerState:
             "kv_compression" if message.startswith("kv_compression") else \
             "prompt" if "prompt" in message or "context" in message else None
         return APIError(400, message, param=param)
+
+
+def queue_full(message: str, head_eta_s: float | None) -> APIError:
+    return APIError(429, message + "; retry after Retry-After seconds", "rate_limit_exceeded", code="queue_full",
+                    headers={"Retry-After": str(max(1, math.ceil(head_eta_s or 1)))})

@@ -4,7 +4,7 @@ limits. JSON or YAML:
 ```yaml
 tiers:                         # a priority class each (0 is served first), and its guaranteed
   premium: {priority: 0, share: 0.5}   # share of the running slots (--max-num-seqs) while it has work
-  free: {priority: 1, share: 0.25}
+  free: {priority: 1, share: 0.25, max_waiting: 64}   # optional: past 64 of its requests waiting, 429
 tenants:
   acme:
     keys: ["sk-acme-1"]        # plain keys, or
@@ -38,6 +38,7 @@ TIER_STRIDE = 1 << 20  # an engine priority: tier priority x stride + the client
 OTHER = "other"  # the metrics label of a request whose tenant the file does not name
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 _TENANT_FIELDS = {"keys", "key_sha256", "tier", "share_prefix_cache", *_LIMITS}
+_TIER_FIELDS = {"priority", "share", "max_waiting"}
 
 
 class TenantsError(ValueError):
@@ -49,6 +50,7 @@ class Tier:
     name: str
     priority: int
     share: float = 0.0  # guaranteed fraction of the running slots (sieve/tenancy.py)
+    max_waiting: int | None = None  # its requests that may wait at once (--max-waiting, for this tier alone)
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,7 @@ class Tenants:
             raise TenantsError(shape + ";" + _unknown(data, {"tiers", "tenants"}))
         tiers = {"default": Tier("default", 0)}
         for name, spec in (data.get("tiers") or {}).items():
-            share = spec.get("share", 0.0) if isinstance(spec, dict) else None
-            if not isinstance(spec, dict) or set(spec) - {"priority", "share"} or not _int(spec.get("priority", 0), lo=0) \
-                    or isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-                raise TenantsError(f"{where}: tiers.{name}: expected {{priority: a whole number >= 0, share: a fraction of "
-                                   "the running slots in [0, 1]}" + _unknown(spec, {"priority", "share"}))
-            tiers[str(name)] = Tier(str(name), int(spec.get("priority", 0)), float(share))
+            tiers[str(name)] = _tier(str(name), spec, where)
         if sum(t.share for t in tiers.values()) > 1 + 1e-9:
             raise TenantsError(f"{where}: the tiers' shares add up to more than 1")
         by_name, plain, hashed = {}, {}, {}
@@ -136,6 +133,11 @@ class Tenants:
 
     def tenant(self, name: str | None) -> Tenant | None:
         return self.by_name.get(name or "")
+
+    @property
+    def caps_waiting(self) -> bool:
+        """Whether a tier has a `max_waiting` of its own."""
+        return any(t.tier.max_waiting is not None for t in self.by_name.values())
 
     def tier_shares(self) -> dict[str, float]:
         """Each tier's guaranteed share of the running slots, for the engine (EngineConfig.tier_shares)."""
@@ -225,6 +227,18 @@ def _yaml(text: str):
 
 def _int(value, lo: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+
+
+def _tier(name: str, spec, where: str) -> Tier:
+    share = spec.get("share", 0.0) if isinstance(spec, dict) else None
+    waiting = spec.get("max_waiting") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or set(spec) - _TIER_FIELDS or not _int(spec.get("priority", 0), lo=0) \
+            or isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1 \
+            or (waiting is not None and not _int(waiting, lo=1)):
+        raise TenantsError(f"{where}: tiers.{name}: expected {{priority: a whole number >= 0, share: a fraction of "
+                           "the running slots in [0, 1], max_waiting: a whole number >= 1 (optional)}"
+                           + _unknown(spec, _TIER_FIELDS))
+    return Tier(name, int(spec.get("priority", 0)), float(share), None if waiting is None else int(waiting))
 
 
 def _unknown(spec, known: set) -> str:
