@@ -119,6 +119,7 @@ class LLMEngine:
         self.queue_eta = QueueETA(self.step_timer, config.max_num_seqs, config.max_num_batched_tokens, config.block_size)
         self.queue_head_eta_s: float | None = None
         self.tier_head_eta_s: dict[str, float] = {}  # each tier's first waiting request's: a full tier's Retry-After
+        self._tier_heads_at = float("-inf")
         self.track_queue_head = False  # keep them current each step (a server with --max-waiting, or a tier's, asks)
         tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
         self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
@@ -652,18 +653,25 @@ class LLMEngine:
         if self.track_queue_head:
             self._track_queue_heads()
 
+    TIER_HEADS_EVERY_S = 0.5  # a tier's first waiting request may be deep in the queue: its simulation costs more
+
     def _track_queue_heads(self) -> None:
-        """When the head of the queue, and each tier's first waiting request, are now expected to start."""
+        """When the head of the queue is now expected to start, and, at most every TIER_HEADS_EVERY_S, each tier's
+        first waiting request (a Retry-After is in whole seconds)."""
         waiting, budget = self.scheduler.waiting, self.scheduler.token_budget()
 
         def start_s(seq) -> float:
             return self.queue_eta.estimate(seq, waiting, self.scheduler.running, lambda s: 0, budget).start_s
 
+        self.queue_head_eta_s = start_s(waiting[0]) if waiting else 0.0
+        now = time.monotonic()
+        if now - self._tier_heads_at < self.TIER_HEADS_EVERY_S:
+            return
+        self._tier_heads_at = now
         heads = {}
         for seq in waiting:
             if seq.request.tier is not None:
                 heads.setdefault(seq.request.tier, seq)
-        self.queue_head_eta_s = start_s(waiting[0]) if waiting else 0.0
         self.tier_head_eta_s = {tier: start_s(seq) for tier, seq in heads.items()}
 
     def _settle(self, sched, finished: list[Sequence], touched: dict[str, Request]) -> None:

@@ -50,6 +50,12 @@ def results(client: openai.OpenAI, file_id: str | None) -> dict:
     return {x["custom_id"]: x for x in map(json.loads, client.files.content(file_id).text.splitlines())}
 
 
+def metric(url: str, prefix: str) -> float:
+    """The value of the /metrics line that starts with `prefix` (0 where there is none yet)."""
+    page = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return next((float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(prefix)), 0.0)
+
+
 @pytest.fixture(scope="module")
 def batch_server(llama_dir, tmp_path_factory):
     engine = engine_for(llama_dir)
@@ -61,6 +67,9 @@ def batch_server(llama_dir, tmp_path_factory):
 def test_a_batch_gives_what_each_request_gives_alone_and_reports_bad_lines(batch_server):
     url = batch_server[0]
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+    counted = f'sieve:batch_request_success_total{{finished_reason="length",model_name="{MODEL}",tenant="other"}}'
+    ttft = f'sieve:time_to_first_token_seconds_count{{model_name="{MODEL}"}}'
+    before = metric(url, counted), metric(url, ttft)
     f = client.files.create(file=("in.jsonl", io.BytesIO(lines(6, bad=True))), purpose="batch")
     assert f.purpose == "batch" and f.bytes > 0
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
@@ -72,6 +81,8 @@ def test_a_batch_gives_what_each_request_gives_alone_and_reports_bad_lines(batch
     assert sorted(out) == [f"req-{i}" for i in range(6)]
     assert errors["bad-url"]["error"]["code"] == "invalid_request" and errors[None]["response"] is None
     assert "not JSON" in errors[None]["error"]["message"]
+    # the batch's requests are counted as its own, not in the interactive latency histograms
+    assert (metric(url, counted), metric(url, ttft)) == (before[0] + 6, before[1])
     for i in (0, 5):  # each answer is the same request's over HTTP
         alone = client.completions.create(model=MODEL, prompt=f"story number {i}:", max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True})

@@ -42,6 +42,13 @@ class Metrics:
         refusals = Counter("sieve:tenant_limit_refusals", "Requests refused (429) by a tenant's limit", tenant + ["limit"],
                            registry=r)
         self.tenant_refused = lambda name, limit: refusals.labels(model_name=model_name, tenant=name, limit=limit).inc()
+        # --batch-dir: the Batch API's requests, by the tenant whose batch they are, apart from interactive ones
+        self.batch_requests = Counter("sieve:batch_request_success", "Finished Batch API requests by tenant and finish reason",
+                                      tenant + ["finished_reason"], registry=r)
+        self.batch_prompt_tokens = Counter("sieve:batch_prompt_tokens", "Prompt tokens of Batch API requests, by tenant",
+                                           tenant, registry=r)
+        self.batch_generation_tokens = Counter("sieve:batch_generation_tokens", "Tokens generated for Batch API requests, "
+                                               "by tenant", tenant, registry=r)
 
     def record_finished(self, out: RequestOutput, tenant: str | None = None) -> None:
         m = out.metrics
@@ -65,6 +72,18 @@ class Metrics:
             n = max(len(c.token_ids) for c in out.outputs)
             if n > 1:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def record_batch_finished(self, out: RequestOutput, tenant: str) -> None:
+        """A Batch API request: in the engine's totals and the batch counters, by the batch's tenant, but not in the
+        latency histograms or the tenant_* counters, which describe interactive service."""
+        labels = {"model_name": self.model_name, "tenant": tenant}
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.batch_prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.requests.labels(model_name=self.model_name, finished_reason=c.finish_reason or "abort").inc()
+            self.generation_tokens.inc(len(c.token_ids))
+            self.batch_requests.labels(**labels, finished_reason=c.finish_reason or "abort").inc()
+            self.batch_generation_tokens.labels(**labels).inc(len(c.token_ids))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

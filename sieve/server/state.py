@@ -20,7 +20,7 @@ from sieve.server.auth import APIKeys
 from sieve.server.errors import APIError
 from sieve.server.metrics import Metrics
 from sieve.server.response_store import ResponseStore
-from sieve.server.tenants import TIER_STRIDE, Limited, TenantLimiter, Tenants
+from sieve.server.tenants import OTHER, TIER_STRIDE, Limited, TenantLimiter, Tenants
 from sieve.server.tools import render_messages
 from sieve.structured import GrammarError
 from sieve.tenancy import BACKGROUND
@@ -103,6 +103,7 @@ class ServerState:
         self.responses = ResponseStore(options.max_stored_responses)  # the Responses API's stored responses
         self.limiter = TenantLimiter(options.tenants) if options.tenants is not None else None
         self._tenant_of_request: dict[str, str] = {}  # engine request id -> tenant (its finish is counted for it)
+        self._batch_of_request: dict[str, str] = {}  # engine request id -> the tenant whose batch it is
 
     def tenant_of(self, request: Request) -> None:
         """The request's tenant, by its key (compared in constant time: no timing oracle on the key); 401 without one.
@@ -150,8 +151,13 @@ class ServerState:
 
     def admit_tenant(self, request: Request, request_ids: list[str], prompt_tokens: int) -> bool:
         """Count the request against its tenant's limits (429 with Retry-After past one); True when the caller must
-        `release_tenant` it once it is over."""
-        if self.limiter is None or request.state.batch:  # (batch requests run only in capacity others leave)
+        `release_tenant` it once it is over. A batch request is counted in the batch metrics under its batch's tenant,
+        never against its limits (it runs only in capacity others leave)."""
+        if request.state.batch:
+            for rid in request_ids:
+                self._batch_of_request[rid] = request.state.tenant
+            return False
+        if self.limiter is None:
             return False
         name = request.state.tenant
         try:
@@ -170,6 +176,10 @@ class ServerState:
     def finished(self, out) -> None:
         """The engine thread's hook for each finished request: its metrics, and its generated tokens counted against
         its tenant's tokens per minute."""
+        batch = self._batch_of_request.pop(out.request_id, None)
+        if batch is not None:
+            self.metrics.record_batch_finished(out, self.tenants.label(batch) if self.tenants is not None else OTHER)
+            return
         name = self._tenant_of_request.pop(out.request_id, None)
         label = self.tenants.label(name) if self.tenants is not None else None
         self.metrics.record_finished(out, label)
