@@ -84,3 +84,42 @@ def test_queue_headers_and_the_streams_queue_comment(llama_dir):
         assert "".join(c.choices[0].text for c in chunks if c.choices) and chunks[-1].model_extra["metrics"]["queue_ms"] >= 0
     finally:
         stop()
+
+
+def test_a_waiting_stream_is_told_its_expected_wait_again_as_it_falls(llama_dir, monkeypatch):
+    """One running slot, held by a 150-token request: a stream that asks for include_queue waits behind it, and is
+    told its expected wait at once and again every QUEUE_UPDATE_S (0.2 s here) until its first token, the later
+    estimates nearer its start (the step cost injected: no machine's speed matters); then it streams as usual."""
+    import re
+    import threading
+    import time
+
+    import sieve.server.routes as routes
+
+    monkeypatch.setattr(routes, "QUEUE_UPDATE_S", 0.2)
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+                                    max_num_seqs=1))
+    engine.queue_eta.cost = FixedCost()
+    url, stop = start_server(engine)
+    aengine = stop.app.state.async_engine
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aengine.step_delay = 0.02  # (150 tokens: 3 s)
+    try:
+        hold = threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs=dict(
+            headers=headers, json={"prompt": "hold", "max_tokens": 150, "ignore_eos": True}, timeout=60))
+        hold.start()
+        deadline = time.monotonic() + 30
+        while not engine.scheduler.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True, "stream_options": {"include_queue": True}}
+        with httpx.stream("POST", url + "/v1/completions", headers=headers, json=body, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line]
+        hold.join()
+    finally:
+        aengine.step_delay = 0
+        stop()
+    comments = [line for line in lines if line.startswith(": queue ")]
+    assert lines[: len(comments)] == comments and lines[-1] == "data: [DONE]"  # every comment before the first chunk
+    etas = [int(re.search(r"queue-eta-ms=(\d+)", c).group(1)) for c in comments]
+    assert len(comments) >= 4 and etas[-1] < etas[0] / 2, etas

@@ -161,6 +161,16 @@ class AsyncEngine:
         with self._lock:
             return sum(1 for cmd in self._inbox if cmd[0] == "add" and cmd[7][1] == tier)
 
+    async def queue_estimate(self, request_id: str):
+        """Where an admitted request stands now (sieve.queue_eta.QueueEstimate), from the engine thread between steps;
+        None once it is gone."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        with self._lock:
+            self._inbox.append(("estimate", request_id, loop, answer))
+        self._wake.set()
+        return await answer
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
@@ -234,6 +244,9 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_settle, done, e)
                 else:  # admitted: where it stands in the queue
                     loop.call_soon_threadsafe(_settle, done, None, self.engine.queue_estimate(rid))
+            elif cmd[0] == "estimate":
+                _, rid, loop, answer = cmd
+                loop.call_soon_threadsafe(_settle, answer, None, self.engine.queue_estimate(rid))
             else:
                 out = self.engine.abort(cmd[1])
                 if out is not None:

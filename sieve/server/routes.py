@@ -315,18 +315,37 @@ async def respond(st: ServerState, raw: Request, body, prompts: list, params, ri
                         headers={**queue, **({"x-sieve-queue-ms": str(waited)} if waited is not None else {})})
 
 
+QUEUE_UPDATE_S = 1.0  # stream_options.include_queue: how often a waiting stream is told its expected wait again
+
+
 async def queued_events(st: ServerState, raw: Request, gens: list, queue: dict, events_of):
     """stream_options.include_queue: an SSE comment with the expected wait at once (OpenAI's clients skip comments),
-    then the stream as usual once each prompt's first output is in; a failure before it is an error event."""
-    yield ": queue " + " ".join(f"{k.removeprefix('x-sieve-')}={v}" for k, v in queue.items()) + "\n\n"
+    the same again every QUEUE_UPDATE_S while it waits, then the stream as usual once each prompt's first output is
+    in; a failure before it is an error event."""
+    yield queue_comment(queue)
+    firsts = asyncio.ensure_future(first_outputs(st, gens))
     try:
-        firsts = await first_outputs(st, gens)
+        while not (await asyncio.wait({firsts}, timeout=QUEUE_UPDATE_S))[0]:
+            asking = asyncio.ensure_future(asyncio.gather(*(st.aengine.queue_estimate(g.request_id) for g in gens)))
+            await asyncio.wait({firsts, asking}, return_when=asyncio.FIRST_COMPLETED)  # (a dead engine answers none)
+            if firsts.done():
+                asking.cancel()
+            elif update := queue_headers(asking.result()):
+                yield queue_comment(update)
+        firsts = firsts.result()
     except APIError as e:
         yield error_event(e.message, e.code, e.type)
         yield "data: [DONE]\n\n"
         return
+    finally:
+        if isinstance(firsts, asyncio.Future):
+            firsts.cancel()
     async for event in events_of(list(zip(gens, firsts))):
         yield event
+
+
+def queue_comment(headers: dict) -> str:
+    return ": queue " + " ".join(f"{k.removeprefix('x-sieve-')}={v}" for k, v in headers.items()) + "\n\n"
 
 
 async def first_outputs(st: ServerState, gens: list) -> list:
