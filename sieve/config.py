@@ -57,12 +57,14 @@ class EngineConfig:
     kv_cache_secret_file: str | None = None
     # A KV tier shared by replicas: redis://HOST:PORT/DB (it needs kv_cache_secret_file, the same on every replica)
     kv_cache_remote: str | None = None
+    # A KV tier in host RAM, GB (vLLM's --kv-offloading-size): below a GPU's pool; on a CPU, memory beside the pool
+    kv_offloading_size: float | None = None
     # KV compression every request without its own `kv_compression` gets: "PRESS:RATIO" (sieve/kv_compression)
     kv_compression: str | None = None
 
     @property
     def kv_tiers_on(self) -> bool:
-        return self.kv_cache_disk is not None or self.kv_cache_remote is not None
+        return self.kv_cache_disk is not None or self.kv_cache_remote is not None or self.kv_offloading_size is not None
 
     # Scheduler
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -138,8 +140,11 @@ class EngineConfig:
 
     def _check_kv_tiers(self) -> None:
         if self.kv_tiers_on and not self.enable_prefix_caching:
-            raise ConfigError("the KV tiers (kv_cache_disk, kv_cache_remote) write down and find blocks through the prefix "
-                              "cache: they need prefix caching on")
+            raise ConfigError("the KV tiers (kv_offloading_size, kv_cache_disk, kv_cache_remote) write down and find blocks "
+                              "through the prefix cache: they need prefix caching on")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+            raise ConfigError(f"kv_offloading_size (the host RAM tier) must be a number of GB > 0, got {size!r}")
         if isinstance(self.kv_cache_disk_gb, bool) or not isinstance(self.kv_cache_disk_gb, (int, float)) or not self.kv_cache_disk_gb > 0:
             raise ConfigError(f"kv_cache_disk_gb must be a number of GB > 0, got {self.kv_cache_disk_gb!r}")
         if self.kv_cache_secret_file is not None and not self.kv_tiers_on:

@@ -35,6 +35,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GB",
+                   help="a KV tier in host RAM of this many GB (vLLM's flag): prefix-cache blocks are copied there "
+                        "(asynchronously) and loaded back when the pool no longer holds them; below a GPU's pool, and "
+                        "on a CPU memory beside the pool's budget. Fastest tier, lost at a restart")
+    g.add_argument("--kv-offloading-backend", default="native", choices=["native"],
+                   help="where --kv-offloading-size keeps blocks: native (sieve's own tier; vLLM's flag)")
     g.add_argument("--kv-cache-disk", default=None, metavar="PATH",
                    help="a KV tier on local disk: prefix-cache blocks are written down (asynchronously) and loaded back "
                         "when a prompt's prefix is no longer in the pool and loading beats recomputing; kept across "

@@ -83,6 +83,49 @@ def test_evicted_blocks_come_back_from_disk_with_the_same_tokens(checkpoints, re
     llm.shutdown()
 
 
+def test_evicted_blocks_come_back_from_host_ram_first(checkpoints, reference, tmp_path):
+    """--kv-offloading-size: a tier in host RAM, nearest below the pool; with the disk tier too, the host answers
+    first, and the disk where the host no longer holds the blocks (its capacity, least recently used out)."""
+    llm = engine(checkpoints["llama"], None, kv_offloading_size=0.01)
+    first = run(llm, DOC)
+    evict_with_others(llm)
+    again = run(llm, DOC)
+    n_blocks = (len(first.prompt_token_ids) - 1) // 4
+    assert again.kv_tier_tokens == {"host": 4 * n_blocks} and again.outputs[0].token_ids == reference[DOC]
+    assert llm.llm_engine.stats().kv_tiers.hits == {"host": n_blocks}
+    host = llm.llm_engine.kv_tiers.stores[0]
+    per_block = host.bytes_held / len(host)
+    llm.shutdown()
+    both = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_offloading_size=0.01)
+    run(both, DOC)
+    evict_with_others(both)
+    assert run(both, DOC).kv_tier_tokens == {"host": 4 * n_blocks}
+    both.shutdown()
+    # a host tier of 20 blocks: the other prompts' blocks push DOC's out of it, not out of the disk
+    small = engine(checkpoints["llama"], str(tmp_path / "kv2"), kv_offloading_size=20.5 * per_block / 1e9)
+    run(small, DOC)
+    evict_with_others(small)
+    out = run(small, DOC)
+    assert out.kv_tier_tokens == {"disk": 4 * n_blocks} and out.outputs[0].token_ids == reference[DOC]
+    assert small.llm_engine.kv_tiers.stores[0].evictions > 0
+    small.shutdown()
+
+
+def test_the_host_tier_keeps_its_capacity_least_recently_used_out():
+    from sieve.kv_tiers import HostStore
+
+    store = HostStore(capacity_bytes=250)
+    for key in "abc":
+        assert store.write(key, bytes(100))
+    assert len(store) == 2 and not store.has("a") and store.evictions == 1 and store.bytes_held == 200
+    assert store.read("b") == bytes(100)  # b used: c is now the oldest
+    store.write("d", bytes(100))
+    assert store.leading(["b", "d", "c"]) == 2 and store.read("c") is None
+    assert not store.write("e", bytes(300))  # bigger than the tier
+    store.drop("b")
+    assert store.bytes_held == 100 and store.read_many(["d", "b"]) == [bytes(100), None]
+
+
 def test_outputs_equal_with_tiers_on_and_off(checkpoints, reference, tmp_path):
     llm = engine(checkpoints["llama"], str(tmp_path / "kv"))
     for _ in range(2):
@@ -217,6 +260,9 @@ def test_what_the_tiers_cannot_hold_is_refused_with_a_reason(checkpoints, tmp_pa
         engine(checkpoints["llama"], str(tmp_path / "kv"), enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="kv_cache_disk"):
         engine(checkpoints["llama"], None, kv_cache_secret_file=str(tmp_path / "none.key"))
+    for size in (0, -1.0, True):
+        with pytest.raises(ConfigError, match="kv_offloading_size"):
+            engine(checkpoints["llama"], None, kv_offloading_size=size)
     shared = tmp_path / "open"
     shared.mkdir(mode=0o755)
     shared.chmod(0o755)

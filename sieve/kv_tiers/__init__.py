@@ -1,7 +1,8 @@
 """The KV memory hierarchy below the pool: prefix-cache blocks written down to slower tiers and found again when
 the pool no longer holds them, after a restart too. The engine's one interface is `KVTiers` (sieve/kv_tiers/tiers.py);
-`build_kv_tiers` makes it from the engine's config. Tiers, fastest first: local disk (`--kv-cache-disk`,
-sieve/kv_tiers/disk.py), and Redis shared by replicas (`--kv-cache-remote`, sieve/kv_tiers/redis_store.py).
+`build_kv_tiers` makes it from the engine's config. Tiers, fastest first: host RAM (`--kv-offloading-size`,
+sieve/kv_tiers/host.py), local disk (`--kv-cache-disk`, sieve/kv_tiers/disk.py), and Redis shared by replicas
+(`--kv-cache-remote`, sieve/kv_tiers/redis_store.py).
 
 Keys: a directory per KV fingerprint (sieve/kv_fingerprint.py: the model by content, dtypes, the pool's layout,
 the FP8 scales), a file per chained block hash (the prefix cache's, rooted in that fingerprint). Blocks from
@@ -19,10 +20,11 @@ import secrets
 from pathlib import Path
 
 from sieve.kv_tiers.disk import DiskStore
+from sieve.kv_tiers.host import HostStore
 from sieve.kv_tiers.redis_store import RedisStore
 from sieve.kv_tiers.tiers import KVTiers, TierFetch, TierStats
 
-__all__ = ["DiskStore", "KVTiers", "RedisStore", "TierFetch", "TierStats", "build_kv_tiers", "tier_secret"]
+__all__ = ["DiskStore", "HostStore", "KVTiers", "RedisStore", "TierFetch", "TierStats", "build_kv_tiers", "tier_secret"]
 
 SECRET_NAME = "secret"
 
@@ -52,20 +54,22 @@ def build_kv_tiers(config, layout: str, scales: str, arch, runner, block_manager
 
     if len(runner.layer_groups) > 1:
         raise ConfigError("the KV tiers hold one pool of full-attention blocks; sliding-window layers keep a pool of their "
-                          "own, which they do not hold yet (serve without --kv-cache-disk / --kv-cache-remote)")
+                          "own, which they do not hold yet (serve without --kv-offloading-size / --kv-cache-disk / --kv-cache-remote)")
     if arch.mamba_layers:
         raise ConfigError("the KV tiers: a Mamba-2 layer's state is not kept in blocks, so a prefix cannot be restored from "
-                          "them (serve without --kv-cache-disk / --kv-cache-remote)")
+                          "them (serve without --kv-offloading-size / --kv-cache-disk / --kv-cache-remote)")
     fingerprint = hashlib.blake2b(f"{layout}|{scales}".encode(), digest_size=12).hexdigest()
-    stores = []
+    stores: list = [HostStore(int(config.kv_offloading_size * 1e9))] if config.kv_offloading_size else []
     try:
         if config.kv_cache_disk is not None:
             root = Path(config.kv_cache_disk)
             stores.append(DiskStore(root, fingerprint, int(config.kv_cache_disk_gb * 1e9),
                                     float(os.environ.get("SIEVE_KV_TIER_READ_DELAY_S", 0) or 0)))
             secret = tier_secret(root, config.kv_cache_secret_file)
-        else:
+        elif config.kv_cache_secret_file is not None or config.kv_cache_remote is not None:
             secret = tier_secret(None, config.kv_cache_secret_file)
+        else:  # host RAM alone: this process's blocks, checked under a secret of its own, gone when it ends
+            secret = secrets.token_hex(32).encode()
         if config.kv_cache_remote is not None:
             stores.append(RedisStore(config.kv_cache_remote, fingerprint))
         auth = KVAuth(secret, 1.0)
