@@ -21,10 +21,12 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from sieve.kv_tiers.local import LocalIndex
+
 SUFFIX = ".kv"
 
 
-class DiskStore:
+class DiskStore(LocalIndex):
     name = "disk"
 
     def __init__(self, root: str | Path, fingerprint: str, capacity_bytes: int, read_delay_s: float = 0.0):
@@ -59,18 +61,6 @@ class DiskStore:
 
     def has(self, key: str) -> bool:
         return key in self._index
-
-    knows = has  # the index is local: as cheap as asking
-
-    def leading(self, keys: list[str]) -> int:
-        """How many of `keys`, from the first, the tier holds."""
-        n = 0
-        while n < len(keys) and keys[n] in self._index:
-            n += 1
-        return n
-
-    def read_many(self, keys: list[str]) -> list[bytes | None]:
-        return [self.read(k) for k in keys]
 
     def write(self, key: str, payload: bytes) -> bool:
         """Store one block (an OSError, e.g. a full disk, is the caller's to count). False when it is too big to keep."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from sieve.kv_tiers.local import LocalIndex
 
-class HostStore:
+
+class HostStore(LocalIndex):
     name = "host"
 
     def __init__(self, capacity_bytes: int):
@@ -29,18 +31,6 @@ class HostStore:
 
     def has(self, key: str) -> bool:
         return key in self._blocks
-
-    knows = has
-
-    def leading(self, keys: list[str]) -> int:
-        """How many of `keys`, from the first, the tier holds."""
-        n = 0
-        while n < len(keys) and keys[n] in self._blocks:
-            n += 1
-        return n
-
-    def read_many(self, keys: list[str]) -> list[bytes | None]:
-        return [self.read(k) for k in keys]
 
     def read(self, key: str) -> bytes | None:
         with self._lock:
