@@ -256,3 +256,26 @@ def _tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def test_the_expected_wait_scored_is_the_one_told_when_it_queued():
+    """sieve tells a waiting stream its expected wait again as it falls: the estimate scored is the first, made as the
+    request queued, not the last (near 0 just before it starts)."""
+    import httpx
+
+    from sieve.bench.serving import send_turn
+    from sieve.bench.workloads import Session, Turn
+
+    stream = (b": queue queue-position=3 queue-eta-ms=1800\n\n: queue queue-position=0 queue-eta-ms=20\n\n"
+              b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
+              b'data: {"choices": [], "metrics": {"queue_ms": 1750.0}}\n\ndata: [DONE]\n\n')
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stream,
+                                                                   headers={"content-type": "text/event-stream"}))
+
+    async def one():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_turn(client, Target("http://sieve.test/v1", MODEL, queue_eta=True),
+                                   Session([Turn("hello", 4)]), Turn("hello", 4), None)
+
+    rec, text = asyncio.run(one())
+    assert rec.ok and text == "hi" and rec.queue_eta_ms == 1800.0 and rec.queue_ms == 1750.0

@@ -80,8 +80,8 @@ async def send_turn(client: httpx.AsyncClient, target: Target, session: Session,
                 rec.ok, rec.error = False, f"HTTP {resp.status_code}: {detail}"
                 return rec, ""
             async for line in resp.aiter_lines():
-                if line.startswith(": queue ") and "queue-eta-ms=" in line:  # sieve's expected wait, as it queued
-                    rec.queue_eta_ms = float(line.split("queue-eta-ms=")[1].split()[0])
+                if line.startswith(": queue ") and "queue-eta-ms=" in line and rec.queue_eta_ms is None:
+                    rec.queue_eta_ms = float(line.split("queue-eta-ms=")[1].split()[0])  # as it queued (the first)
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
