@@ -156,15 +156,23 @@ class BlockManager:
         return self.cached.get(block_hash) if self.enable_prefix_caching else None
 
     # ---- changes -------------------------------------------------------------------------
-    def import_cached(self, hashes: list[bytes]) -> list[tuple[int, int]]:
-        """Blocks whose contents arrive from elsewhere (KV transfer), the chained hashes of a prompt's leading blocks:
-        each one not cached yet takes a free block, named by its hash and left unreferenced in the cache, where the
-        next lookup finds it. Returns (index in `hashes`, block) of the blocks the caller must fill now; stops early
-        when only blocks imported by this call would be left to take."""
+    def import_cached(self, hashes: list[bytes], keep: list[bytes] = ()) -> list[tuple[int, int]]:
+        """Blocks whose contents arrive from elsewhere (KV transfer, the KV tiers), the chained hashes of a prompt's
+        blocks: each one not cached yet takes a free block, named by its hash and left unreferenced in the cache, where
+        the next lookup finds it. Returns (index in `hashes`, block) of the blocks the caller must fill now; stops early
+        when only blocks imported by this call, or kept, would be left to take. `keep`: the hashes of the blocks
+        before them that the cache holds (the start of the same prompt), made the most recently used and never
+        taken by this call: importing a prompt's rest must not evict its start."""
         if not self.enable_prefix_caching:
             return []
         taken: list[tuple[int, int]] = []
         mine: set[int] = set()
+        for h in keep:
+            block = self.cached.get(h)
+            if block is not None:
+                if block in self.evictable:
+                    self.evictable.move_to_end(block)
+                mine.add(block)
         for j, h in enumerate(hashes):
             if h in self.cached:
                 continue

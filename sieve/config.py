@@ -59,6 +59,9 @@ class EngineConfig:
     kv_cache_remote: str | None = None
     # A KV tier in host RAM, GB (vLLM's --kv-offloading-size): below a GPU's pool; on a CPU, memory beside the pool
     kv_offloading_size: float | None = None
+    # How the tiers hold blocks: auto (the pool's bytes: lossless) | int8 (lossy, opt-in: codes with a scale per token
+    # and head, about half a 16-bit block's bytes; sieve/kv_tiers/lossy.py)
+    kv_tier_dtype: str = "auto"
     # KV compression every request without its own `kv_compression` gets: "PRESS:RATIO" (sieve/kv_compression)
     kv_compression: str | None = None
 
@@ -147,6 +150,14 @@ class EngineConfig:
             raise ConfigError(f"kv_offloading_size (the host RAM tier) must be a number of GB > 0, got {size!r}")
         if isinstance(self.kv_cache_disk_gb, bool) or not isinstance(self.kv_cache_disk_gb, (int, float)) or not self.kv_cache_disk_gb > 0:
             raise ConfigError(f"kv_cache_disk_gb must be a number of GB > 0, got {self.kv_cache_disk_gb!r}")
+        if self.kv_tier_dtype not in ("auto", "int8"):
+            raise ConfigError(f"kv_tier_dtype must be auto (lossless) or int8 (lossy), got {self.kv_tier_dtype!r}")
+        if self.kv_tier_dtype != "auto" and not self.kv_tiers_on:
+            raise ConfigError("kv_tier_dtype says how the KV tiers hold blocks: it needs kv_offloading_size, kv_cache_disk "
+                              "or kv_cache_remote")
+        if self.kv_tier_dtype != "auto" and self.kv_cache_dtype in ("fp8", "int8"):
+            raise ConfigError(f"kv_tier_dtype {self.kv_tier_dtype}: the pool already holds 8-bit KV "
+                              f"(kv_cache_dtype {self.kv_cache_dtype}), whose blocks the tiers keep as they are")
         if self.kv_cache_secret_file is not None and not self.kv_tiers_on:
             raise ConfigError("kv_cache_secret_file signs the KV tiers' blocks: it needs kv_cache_disk or kv_cache_remote")
         if self.kv_cache_remote is not None:

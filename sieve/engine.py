@@ -146,6 +146,8 @@ class LLMEngine:
             calibrate_step_cost(self.step_cost, self._time_decode_rows, config, len(self.runner.layer_groups) > 1 or bool(self.arch.mamba_layers),
                                 self.block_manager.num_free_blocks * config.block_size, self._borrowed_blocks)
         self.kv_tiers = self._build_tiers(config) if config.kv_tiers_on else None
+        if self.kv_tiers is not None:
+            self.scheduler.restore_kv = self._restore_from_tiers
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -172,6 +174,17 @@ class LLMEngine:
             per_token = min(self._time_decode_rows(rows, tables) for _ in range(3)) / rows
         return build_kv_tiers(config, self.kv_layout, kv_scales_digest(self.runner.caches), self.arch, self.runner,
                               self.block_manager, per_token)
+
+    def _restore_from_tiers(self, seq) -> None:
+        """A preempted sequence re-entering (the scheduler asks): the blocks of its tokens, prompt and generated, that
+        the pool evicted while it waited, put back into the prefix cache from the nearest tier holding them, where the
+        cost model says reading beats recomputing. They are the bytes its own steps wrote (every full block is written
+        down as it enters the prefix cache), so it goes on as if never preempted. Read on this thread: the step waits
+        for the read, which is cheaper than the prefill it replaces. A compressed sequence keeps no such blocks."""
+        if seq.params.kv_compression is not None:
+            return
+        salt = seq.request.params.cache_salt
+        self.kv_tiers.admit(seq.token_ids, self.kv_tiers.fetch(seq.token_ids, salt), salt, resumed=True)
 
     def _open(self, config: EngineConfig):
         """The checkpoint, and what its config says: the architecture, the dtype, the tokenizer, the EOS ids."""

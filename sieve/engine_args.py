@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on a CPU memory beside the pool's budget. Fastest tier, lost at a restart")
     g.add_argument("--kv-offloading-backend", default="native", choices=["native"],
                    help="where --kv-offloading-size keeps blocks: native (sieve's own tier; vLLM's flag)")
+    g.add_argument("--kv-tier-dtype", default="auto", choices=["auto", "int8"],
+                   help="how the KV tiers hold blocks: auto (the pool's bytes, lossless) or int8 (opt-in, lossy: codes "
+                        "with a scale per token and head, about twice the blocks in the same room; docs/serving.md)")
     g.add_argument("--kv-cache-disk", default=None, metavar="PATH",
                    help="a KV tier on local disk: prefix-cache blocks are written down (asynchronously) and loaded back "
                         "when a prompt's prefix is no longer in the pool and loading beats recomputing; kept across "

@@ -14,7 +14,9 @@ blocks run out the sequence with the largest key
 keeping its generated tokens so that it resumes exactly where it stopped.
 
 With prefix caching, a sequence (re)entering the batch first takes the blocks of its longest cached
-prefix and computes only the rest; after each step its newly full blocks enter the cache.
+prefix and computes only the rest; after each step its newly full blocks enter the cache. With KV tiers below the
+pool (sieve/kv_tiers) those blocks are also written down, and a preempted sequence re-entering first has the ones
+the pool evicted meanwhile put back from a tier (`restore_kv`): recompute is only the fallback.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from sieve.block_manager import BlockFork, BlockManager
 from sieve.config import EngineConfig
@@ -119,6 +121,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by schedule_key
         self.running: list[Sequence] = []  # kept sorted by schedule_key
         self.num_preemptions = 0
+        # where a preempted sequence's KV may be found again beyond the pool, put back into the prefix cache as it
+        # re-enters: the engine's KV tiers (sieve/kv_tiers), or None
+        self.restore_kv: Callable[[Sequence], None] | None = None
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -265,6 +270,8 @@ class Scheduler:
                 if self._displace(seq, out):
                     continue  # a lower priority's row given up for it
                 break  # it would push those running past their TPOT objective: it waits
+            if seq.num_preemptions and self.restore_kv is not None and not seq.params.whole_prompt:
+                self.restore_kv(seq)  # its blocks the pool evicted since, back from a tier where that beats recomputing
             # prompt logprobs (and mean pooling) need every prompt position's hidden state: nothing from the cache
             cached = 0 if seq.params.whole_prompt else self.blocks.take_cached_prefix(seq)
             remaining = self._to_compute(seq)

@@ -29,7 +29,7 @@ class KVTransferStats:
 class KVTierStats:
     """The KV tiers below the pool: blocks loaded (hits), held and evicted per tier; bytes and seconds per tier and
     direction (write, read); blocks failing their check; writes failed per tier or dropped (queue full); blocks left
-    to recompute, by reason."""
+    to recompute, by reason; of the hits, those loaded for preempted sequences resuming."""
 
     hits: dict = field(default_factory=dict)
     blocks_held: dict = field(default_factory=dict)
@@ -41,6 +41,8 @@ class KVTierStats:
     read_errors: dict = field(default_factory=dict)
     dropped_writes: int = 0
     recomputed: dict = field(default_factory=dict)
+    resumed: dict = field(default_factory=dict)  # of the hits, blocks loaded for preempted sequences resuming
+    dtype: str = "auto"  # how blocks are held: auto (the pool's bytes, lossless) or int8 (lossy, sieve/kv_tiers/lossy.py)
 
 
 @dataclass(frozen=True)

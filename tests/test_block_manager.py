@@ -51,3 +51,19 @@ def test_double_free_is_caught():
     s.block_table = table
     with pytest.raises(AssertionError, match="freed twice"):
         bm.free(s)
+
+
+def test_importing_a_prompts_rest_never_evicts_its_start():
+    """A pool of 4 blocks, all cached and unreferenced: a prompt's first two (the least recently used) and two of
+    another's. Importing the prompt's next two blocks with its first two kept takes the other prompt's blocks; without
+    `keep` it would take the prompt's own first blocks (least recently used) and the lookup would find nothing. With
+    no room beyond the kept blocks, it imports nothing."""
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    ours = bm.prompt_hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    theirs = bm.prompt_hashes([9, 9, 8, 8])
+    assert [j for j, _ in bm.import_cached(ours[:2] + theirs)] == [0, 1, 2, 3] and bm.num_free_blocks == 4
+    taken = bm.import_cached(ours[2:], keep=ours[:2])
+    assert [j for j, _ in taken] == [0, 1]
+    assert all(bm.cached_block(h) is not None for h in ours) and all(bm.cached_block(h) is None for h in theirs)
+    assert bm.import_cached(bm.prompt_hashes([5, 5]), keep=ours) == []  # only kept blocks left to take
+    assert all(bm.cached_block(h) is not None for h in ours)

@@ -15,6 +15,7 @@ import time
 
 import openai
 import pytest
+import torch
 
 from sieve import LLM, SamplingParams
 from sieve.config import ConfigError
@@ -109,6 +110,144 @@ def test_evicted_blocks_come_back_from_host_ram_first(checkpoints, reference, tm
     assert out.kv_tier_tokens == {"disk": 4 * n_blocks} and out.outputs[0].token_ids == reference[DOC]
     assert small.llm_engine.kv_tiers.stores[0].evictions > 0
     small.shutdown()
+
+
+def _preempted_then_evicted(path, host_tier: bool) -> tuple[list[int], int, int]:
+    """One running slot: a 40-token request ("low", priority 5) runs 7 steps (46 tokens: 11 full blocks, in the prefix
+    cache and written down), is displaced by a priority-0 request whose 130-token prompt and 30 tokens take the whole
+    pool (40 blocks of 4), and resumes once that one ends, none of its blocks left in the pool. Returns low's tokens,
+    the tokens computed for it and the blocks read back for it."""
+    from sieve import SamplingParams
+
+    llm = engine(path, None, max_num_seqs=1, max_model_len=256, **({"kv_offloading_size": 0.01} if host_tier else {}))
+    eng = llm.llm_engine
+    computed = {"low": 0}
+    schedule = eng.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        for s in out.scheduled:
+            if s.seq.request.request_id == "low":
+                computed["low"] += s.num_new_tokens
+        return out
+
+    eng.scheduler.schedule = counted
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    eng.add_request("low", {"prompt_token_ids": [7 + i for i in range(40)]}, params, 5)
+    for _ in range(7):
+        eng.step()
+    if eng.kv_tiers is not None:
+        assert eng.kv_tiers.flush()
+    eng.add_request("urgent", {"prompt_token_ids": [300 + i for i in range(130)]},
+                    SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), 0)
+    tokens, order = {}, []
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+                order.append(out.request_id)
+    assert order == ["urgent", "low"] and eng.scheduler.num_preemptions == 1
+    resumed = eng.kv_tiers.stats.resumed["host"] if eng.kv_tiers is not None else 0
+    llm.shutdown()
+    return tokens["low"], computed["low"], resumed
+
+
+def test_a_preempted_request_resumes_from_the_tiers_not_by_recompute(checkpoints):
+    """Preemption keeps the victim's KV where a tier can hold it (issue 66): its blocks, evicted from the pool while
+    it waited, come back from host RAM as it re-enters, and it computes again only its partial last block (fewer
+    than 4 tokens) where without tiers it recomputes its 46 tokens. Its tokens are those it gives alone."""
+    alone_rows = 40 + 24 - 1  # its prompt, then a row for each token but the last
+    plain_tokens, plain_computed, _ = _preempted_then_evicted(checkpoints["llama"], host_tier=False)
+    tokens, computed, resumed = _preempted_then_evicted(checkpoints["llama"], host_tier=True)
+    assert plain_computed - alone_rows >= 44  # the contrast: recomputed from its first token
+    assert 0 < computed - alone_rows < 4 and resumed == 11, (computed, resumed)
+    llm = engine(checkpoints["llama"], None)
+    alone = llm.generate([{"prompt_token_ids": [7 + i for i in range(40)]}],
+                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    llm.shutdown()
+    assert tokens == alone == plain_tokens
+
+
+def _doc_blocks(llm) -> list:
+    """DOC's full blocks in the pool, as copies of their views (None for one not there)."""
+    eng = llm.llm_engine
+    bm = eng.block_manager
+    out = []
+    for h in bm.prompt_hashes(eng.tokenize(DOC)[1][:-1]):
+        block = bm.cached_block(h)
+        out.append(None if block is None else [v.clone() for v in eng.runner.block_tensors(block)])
+    return out
+
+
+def within_half_a_step(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether `y` is `x` through int8 codes with a float16 scale s per row: within s / 2 of each value, plus what a
+    row's largest value loses where s rounded down (the code clamps at 127), plus `x`'s dtype's own rounding."""
+    from sieve.quant.formats import quantize_int8_rows
+
+    s = quantize_int8_rows(x)[1].float()[..., None]
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    rounding = {torch.float32: 0.0, torch.float16: 2**-11, torch.bfloat16: 2**-8}[x.dtype]
+    bound = 0.5 * s + (amax - 127 * s).clamp(min=0) + rounding * x.float().abs() * 1.01
+    return bool(((y.float() - x.float()).abs() <= bound * (1 + 1e-6)).all())
+
+
+def test_a_lossy_tier_holds_int8_blocks_within_half_a_step(checkpoints, tmp_path, caplog):
+    """--kv-tier-dtype int8: blocks go down as int8 codes with a scale per token and head, under a quarter of a
+    float32 block's bytes with the payload's header; a block loaded back holds each value within half a step of its
+    row (amax / 254, with the float16 scale's rounding), and not the pool's bytes. Said in the log and the stats.
+    A lossless tier's blocks on the same disk are never loaded by a lossy engine (their own fingerprint)."""
+    caplog.set_level(logging.WARNING, logger="sieve")
+    llm = engine(checkpoints["llama"], None, kv_offloading_size=0.01, kv_tier_dtype="int8")
+    first = run(llm, DOC)
+    exact = _doc_blocks(llm)
+    assert all(b is not None for b in exact)
+    evict_with_others(llm)
+    again = run(llm, DOC)
+    n_blocks = (len(first.prompt_token_ids) - 1) // 4
+    assert again.kv_tier_tokens == {"host": 4 * n_blocks}
+    loaded = _doc_blocks(llm)
+    assert all(within_half_a_step(x, y) for before, after in zip(exact, loaded) for x, y in zip(before, after))
+    assert any(not torch.equal(x, y) for b, a in zip(exact, loaded) for x, y in zip(b, a))
+    lossy_per_block = llm.llm_engine.kv_tiers.stores[0].bytes_held / len(llm.llm_engine.kv_tiers.stores[0])
+    assert llm.llm_engine.stats().kv_tiers.dtype == "int8" and "lossy" in caplog.text
+    llm.shutdown()
+    plain = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_offloading_size=0.01)
+    run(plain, DOC)
+    plain_per_block = plain.llm_engine.kv_tiers.stores[0].bytes_held / len(plain.llm_engine.kv_tiers.stores[0])
+    plain.shutdown()
+    assert lossy_per_block < 0.5 * plain_per_block, (lossy_per_block, plain_per_block)
+    restarted = engine(checkpoints["llama"], str(tmp_path / "kv"), kv_tier_dtype="int8")
+    assert run(restarted, DOC).kv_tier_tokens == {}  # the lossless blocks on disk are another fingerprint's
+    restarted.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_lossy_tiers_packing_is_the_int8_kv_caches_arithmetic(dtype):
+    """The writer thread packs in NumPy (torch there halved the engine's steps): the same codes and scales as the
+    int8 KV cache's quantizer, bit for bit, ties and tiny rows included; unpacked, within half a step of each value."""
+    from sieve.kv_tiers import lossy
+    from sieve.quant.formats import quantize_int8_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 3, 4, 5, 64, generator=g) * torch.logspace(-6, 2, 5)[:, None]).to(dtype)
+    x[0, 0, 0, 0] = 0  # a zero row
+    x[0, 0, 0, 1, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # ties at half a step
+    codes, scales = lossy.pack([x])
+    ref_codes, ref_scales = quantize_int8_rows(x)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+    raw = [t.numpy().tobytes() for t in (codes, scales)]
+    back = torch.empty_like(x)
+    lossy.unpack_into([back], raw)
+    assert within_half_a_step(x, back)
+    assert not back[0, 0, 0, 0].any()
+
+
+def test_a_lossy_tier_is_refused_where_it_means_nothing(checkpoints):
+    for kwargs, message in (({"kv_tier_dtype": "int8"}, "needs kv_offloading_size"),
+                            ({"kv_tier_dtype": "int4", "kv_offloading_size": 0.01}, "auto .lossless. or int8"),
+                            ({"kv_tier_dtype": "int8", "kv_offloading_size": 0.01, "kv_cache_dtype": "int8"}, "already holds 8-bit")):
+        with pytest.raises(ConfigError, match=message):
+            engine(checkpoints["llama"], None, **kwargs)
 
 
 def test_the_host_tier_keeps_its_capacity_least_recently_used_out():
@@ -294,6 +433,8 @@ def test_the_server_reports_tier_tokens_and_metrics(checkpoints, tmp_path):
         metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         assert f'sieve:kv_tier_hits_total{{model_name="{MODEL}",tier="disk"}}' in metrics
         assert "sieve:kv_tier_checksum_failures_total" in metrics and "sieve:kv_tier_bytes_total" in metrics
+        assert f'sieve:kv_tier_lossy{{dtype="auto",model_name="{MODEL}"}} 0.0' in metrics
+        assert f'sieve:kv_tier_resumed_hits_total{{model_name="{MODEL}",tier="disk"}} 0.0' in metrics
     finally:
         stop()
         eng.shutdown()
@@ -405,3 +546,49 @@ def test_bench_tiers_end_to_end_on_the_demo_model(demo_dir, tmp_path):
     for parts, message in (("returning,nope", "--parts takes"), ("replicas", "--redis-url")):
         with pytest.raises(ConfigError, match=message):
             run_bench_tiers(p.parse_args(["--model", "demo", "--parts", parts]))
+
+
+def test_bench_tiers_preemption_part_on_the_demo_model():
+    """`sieve bench tiers --parts preemption` on the demo model: background requests displaced by interactive ones
+    whose prompts evict their blocks, without tiers and with a host tier; every background output equals its run
+    without interruptions either way. (Whether the tier pays on a model this small depends on the machine: SmolLM2's
+    figures are in docs/benchmarks.md.)"""
+    import argparse
+
+    from sieve.bench.tiers import add_bench_tiers_args, run_bench_tiers
+
+    p = argparse.ArgumentParser()
+    add_bench_tiers_args(p)
+    out = run_bench_tiers(p.parse_args(["--model", "demo", "--parts", "preemption", "--doc-tokens", "100,120",
+                                        "--restart-doc-tokens", "180", "--pool-tokens", "400", "--preempt-background", "2",
+                                        "--preempt-max-tokens", "24", "--preempt-every", "6", "--conversations", "2"]))["preemption"]
+    assert out["interactive"] == 3 and out["no_tiers"]["preemptions"] > 0 and out["host_tier"]["preemptions"] > 0
+    assert out["outputs_identical_to_alone"] == {"no_tiers": True, "host_tier": True}
+    assert out["recomputed_tokens"]["no_tiers"] > 0 and out["alone"]["preemptions"] == 0
+
+
+def test_bench_tiers_lossy_part_on_the_demo_model():
+    """`sieve bench tiers --parts lossy` on the demo model: the same conversations through a lossless host tier and an
+    int8 one; the int8 blocks take under half the bytes (float32 pool), and the cost figures are there (their values
+    are the model's, and whether a tier pays on a model this small the machine's: SmolLM2's are in docs/benchmarks.md)."""
+    import argparse
+
+    from sieve.bench.tiers import add_bench_tiers_args, run_bench_tiers
+
+    p = argparse.ArgumentParser()
+    add_bench_tiers_args(p)
+    out = run_bench_tiers(p.parse_args(["--model", "demo", "--parts", "lossy", "--conversations", "3", "--turns", "2",
+                                        "--doc-tokens", "120,160", "--pool-tokens", "256", "--max-tokens", "4",
+                                        "--dtype", "float32", "--host-gb", "0.05"]))["lossy"]
+    assert out["returning_turns"] == 3 and out["capacity_ratio"] > 2
+    assert out["first_token_kl_mean"] >= 0 and 0 <= out["first_token_top1_agreement"] <= 1
+
+
+def test_the_lossy_parts_kl_is_a_divergence():
+    from sieve.bench.tiers import top_kl
+
+    p = {1: -0.1, 2: -2.5, 3: -4.0}
+    assert top_kl(p, dict(p)) == pytest.approx(0.0, abs=1e-12)
+    assert top_kl(p, {1: -0.2, 2: -2.0, 3: -5.0}) > 0
+    assert top_kl(p, {1: -3.0, 2: -0.1, 9: -3.5}) > top_kl(p, {1: -0.2, 2: -2.0, 3: -5.0})  # 3 past Q's list: floor
+    assert all(top_kl(p, {1: a, 2: b, 3: -1.0}) >= 0 for a in (-0.1, -1.0, -3.0) for b in (-0.5, -2.5))

@@ -9,8 +9,20 @@ recomputing.
   fresh server that never saw it.
 - A slow tier: the same conversations with every block read delayed by `--slow-read-ms` (a throttled disk): the
   cost model must choose to recompute, and TTFT must be no worse than without tiers.
+- Lossy (`--parts lossy`): the returning conversations through a host tier holding the pool's bytes and through one
+  holding int8 blocks (`--kv-tier-dtype int8`), the prompts the same (the lossless run's conversation): the bytes a
+  block takes in each, and what the int8 blocks cost: returning answers identical, and per returning turn the KL
+  divergence of the first answer token's distribution (over the lossless run's top 20, both renormalized there) and
+  its top-1 agreement.
 - Replicas (`--parts replicas --redis-url URL`): two engines sharing a Redis tier, one after the other; the second is asked the
   documents the first computed.
+- Preemption (`--parts preemption`): `--preempt-background` background requests (priority 1, documents of
+  `--doc-tokens`, `--preempt-max-tokens` each) fill the running slots; every `--preempt-every` steps an interactive
+  request (priority 0, a fresh document of `--restart-doc-tokens`, 16 tokens) displaces one of them, and its prompt
+  takes the pool's room, evicting the victim's blocks. Without tiers the victim recomputes them when it resumes; with
+  a host tier (`--kv-offloading-size`) it reads them back. Reported: the background's recomputed tokens, the whole
+  run's seconds, the interactive requests' TTFT, and whether every background output equals its run without the
+  interruptions.
 
 One engine at a time, one request at a time (TTFT is the prompt's own prefill, not a queue), offline.
 """
@@ -31,6 +43,7 @@ FOLLOW_UPS = ["\n\nQuestion: Who is named first in it?\nAnswer:", "\n\nQuestion:
 def add_bench_tiers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the pool's KV dtype (e.g. bfloat16: a 16-bit pool under a float32 model)")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--doc-tokens", default="2000,2200", help="MIN,MAX tokens of each conversation's document")
@@ -43,7 +56,12 @@ def add_bench_tiers_args(p: argparse.ArgumentParser) -> None:
                    help="a Redis (redis://HOST:PORT/DB) for two replicas sharing a tier: the second loads the documents the "
                         "first computed (skipped without it)")
     p.add_argument("--replica-docs", type=int, default=8, help="documents both replicas see")
-    p.add_argument("--parts", default="returning,restart", help="which to measure: returning, restart, replicas (comma-separated)")
+    p.add_argument("--parts", default="returning,restart",
+                   help="which to measure: returning, restart, replicas, preemption (comma-separated)")
+    p.add_argument("--preempt-background", type=int, default=4, help="preemption: background requests (the running slots)")
+    p.add_argument("--preempt-max-tokens", type=int, default=128, help="preemption: each background request's length")
+    p.add_argument("--preempt-every", type=int, default=16, help="preemption: steps between interactive arrivals")
+    p.add_argument("--host-gb", type=float, default=1.0, help="preemption and lossy: the host tier's size (--kv-offloading-size)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--output-json", default=None)
 
@@ -55,7 +73,7 @@ def _engine(args, disk: str | None, read_delay_s: float = 0.0, **tiers):
     model, _ = resolve_default(args.model)
     os.environ["SIEVE_KV_TIER_READ_DELAY_S"] = str(read_delay_s)
     try:
-        return LLM(model, dtype=args.dtype, block_size=16, num_gpu_blocks_override=args.pool_tokens // 16,
+        return LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=16, num_gpu_blocks_override=args.pool_tokens // 16,
                    kv_cache_disk=disk, num_threads=args.num_threads, max_model_len=min(8192, args.pool_tokens), **tiers)
     finally:
         os.environ.pop("SIEVE_KV_TIER_READ_DELAY_S", None)
@@ -137,7 +155,147 @@ def replicas(args, docs: list[str], redis_url: str, secret_file: str) -> dict:
             "speedup": round(ttfts["first"]["ttft_p50_ms"] / ttfts["second"]["ttft_p50_ms"], 2)}
 
 
-PARTS = ("returning", "restart", "replicas")
+def preemption(args, docs: list[str], interactive_docs: list[str], host_gb: float | None) -> dict:
+    """Background requests displaced by interactive ones whose prompts evict their blocks; `host_gb` None: no tiers.
+    Steps the engine itself, so that arrivals come at the same steps with the tier and without."""
+    from sieve import SamplingParams
+
+    llm = _engine(args, None, max_num_seqs=args.preempt_background,
+                  **({"kv_offloading_size": host_gb} if host_gb is not None else {}))
+    eng = llm.llm_engine
+    if eng.kv_tiers is not None:
+        log_cost = (round(1e3 * (eng.kv_tiers.fetch_s_per_block["host"] + eng.kv_tiers.fill_s_per_block), 3),
+                    round(1e3 * eng.kv_tiers.recompute_s_per_block, 3))
+    _ttft(llm, "Hello there, a first request to warm up.", 2)
+    computed = {"background": 0}
+    schedule = eng.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        computed["background"] += sum(s.num_new_tokens for s in out.scheduled if s.seq.request.priority == 1)
+        return out
+
+    eng.scheduler.schedule = counted
+    bg = SamplingParams(max_tokens=args.preempt_max_tokens, temperature=0, ignore_eos=True)
+    for i, d in enumerate(docs):
+        eng.add_request(f"bg{i}", f"Here is a document.\n\n{d}{QUESTION}", bg, 1)
+    pending, outputs, ttft, steps = list(interactive_docs), {}, [], 0
+    started = time.perf_counter()
+    while eng.has_unfinished():
+        if pending and steps and steps % args.preempt_every == 0:
+            eng.add_request(f"i{len(pending)}", f"Here is a document.\n\n{pending.pop()}{QUESTION}",
+                            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), 0)
+        steps += 1
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+                if out.request_id.startswith("i"):
+                    ttft.append(out.metrics.first_token_time - out.metrics.arrival_time)
+    seconds = time.perf_counter() - started
+    result = {"seconds": round(seconds, 2), "steps": steps, "preemptions": eng.scheduler.num_preemptions,
+              "background_tokens_computed": computed["background"],
+              "interactive_ttft_p50_ms": round(1e3 * statistics.median(ttft), 1) if ttft else None,
+              "outputs": {k: v for k, v in outputs.items() if k.startswith("bg")}}
+    if eng.kv_tiers is not None:
+        s = eng.kv_tiers.stats
+        result.update(blocks_restored=dict(s.resumed), fetch_ms_per_block=log_cost[0], recompute_ms_per_block=log_cost[1],
+                      blocks_recomputed=dict(s.recomputed), dropped_writes=s.dropped_writes)
+    llm.shutdown()
+    return result
+
+
+def preemption_parts(args, model: str) -> dict:
+    """Preemption without tiers, with a host tier, and the background alone (the outputs' reference)."""
+    from sieve.bench.ladder import long_documents
+
+    lo, hi = (int(x) for x in args.doc_tokens.split(","))
+    docs = long_documents(model, (lo, hi), n=args.preempt_background, seed=2)[: args.preempt_background]
+    n_interactive = max(1, args.preempt_max_tokens // args.preempt_every - 1)
+    fresh = long_documents(model, (args.restart_doc_tokens, args.restart_doc_tokens + 200), n=n_interactive, seed=3)[:n_interactive]
+    alone = preemption(args, docs, [], None)
+    plain = preemption(args, docs, fresh, None)
+    host = preemption(args, docs, fresh, args.host_gb)
+    rows = sum(len(v) - 1 for v in alone["outputs"].values())  # decode rows: a row for each token but the last
+    prompt_rows = alone["background_tokens_computed"] - rows
+    out = {"background": len(docs), "interactive": len(fresh), "alone": alone, "no_tiers": plain, "host_tier": host,
+           "recomputed_tokens": {"no_tiers": plain["background_tokens_computed"] - rows - prompt_rows,
+                                 "host_tier": host["background_tokens_computed"] - rows - prompt_rows},
+           "outputs_identical_to_alone": {"no_tiers": plain["outputs"] == alone["outputs"],
+                                          "host_tier": host["outputs"] == alone["outputs"]},
+           "seconds_ratio": round(plain["seconds"] / host["seconds"], 3)}
+    for r in (alone, plain, host):
+        del r["outputs"]
+    print(f"  preemption: {plain['preemptions']} / {host['preemptions']} preemptions; background tokens recomputed "
+          f"{out['recomputed_tokens']['no_tiers']} without tiers, {out['recomputed_tokens']['host_tier']} with a host tier "
+          f"({host.get('blocks_restored')} blocks read back); run {plain['seconds']} s against {host['seconds']} s "
+          f"({out['seconds_ratio']}x); interactive TTFT p50 {plain['interactive_ttft_p50_ms']} / {host['interactive_ttft_p50_ms']} ms; "
+          f"outputs equal to alone: {out['outputs_identical_to_alone']}", flush=True)
+    return out
+
+
+def _scripted_turns(args, docs: list[str], script: list[str] | None, **tiers) -> tuple[list[dict], list[str], float]:
+    """Every turn, round robin, with the top-20 logprobs of each answer token; each answer appended to its
+    conversation is `script`'s where given (the same prompts in every run), else the answer's own. Returns the turns,
+    the answers' texts and the bytes a block takes in the first tier."""
+    from sieve import SamplingParams
+
+    llm = _engine(args, None, **tiers)
+    _ttft(llm, "Hello there, a first request to warm up.", 2)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, logprobs=20)
+    prompts = [f"Here is a document.\n\n{d}{QUESTION}" for d in docs]
+    turns, texts = [], []
+    for turn in range(args.turns):
+        for c in range(len(prompts)):
+            out = llm.generate([prompts[c]], params)[0]
+            m = out.metrics
+            turns.append({"turn": turn, "tokens": out.outputs[0].token_ids, "ttft": m.first_token_time - m.arrival_time,
+                          "first": {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()},
+                          "tier_tokens": sum(out.kv_tier_tokens.values())})
+            texts.append(out.outputs[0].text)
+            prompts[c] += (script[len(texts) - 1] if script is not None else texts[-1]) + FOLLOW_UPS[turn % len(FOLLOW_UPS)]
+    store = llm.llm_engine.kv_tiers.stores[0]
+    per_block = store.bytes_held / max(1, len(store))
+    llm.shutdown()
+    return turns, texts, per_block
+
+
+def top_kl(p_logprobs: dict, q_logprobs: dict) -> float:
+    """KL(P || Q) over P's top tokens (the keys of `p_logprobs`), both renormalized over that set; a token past Q's
+    top list takes Q's last logprob there (at most that). Never negative, and 0 only where they agree on the set."""
+    import math
+
+    floor = min(q_logprobs.values())
+    ps = {t: math.exp(lp) for t, lp in p_logprobs.items()}
+    qs = {t: math.exp(q_logprobs.get(t, floor)) for t in p_logprobs}
+    zp, zq = sum(ps.values()), sum(qs.values())
+    return sum(p / zp * math.log((p / zp) / (qs[t] / zq)) for t, p in ps.items())
+
+
+def lossy_part(args, docs: list[str]) -> dict:
+    """The lossy tier's room and cost against a lossless one, on the same prompts."""
+    exact, script, exact_bytes = _scripted_turns(args, docs, None, kv_offloading_size=args.host_gb)
+    lossy, _, lossy_bytes = _scripted_turns(args, docs, script, kv_offloading_size=args.host_gb, kv_tier_dtype="int8")
+    back = [(e, q) for e, q in zip(exact, lossy) if e["turn"] > 0]
+    kls, top1 = [], []
+    for e, q in back:
+        kls.append(top_kl(e["first"], q["first"]))
+        top1.append(max(e["first"], key=e["first"].get) == max(q["first"], key=q["first"].get))
+    out = {"bytes_per_block": {"lossless": round(exact_bytes), "int8": round(lossy_bytes)},
+           "capacity_ratio": round(exact_bytes / lossy_bytes, 2), "returning_turns": len(back),
+           "tier_tokens_loaded": {"lossless": sum(e["tier_tokens"] for e, _ in back), "int8": sum(q["tier_tokens"] for _, q in back)},
+           "answers_identical": round(sum(e["tokens"] == q["tokens"] for e, q in back) / len(back), 3),
+           "first_token_kl_mean": round(statistics.mean(kls), 6), "first_token_kl_max": round(max(kls), 6),
+           "first_token_top1_agreement": round(sum(top1) / len(top1), 3),
+           "returning_ttft_p50_ms": {"lossless": round(1e3 * statistics.median(e["ttft"] for e, _ in back), 1),
+                                     "int8": round(1e3 * statistics.median(q["ttft"] for _, q in back), 1)}}
+    print(f"  lossy tier: {out['bytes_per_block']['int8']} bytes a block against {out['bytes_per_block']['lossless']} "
+          f"({out['capacity_ratio']}x the blocks); returning answers identical {out['answers_identical']}, first-token KL "
+          f"mean {out['first_token_kl_mean']} (max {out['first_token_kl_max']}), top-1 {out['first_token_top1_agreement']}; "
+          f"returning TTFT p50 {out['returning_ttft_p50_ms']['lossless']} / {out['returning_ttft_p50_ms']['int8']} ms", flush=True)
+    return out
+
+
+PARTS = ("returning", "restart", "replicas", "preemption", "lossy")
 
 
 def run_bench_tiers(args) -> dict:
@@ -173,6 +331,10 @@ def run_bench_tiers(args) -> dict:
             print(f"  replicas:   the second replica's TTFT p50 {rep['second']['ttft_p50_ms']} ms against the first's "
                   f"{rep['first']['ttft_p50_ms']} ms ({rep['speedup']}x), {rep['second']['prefill_tokens_saved']} prefill "
                   "tokens not computed", flush=True)
+        if "preemption" in parts:
+            out["preemption"] = preemption_parts(args, model)
+        if "lossy" in parts:
+            out["lossy"] = lossy_part(args, docs)
     return out
 
 

@@ -9,12 +9,15 @@ the FP8 scales), a file per chained block hash (the prefix cache's, rooted in th
 another model or layout are never looked at, let alone used. Each block is the KV transfer payload, with a MAC
 (HMAC-SHA256 under the tier's secret) over its bytes and its tokens: a corrupt or forged block is never loaded.
 
-Lossless: a loaded block holds the bytes the pool held, so outputs are those of recomputing.
+Lossless by default: a loaded block holds the bytes the pool held, so outputs are those of recomputing. Opt-in lossy
+(`--kv-tier-dtype int8`, sieve/kv_tiers/lossy.py): about twice the blocks in the same room, said in the log and in
+`sieve:kv_tier_lossy`, under a fingerprint of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -27,6 +30,7 @@ from sieve.kv_tiers.tiers import KVTiers, TierFetch, TierStats
 __all__ = ["DiskStore", "HostStore", "KVTiers", "RedisStore", "TierFetch", "TierStats", "build_kv_tiers", "tier_secret"]
 
 SECRET_NAME = "secret"
+log = logging.getLogger("sieve")
 
 
 def tier_secret(root: Path | None, secret_file: str | None) -> bytes:
@@ -58,7 +62,10 @@ def build_kv_tiers(config, layout: str, scales: str, arch, runner, block_manager
     if arch.mamba_layers:
         raise ConfigError("the KV tiers: a Mamba-2 layer's state is not kept in blocks, so a prefix cannot be restored from "
                           "them (serve without --kv-offloading-size / --kv-cache-disk / --kv-cache-remote)")
-    fingerprint = hashlib.blake2b(f"{layout}|{scales}".encode(), digest_size=12).hexdigest()
+    lossy = config.kv_tier_dtype != "auto"
+    # lossy blocks live under a fingerprint of their own: never mixed with a lossless tier's (a restart, a replica)
+    wire_layout = f"{layout}|{scales}" + (f"|tier:{config.kv_tier_dtype}" if lossy else "")
+    fingerprint = hashlib.blake2b(wire_layout.encode(), digest_size=12).hexdigest()
     stores: list = [HostStore(int(config.kv_offloading_size * 1e9))] if config.kv_offloading_size else []
     try:
         if config.kv_cache_disk is not None:
@@ -76,6 +83,9 @@ def build_kv_tiers(config, layout: str, scales: str, arch, runner, block_manager
     except (OSError, ValueError) as e:
         raise ConfigError(f"the KV tiers: {e}") from None
     block_manager.new_cached = []
-    tiers = KVTiers(stores, auth, f"{layout}|{scales}", runner, block_manager)
+    if lossy:
+        log.warning("KV tiers: lossy (--kv-tier-dtype %s): blocks are held as int8 codes with a scale per token and head, "
+                    "and a loaded block is not the bytes the pool held: outputs may differ from recomputing", config.kv_tier_dtype)
+    tiers = KVTiers(stores, auth, wire_layout, runner, block_manager, lossy=lossy)
     tiers.calibrate(seconds_per_prefill_token)
     return tiers

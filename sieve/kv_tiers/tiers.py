@@ -15,8 +15,11 @@ and the prompt's own tokens, layout, sizes) before anything is kept; the first t
 logged and deleted, and the rest of the prompt is computed. `admit` (the engine thread) enters the fetched blocks
 in the prefix cache, where the scheduler finds them as a hit.
 
-Cost model: seconds per block fetched (read, check, copy in), measured at start-up on a block of this model and
-refreshed by every fetch, against seconds per block recomputed (`block_size` x this model's seconds per prefill
+Lossy (opt-in, `lossy`): blocks are written as int8 codes with a scale per token and head (sieve/kv_tiers/lossy.py),
+packed by the writer, about half a 16-bit block's bytes; loaded blocks are dequantized into the pool.
+
+Cost model: seconds per block fetched (read, check) and filled into the pool (copied, or dequantized), measured at
+start-up on a block of this model and refreshed by every fetch and fill, against seconds per block recomputed (`block_size` x this model's seconds per prefill
 token, measured at start-up). A tier slower than recomputing is left alone (counted as `slower`).
 """
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 from sieve.distributed.kv_auth import KVAuth
 from sieve.distributed.kv_transfer import KVTransferError, decode_block, encode_block, fill_block
+from sieve.kv_tiers import lossy as lossy_format
 
 log = logging.getLogger("sieve")
 
@@ -53,7 +57,7 @@ class TierStats:
     """What /metrics reports (sieve:kv_tier_*): blocks loaded per tier (hits), bytes per tier and direction
     (write, read), seconds per tier and direction, evictions per tier, blocks failing their check, writes that
     failed (a full disk, an unreachable store) or were dropped (queue full), reads that failed, blocks left to recompute
-    by reason."""
+    by reason, and of the hits those loaded for preempted sequences resuming, per tier."""
 
     hits: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
@@ -63,6 +67,7 @@ class TierStats:
     read_errors: Counter = field(default_factory=Counter)
     dropped_writes: int = 0
     recomputed: Counter = field(default_factory=Counter)
+    resumed: Counter = field(default_factory=Counter)
 
 
 class KVTiers:
@@ -70,12 +75,14 @@ class KVTiers:
     `has`, `leading`, `read_many`, `write`, `drop`, `evictions`, `len`). `runner` gives a block's tensors, `blocks`
     (the block manager) its hashes and the prefix cache."""
 
-    def __init__(self, stores: list, auth: KVAuth, layout: str, runner, blocks):
+    def __init__(self, stores: list, auth: KVAuth, layout: str, runner, blocks, lossy: bool = False):
         self.stores, self.auth, self.layout, self.runner, self.blocks = stores, auth, layout, runner, blocks
+        self.lossy = lossy  # blocks written as int8 codes and scales (sieve/kv_tiers/lossy.py), not the pool's bytes
         self.block_size = blocks.block_size
         self.stats = TierStats()
         self.fetch_s_per_block = {s.name: 0.0 for s in stores}  # per tier: measured (`calibrate`), refreshed by fetches
         self.recompute_s_per_block = float("inf")  # unknown: fetching always pays
+        self.fill_s_per_block = 0.0  # copying a checked block into the pool (a lossy one: dequantizing it), measured
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0  # changed by both threads: under _count_lock
         self._count_lock = threading.Lock()
@@ -110,7 +117,7 @@ class KVTiers:
                 return
             key, tokens, parts, size = item
             try:
-                payload = encode_block(self.auth, key, tokens, self.layout, parts)
+                payload = encode_block(self.auth, key, tokens, self.layout, lossy_format.pack(parts) if self.lossy else parts)
                 for s in self.stores:
                     started = time.perf_counter()
                     try:
@@ -161,11 +168,11 @@ class KVTiers:
                 break
         else:
             return out
-        if self.fetch_s_per_block[store.name] >= self.recompute_s_per_block:
+        if self.fetch_s_per_block[store.name] + self.fill_s_per_block >= self.recompute_s_per_block:
             self.stats.recomputed["slower"] += run
             return out
         out.tier = store.name
-        probe = self.runner.block_tensors(0)
+        probe = self._probe()
         bs = self.block_size
         started = time.perf_counter()
         try:
@@ -205,27 +212,43 @@ class KVTiers:
         self._warn(store.name + "-read", f"KV tier {store.name}: a read failed ({type(e).__name__}: {e}); "
                    "the prompt is computed")
 
-    def admit(self, token_ids: list[int], fetched: TierFetch, salt: str | None = None) -> int:
-        """The engine thread: enter fetched blocks in the prefix cache. Returns the prompt tokens they cover."""
+    def admit(self, token_ids: list[int], fetched: TierFetch, salt: str | None = None, resumed: bool = False) -> int:
+        """The engine thread: enter fetched blocks in the prefix cache. Returns the tokens they cover. `resumed`: for
+        a preempted sequence re-entering (counted apart as well)."""
         if not fetched.blocks:
             return 0
         end = fetched.start + len(fetched.blocks)
-        hashes = self.blocks.prompt_hashes(token_ids[: end * self.block_size], salt)[fetched.start : end]
-        taken = self.blocks.import_cached(hashes)
+        hashes = self.blocks.prompt_hashes(token_ids[: end * self.block_size], salt)
+        taken = self.blocks.import_cached(hashes[fetched.start : end], keep=hashes[: fetched.start])
+        started = time.perf_counter()
         for j, block in taken:
-            fill_block(self.runner.block_tensors(block), fetched.blocks[j])
+            self._fill(self.runner.block_tensors(block), fetched.blocks[j])
+        if taken:
+            self.fill_s_per_block += EMA * ((time.perf_counter() - started) / len(taken) - self.fill_s_per_block)
         self.stats.hits[fetched.tier] += len(taken)
+        if resumed:
+            self.stats.resumed[fetched.tier] += len(taken)
         return len(taken) * self.block_size
 
     # ---- the cost model --------------------------------------------------------------------------
     def calibrate(self, seconds_per_prefill_token: float) -> None:
         """Seconds per block recomputed (this model's prefill) against seconds per block fetched from each tier (a
-        block of this layout written, read back and checked, timed)."""
+        block of this layout written, read back and checked, timed) and filled into the pool (into a copy of a block's
+        views, timed)."""
         self.recompute_s_per_block = seconds_per_prefill_token * self.block_size
         tokens = [0] * self.block_size
-        probe = self.runner.block_tensors(0)
-        payload = encode_block(self.auth, "0" * 32, tokens, self.layout, probe)
+        views = self.runner.block_tensors(0)
+        probe = self._probe()
+        payload = encode_block(self.auth, "0" * 32, tokens, self.layout, lossy_format.pack(views) if self.lossy else views)
         key = "calibration-" + "0" * 20
+        scratch = [v.clone() for v in views]
+        raw = decode_block(self.auth, payload, self.layout, tokens, probe)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            self._fill(scratch, raw)
+            times.append(time.perf_counter() - started)
+        self.fill_s_per_block = sorted(times)[1]
         for store in self.stores:
             try:
                 store.write(key, payload)
@@ -242,9 +265,17 @@ class KVTiers:
                     store.drop(key)
                 except Exception:  # noqa: BLE001
                     pass
-        log.info("KV tiers: %s; a block recomputed in %.1f ms", ", ".join(
+        log.info("KV tiers: %s; a block filled into the pool in %.2f ms, recomputed in %.1f ms", ", ".join(
             f"{s.name} ({len(s)} blocks held, a block fetched in {1e3 * self.fetch_s_per_block[s.name]:.2f} ms)"
-            for s in self.stores), 1e3 * self.recompute_s_per_block)
+            for s in self.stores), 1e3 * self.fill_s_per_block, 1e3 * self.recompute_s_per_block)
+
+    def _fill(self, views: list, raw_parts: list[bytes]) -> None:
+        (lossy_format.unpack_into if self.lossy else fill_block)(views, raw_parts)
+
+    def _probe(self) -> list:
+        """Tensors shaped as a block's parts on the wire (what a payload's sizes are checked against)."""
+        views = self.runner.block_tensors(0)
+        return lossy_format.packed_shapes(views) if self.lossy else views
 
     def snapshot(self):
         """The counters as /metrics reads them (sieve/stats.py)."""
@@ -253,7 +284,7 @@ class KVTiers:
         t = self.stats
         return KVTierStats(dict(t.hits), {s.name: len(s) for s in self.stores}, {s.name: s.evictions for s in self.stores},
                            dict(t.bytes), dict(t.seconds), t.checksum_failures, dict(t.write_errors), dict(t.read_errors),
-                           t.dropped_writes, dict(t.recomputed))
+                           t.dropped_writes, dict(t.recomputed), dict(t.resumed), "int8" if self.lossy else "auto")
 
     def _warn(self, what: str, message: str) -> None:
         """One log line per kind of failure (each is counted in /metrics every time)."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from sieve.kernels import cpu_ops
 from sieve.layers import attention_triton
+from sieve.quant.formats import quantize_int8_rows
 
 
 @dataclass
@@ -162,10 +163,9 @@ class QuantizedKVCacheLayer(KVCacheLayer):
     def _quant(self, x: torch.Tensor, scale_store: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp8":
             return (x.float() / scale_store).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        s = (x.float().abs().amax(dim=-1) / 127).clamp(min=1e-8)  # [T, KVH]
+        codes, s = quantize_int8_rows(x)  # s: [T, KVH], float16 as stored
         scale_store.view(-1, scale_store.shape[-1]).index_copy_(0, slots, s.to(scale_store.dtype))
-        s = s.to(scale_store.dtype).float()  # what will be read back
-        return torch.round(x.float() / s[..., None]).clamp(-127, 127).to(torch.int8)
+        return codes
 
     # Copies and gathers go through byte views: CPU kernels for them do not all exist for float8.
     def write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -141,6 +141,14 @@ def quantize_int8(w: torch.Tensor) -> ChannelScaledWeight:
     return ChannelScaledWeight(q, scale)
 
 
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ~ codes * scales[..., None]: int8 codes, and a float16 scale per row of the last dimension (amax / 127, as
+    stored: the codes are computed against the float16 value read back). The int8 KV cache's scheme (a scale per token
+    and KV head), and the lossy KV tier's."""
+    s = (x.float().abs().amax(dim=-1) / 127).clamp(min=2**-24).to(torch.float16)  # float16's least step: never 0
+    return torch.round(x.float() / s.float()[..., None]).clamp(-127, 127).to(torch.int8), s
+
+
 FP8_MIN_NORMAL = 2.0**-6
 
 

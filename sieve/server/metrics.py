@@ -171,6 +171,8 @@ class EngineCollector:
         and direction, bytes and seconds; blocks failing their check; blocks left to recompute, by reason."""
         m = self.model_name
         for name, doc, counts, kind in (("hits", "KV blocks loaded from a tier into the pool", s.hits, CounterMetricFamily),
+                                        ("resumed_hits", "KV blocks loaded from a tier for a preempted sequence resuming "
+                                         "(of the hits): preemption without recompute", s.resumed, CounterMetricFamily),
                                         ("blocks", "KV blocks a tier holds (Redis: those this server wrote or read there)",
                                          s.blocks_held, GaugeMetricFamily),
                                         ("evictions", "KV blocks a tier dropped for room", s.evictions, CounterMetricFamily),
@@ -193,6 +195,10 @@ class EngineCollector:
             ("checksum_failures", "KV blocks that failed their check (MAC, layout, size): deleted and recomputed",
              s.checksum_failures),
             ("dropped_writes", "KV blocks not written because the writer's queue was full", s.dropped_writes)))
+        family = GaugeMetricFamily("sieve:kv_tier_lossy", "1 where the KV tiers hold blocks lossily (--kv-tier-dtype), "
+                                   "so that a loaded block is not the bytes the pool held", labels=["model_name", "dtype"])
+        family.add_metric([m, s.dtype], 0 if s.dtype == "auto" else 1)
+        yield family
         family = CounterMetricFamily("sieve:kv_tier_recomputed_blocks", "KV blocks a tier held or was asked for that were "
                                      "recomputed instead, by reason", labels=["model_name", "reason"])
         for reason, n in sorted(s.recomputed.items()):
