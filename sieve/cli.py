@@ -508,7 +508,8 @@ def add_throughput_benches(bench) -> None:
     bq = bench.add_parser("quant", help="each weight format against bf16 (batch 1, many at once) and KV capacity per KV dtype")
     bq.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (a GGUF file is widened to bf16 first)")
     bq.add_argument("--formats", default="bf16,int8,fp8,int4,awq",
-                    help="comma list of bf16, int8, fp8, int4, awq, w8a8, smoothquant (the last two: int8 activations)")
+                    help="comma list of bf16, int8, fp8, int4, awq, w8a8, w8a8-vnni, smoothquant (the last three: int8 "
+                         "activations; w8a8-vnni: W8A8 with the AMX-INT8 tiles off)")
     bq.add_argument("--awq-model", default=None, help="AWQ checkpoint of the same model (from `sieve quantize`)")
     bq.add_argument("--smoothquant-model", default=None,
                     help="W8A8 checkpoint of the same model (from `sieve quantize --method smoothquant`, or llm-compressor)")

@@ -51,6 +51,44 @@ def test_the_kernel_is_the_integer_arithmetic_exactly(rows, n, k):
     assert torch.equal(kernel(x)[-1:], kernel(x[-1:]))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 40])
+@pytest.mark.parametrize("n, k", [(48, 192), (40, 256)])  # whole tile steps of 64 inputs; a short last block
+def test_amx_tiles_give_the_same_bits_as_vpdpbusd(rows, n, k):
+    """Where the CPU has AMX-INT8 tiles and Linux grants them, W8A8 calls from w8a8_amx_rows() rows multiply on them
+    (the load log's kernel name says so): the same outputs, bit for bit, as vpdpbusd and as the integer arithmetic,
+    from any row count (the threshold set to 1 here), float32 and bfloat16. Elsewhere asking for the tiles fails
+    with a message, and the kernel name does not claim them."""
+    from sieve.kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(rows * k)
+    w = quantize(torch.randn(n, k, generator=g), "w8a8")
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g) * 3
+    ops = cpu_ops()
+    if ops is None or not ops.w8a8_native():
+        assert W8A8Kernel(w, torch.float32, bias).native is None
+        return
+    if not ops.w8a8_amx():
+        assert "AMX" not in ops.w8a8_kernel()
+        with pytest.raises(RuntimeError, match="AMX"):
+            ops.set_w8a8_amx(True)
+        return
+    assert "AMX-INT8" in make_kernel(w, torch.float32, bias).name
+    before = ops.set_w8a8_amx_rows(1)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            kernel, xd = make_kernel(w, dtype, bias), x.to(dtype)
+            tiles = kernel(xd)
+            ops.set_w8a8_amx(False)
+            try:
+                assert torch.equal(tiles, kernel(xd))
+            finally:
+                ops.set_w8a8_amx(True)
+            assert torch.equal(tiles, (acc_of(xd, w) + bias).to(dtype))
+    finally:
+        ops.set_w8a8_amx_rows(before)
+
+
 def acc_of(x: torch.Tensor, w: ChannelScaledWeight) -> torch.Tensor:
     q, s = quantize_tokens(x)
     return int8_matmul(q, w.q).float() * s[:, None] * w.scale[None, :]

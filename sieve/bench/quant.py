@@ -9,10 +9,14 @@ shared machine's slow moments fall on all of them alike:
     every request has its first token) and the decode phase (all of them generating together);
   - the bytes of linear weights one step reads, and the batch-1 profile per weight shape.
 Then, with one fixed KV memory budget, how many sequences of `kv_context` tokens fit per KV dtype.
+
+`w8a8-vnni` is W8A8 with AMX-INT8's tiles off (vpdpbusd at every row count: the same bits), set around each of its
+steps, so that one run measures what the tiles buy where the CPU has them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -21,6 +25,23 @@ import torch
 
 from sieve.bench.offline import profile_batch1
 from sieve.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def kernel_variant(name: str):
+    """Around a format's steps: `w8a8-vnni` turns the W8A8 AMX tiles off (sieve/kernels/w8a8.cpp) while they run."""
+    if name != "w8a8-vnni":
+        yield
+        return
+    from sieve.kernels import cpu_ops
+
+    ops = cpu_ops()
+    before = ops.set_w8a8_amx(False) if ops is not None and hasattr(ops, "set_w8a8_amx") else None
+    try:
+        yield
+    finally:
+        if before:
+            ops.set_w8a8_amx(True)
 
 
 def _llm(model: str, **options):
@@ -70,9 +91,10 @@ def interleaved_batch1(llms: dict, tokens: int, burst: int = 4, prompt_len: int 
             for _ in range(burst):
                 if not e.has_unfinished():
                     break
-                t = time.perf_counter()
-                e.step()
-                times[name].append(time.perf_counter() - t)
+                with kernel_variant(name):
+                    t = time.perf_counter()
+                    e.step()
+                    times[name].append(time.perf_counter() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -96,7 +118,7 @@ def run_quant_benchmark(args) -> dict:
                 continue
             llms[fmt] = _llm(path, quantize_lm_head=args.quantize_lm_head, **common)
         else:
-            llms[fmt] = _llm(model, quantization=fmt, quantization_group_size=args.group_size,
+            llms[fmt] = _llm(model, quantization="w8a8" if fmt == "w8a8-vnni" else fmt, quantization_group_size=args.group_size,
                              quantize_lm_head=args.quantize_lm_head, **widen, **common)
 
     head = "quantized too" if args.quantize_lm_head else "kept in bf16"
@@ -105,7 +127,8 @@ def run_quant_benchmark(args) -> dict:
     conc: dict[str, list[dict]] = {name: [] for name in llms}
     for r in range(args.rounds):
         for name, llm in llms.items():
-            conc[name].append(run_concurrent(llm, args.concurrent, args.prompt_len, args.output_len, seed=r))
+            with kernel_variant(name):
+                conc[name].append(run_concurrent(llm, args.concurrent, args.prompt_len, args.output_len, seed=r))
 
     rows: dict[str, dict] = {}
     for name, llm in llms.items():
@@ -115,7 +138,9 @@ def run_quant_benchmark(args) -> dict:
                           "concurrent_tokens_per_s": best["output_tokens_per_s"],
                           "concurrent_prefill_tokens_per_s": best["prefill_tokens_per_s"],
                           "concurrent_decode_tokens_per_s": best["decode_tokens_per_s"], "concurrent_rounds": conc[name],
-                          "linear_weight_bytes": sum(m.weight_bytes for m in linears), "profile": profile_batch1(llm)}
+                          "linear_weight_bytes": sum(m.weight_bytes for m in linears)}
+        with kernel_variant(name):
+            r["profile"] = profile_batch1(llm)
         ref = rows["bf16"]
         r["batch1_ratio"] = r["batch1_tokens_per_s"] / ref["batch1_tokens_per_s"]
         for k in ("concurrent", "concurrent_prefill", "concurrent_decode"):

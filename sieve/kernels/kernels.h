@@ -311,6 +311,12 @@ inline const float* bias_pointer(const c10::optional<torch::Tensor>& t, int64_t 
 // a kernel, w8a8_kernel() names it)
 bool w8a8_native();
 std::string w8a8_kernel();
+// Whether calls of w8a8_amx_rows() rows and more multiply on AMX-INT8 tiles (where the CPU has them and Linux grants
+// them, unless SIEVE_W8A8_AMX=0): the same bits as vpdpbusd. The setters (tests, benchmarks) return the value before.
+bool w8a8_amx();
+bool set_w8a8_amx(bool on);
+int64_t w8a8_amx_rows();
+int64_t set_w8a8_amx_rows(int64_t rows);
 void w8a8_into(const void* x, bool f32, int64_t M, int64_t K, const int8_t* w, int64_t blocks, int64_t K4, const int32_t* comp,
                const float* scale, const float* bias, int64_t n, void* y);
 torch::Tensor w8a8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor comp, torch::Tensor scale, c10::optional<torch::Tensor> bias,

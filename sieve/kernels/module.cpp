@@ -69,6 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("LINEAR_W8A8") = static_cast<int64_t>(sieve::NativeLinear::kW8A8);
   m.def("w8a8_native", &sieve::w8a8_native, "whether this build multiplies W8A8 weights with int8 dot products (AVX512-VNNI, AVX2)");
   m.def("w8a8_kernel", &sieve::w8a8_kernel, "the instructions this build's W8A8 kernel multiplies with (empty: none)");
+  m.def("w8a8_amx", &sieve::w8a8_amx, "whether W8A8 calls of w8a8_amx_rows() rows and more multiply on AMX-INT8 tiles");
+  m.def("set_w8a8_amx", &sieve::set_w8a8_amx, "turn the W8A8 AMX tiles on or off (tests); returns the setting before");
+  m.def("w8a8_amx_rows", &sieve::w8a8_amx_rows, "on AMX, from how many rows a W8A8 call takes the tiles (vpdpbusd below)");
+  m.def("set_w8a8_amx_rows", &sieve::set_w8a8_amx_rows, "set that row count (tests, benchmarks); returns the one before");
   m.def("w8a8_matmul", &sieve::w8a8_matmul, "int8 weights per row against int8 activations per row, blocked layout", nogil);
   py::class_<sieve::NativeDecoder>(m, "NativeDecoder")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())

@@ -14,7 +14,8 @@ scales took Llama-2's perplexity from 6.37 to ~15.7 in vLLM's PR #1112 thread); 
 outlier channels' range into the weights beforehand (sieve/quant/smoothquant.py).
 
 Kernels: on a CPU whose native build has AVX512-VNNI or AVX2, sieve's own (sieve/kernels/w8a8.cpp: vpdpbusd, or
-AVX2's vpmaddubsw with llama.cpp's sign trick, on a blocked copy of the codes, `block_w8a8`), a `NativeLinear` the
+AVX2's vpmaddubsw with llama.cpp's sign trick, on a blocked copy of the codes, `block_w8a8`; where the CPU has
+AMX-INT8 tiles, calls of 8 rows and more multiply on them, tdpbusd, the same integer sums), a `NativeLinear` the
 native layer loop calls too. On CUDA `torch._int_mm` (the int8 tensor cores, rows padded to what that kernel takes);
 in a generic CPU build a float64 GEMM of the codes, exact and much slower than a bf16 one (the kernel's name in the
 load log says which). Every kernel gives the same bits.
