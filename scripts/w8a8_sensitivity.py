@@ -5,7 +5,10 @@ for int8 weights alone, for each group of linears with int8 inputs alone, for ev
 one static scale per tensor (its largest |x| on the calibration text / 127, the per-tensor scheme), before and after
 SmoothQuant's scales (sieve/quant/smoothquant.py, calibrated on Shakespeare as `sieve quantize` is).
 
-    python scripts/w8a8_sensitivity.py [--windows 8] [--alpha auto] [--per-layer]
+    python scripts/w8a8_sensitivity.py [--windows 8] [--alpha auto] [--per-layer] [--data FILE]
+
+`--data`: another text to score (e.g. bench/data/smollm2-chat-set.txt, the chat set: scripts/make_chat_set.py),
+cut into windows of 256 tokens as it runs (its paragraphs, blank-line separated, in order).
 """
 import argparse
 from pathlib import Path
@@ -85,10 +88,11 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=8, help="WikiText-2 windows of 256 tokens scored")
     p.add_argument("--alpha", default="auto")
     p.add_argument("--per-layer", action="store_true", help="also each layer quantized alone")
+    p.add_argument("--data", default=str(SHARED / "wikitext2_test.txt"), help="the text scored (default: WikiText-2)")
     args = p.parse_args()
     model, tok, cfg, _ = reference_model(Path(default_model_path()))
     paragraphs = lambda f: [t for t in (SHARED / f).read_text().split("\n\n") if t.strip()]  # noqa: E731
-    wins = windows(tok, paragraphs("wikitext2_test.txt"), 256, args.windows)
+    wins = windows(tok, paragraphs(Path(args.data).resolve()), 256, args.windows)
     refs = [torch.log_softmax(model(w[None]).logits[0].float(), -1) for w in wins]
     originals = {(li, f"{part}.{leaf}"): layer.get_submodule(f"{part}.{leaf}")
                  for li, layer in enumerate(model.model.layers)
