@@ -43,7 +43,7 @@ from sieve.sampling_params import SamplingParams
 from sieve.scheduler import Scheduler
 from sieve.sequence import Request, Sequence, WindowState
 from sieve.spec_decode.build import build_speculator
-from sieve.stats import EngineStats, KVTransferStats, SpecDecodeStats, StructuredStats
+from sieve.stats import EngineStats, KVTransferStats, LoRAStats, SpecDecodeStats, StructuredStats
 from sieve.step_cost import StepCostModel, calibrate_step_cost, decode_keys
 from sieve.structured import GrammarCompiler, GrammarError
 
@@ -536,7 +536,16 @@ class LLMEngine:
                            bm.num_cached_blocks,
                            StructuredStats(st.mask_seconds, st.num_masked_steps, st.num_masked_rows, g.num_compiled, g.num_cache_hits,
                                            g.compile_seconds), spec, kv, self.kv_tiers.snapshot() if self.kv_tiers is not None else None,
-                           self.kv_compressor.snapshot())
+                           self.kv_compressor.snapshot(), self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        """The adapters of running and waiting requests (any thread: copies of the queues), and the manager's counts."""
+        if self.lora is None:
+            return None
+        names = lambda seqs: tuple(sorted({s.request.lora.name for s in list(seqs) if s.request.lora is not None}))  # noqa: E731
+        m = self.lora
+        return LoRAStats(names(self.scheduler.running), names(self.scheduler.waiting), m.max_loras, len(m.names),
+                         len(m.loaded), m.num_loads)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

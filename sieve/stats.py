@@ -68,6 +68,19 @@ class StructuredStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """LoRA adapters (vLLM's lora_requests_info): those of running and of waiting requests, at most `max_loras` in a
+    step; registered, held in memory, and reads from disk since start."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    max_loras: int = 0
+    registered: int = 0
+    in_memory: int = 0
+    loads: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -81,3 +94,4 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None  # None: no KV transfer
     kv_tiers: KVTierStats | None = None  # None: no KV tiers
     kv_compression: KVCompressionStats = field(default_factory=KVCompressionStats)
+    lora: LoRAStats | None = None  # None: LoRA off

@@ -135,6 +135,37 @@ def test_max_loras_holds_adapters_back_and_max_cpu_loras_reloads(llama_dir, adap
     assert len(manager.loaded) == 2 and manager.num_loads > len(names)  # dropped past 2 in memory, read again when asked
 
 
+def test_metrics_name_the_adapters_of_running_and_waiting_requests(llama_dir, adapters):
+    """vLLM's lora_requests_info: with max_loras 2 and three adapters asked for, two run and one waits, and the
+    scrape says which (labels), with max_lora; the adapters registered and in memory are gauges. Once all are done,
+    none is running or waiting."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sieve import EngineConfig, LLMEngine
+    from sieve.server.metrics import EngineCollector
+
+    names = list(ADAPTERS)[:3]
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=256,
+                                    enable_lora=True, max_loras=2, max_cpu_loras=4, lora_modules={n: adapters[n] for n in names}))
+    for i, n in enumerate(names):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, lora_request=LoRARequest(n, i + 1, adapters[n]))
+        engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[0]}, params)
+    engine.step()
+    s = engine.stats().lora
+    assert len(s.running) == 2 and len(s.waiting) == 1 and set(s.running) | set(s.waiting) == set(names)
+    assert s.max_loras == 2 and s.registered == 3 and s.in_memory == 3
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, "m"))
+    text = generate_latest(registry).decode()
+    assert f'running_lora_adapters="{",".join(s.running)}"' in text and f'waiting_lora_adapters="{s.waiting[0]}"' in text
+    assert 'max_lora="2"' in text and 'sieve:lora_adapters_registered{model_name="m"} 3.0' in text
+    while engine.has_unfinished():
+        engine.step()
+    done = engine.stats().lora
+    assert done.running == () and done.waiting == ()
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("breakage, message", [
     ("rank", "rank 8, over"),
     ("missing", "no adapter_model.safetensors"),

@@ -5,6 +5,8 @@ Timestamps come from the engine (monotonic, per request); the arithmetic happens
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -116,6 +118,8 @@ class EngineCollector:
             yield from self.kv_transfer(s.kv_transfer)
         if s.kv_tiers is not None:
             yield from self.kv_tiers(s.kv_tiers)
+        if s.lora is not None:
+            yield from self.lora(s.lora)
         c = s.kv_compression
         yield from _counters("sieve:kv_compression_", self.model_name, (
             ("requests", "Requests whose prompt KV a press compressed", c.requests),
@@ -124,6 +128,20 @@ class EngineCollector:
             ("skipped", "Presses skipped: no room for the compacted copy and the prompt's blocks shared", c.skipped),
             ("seconds", "Seconds spent choosing and compacting kept positions", c.seconds),
         ))
+
+    def lora(self, s):
+        """vLLM's lora_requests_info (the adapters of running and of waiting requests, and max_lora, as labels; the
+        value the time of the scrape), and the adapters registered, in memory and read since start."""
+        family = GaugeMetricFamily("sieve:lora_requests_info", "Running stats on LoRA requests",
+                                   labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        family.add_metric([",".join(s.running), str(s.max_loras), ",".join(s.waiting)], time.time())
+        yield family
+        yield from _family(GaugeMetricFamily, "sieve:lora_adapters_registered", "LoRA adapters that requests may name",
+                           [self.model_name], s.registered)
+        yield from _family(GaugeMetricFamily, "sieve:lora_adapters_in_memory", "LoRA adapters held in memory (up to "
+                           "--max-cpu-loras; the others are read again when asked for)", [self.model_name], s.in_memory)
+        yield from _counters("sieve:lora_", self.model_name, (
+            ("adapter_loads", "LoRA adapters read from disk (a load, or one dropped from memory asked for again)", s.loads),))
 
     def structured(self, st):
         """Time spent on token masks (computing and applying them), per step and per row, and grammar compilation."""
