@@ -161,13 +161,14 @@ class BlockManager:
         blocks: each one not cached yet takes a free block, named by its hash and left unreferenced in the cache, where
         the next lookup finds it. Returns (index in `hashes`, block) of the blocks the caller must fill now; stops early
         when only blocks imported by this call, or kept, would be left to take. `keep`: the hashes of the blocks
-        before them that the cache holds (the start of the same prompt), made the most recently used and never
-        taken by this call: importing a prompt's rest must not evict its start."""
+        before them that the cache holds (the start of the same prompt); they and the blocks of `hashes` the cache
+        holds already are made the most recently used and never taken by this call: importing a prompt's rest must not
+        evict its start, nor the blocks between that it skips."""
         if not self.enable_prefix_caching:
             return []
         taken: list[tuple[int, int]] = []
         mine: set[int] = set()
-        for h in keep:
+        for h in [*keep, *hashes]:  # those cached already: the most recently used, and never taken by this call
             block = self.cached.get(h)
             if block is not None:
                 if block in self.evictable:

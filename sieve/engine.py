@@ -158,20 +158,22 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
-    def _time_decode_rows(self, num_rows: int, tables, context: int = 0) -> float:
-        return model_runner.time_decode_rows(self.runner, num_rows, tables, context)
+    def _time_decode_rows(self, num_rows: int, tables, context: int = 0, logits: bool = True) -> float:
+        return model_runner.time_decode_rows(self.runner, num_rows, tables, context, logits)
 
     def _build_tiers(self, config: EngineConfig):
         """The KV tiers (sieve/kv_tiers), their cost model told what a prefill token costs here: decode rows at
-        position 0 (a prompt's tokens without their attention, so recomputing looks, if anything, cheaper)."""
+        position 0 without their logits (a prompt's tokens without their attention, so recomputing looks, if anything,
+        cheaper; with the logits, Gemma-3's 262k-word head tripled the price, and a tier slower than recomputing was
+        taken)."""
         from sieve.kv_tiers import build_kv_tiers
 
         if self.tp_workers is not None:
             raise ConfigError("the KV tiers are not built together with tensor parallelism yet")
         rows = min(64, config.max_num_batched_tokens)
         with self._borrowed_blocks(1) as tables:
-            self._time_decode_rows(rows, tables)  # first calls allocate
-            per_token = min(self._time_decode_rows(rows, tables) for _ in range(3)) / rows
+            self._time_decode_rows(rows, tables, logits=False)  # first calls allocate
+            per_token = min(self._time_decode_rows(rows, tables, logits=False) for _ in range(3)) / rows
         return build_kv_tiers(config, self.kv_layout, kv_scales_digest(self.runner.caches), self.arch, self.runner,
                               self.block_manager, per_token)
 

@@ -384,12 +384,13 @@ class ModelRunner:
         apply_bitmask(logits, mask, rows)
         return time.perf_counter() - started, len(rows)
 
-    def block_tensors(self, block: int) -> list[torch.Tensor]:
-        """Views of one block of the full-attention group in every layer: K/V [entries, layers, block_size, kv_heads,
-        head_dim], and with an int8 KV cache its scales (what KV transfer moves)."""
-        parts = [self.kv_pools[0][:, :, block]]
-        if self.kv_scale_pools[0] is not None:
-            parts.append(self.kv_scale_pools[0][:, :, block])
+    def block_tensors(self, block: int, group: int = 0) -> list[torch.Tensor]:
+        """Views of one block of a KV-cache group (0: the full-attention layers, 1: the sliding-window layers) in each
+        of its layers: K/V [entries, layers, block_size, kv_heads, head_dim], and with an int8 KV cache its scales
+        (what KV transfer and the KV tiers move)."""
+        parts = [self.kv_pools[group][:, :, block]]
+        if self.kv_scale_pools[group] is not None:
+            parts.append(self.kv_scale_pools[group][:, :, block])
         return parts
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
@@ -531,8 +532,9 @@ def score_hidden(runner: ModelRunner, token_ids: list[int], start: int, end: int
 
 
 @torch.inference_mode()
-def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 0) -> float:
-    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), for the step-cost model.
+def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 0, logits: bool = True) -> float:
+    """Seconds for one step of `num_rows` decode rows (forward, logits, argmax), for the step-cost model; without
+    `logits`, the forward alone (what a prompt's tokens cost but its last: the KV tiers' price of recomputing).
 
     With `context` > 0 the rows are one sequence's decode and drafted rows, the shape speculation adds: positions
     `context` .. `context` + `num_rows` - 1 of the borrowed `tables` (which hold that many tokens), row i attending
@@ -555,5 +557,8 @@ def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 
         meta = runner.metadata([(tables, 0, 1)] * num_rows, [(tables, 1, blocks)] * num_rows, [])
         positions = torch.zeros(num_rows, dtype=torch.int64, device=dev)
     hidden = runner.model(torch.zeros(num_rows, dtype=torch.int64, device=dev), positions, runner.caches, meta)
-    runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
+    if logits:
+        runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
+    elif dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return time.perf_counter() - t0

@@ -67,3 +67,17 @@ def test_importing_a_prompts_rest_never_evicts_its_start():
     assert all(bm.cached_block(h) is not None for h in ours) and all(bm.cached_block(h) is None for h in theirs)
     assert bm.import_cached(bm.prompt_hashes([5, 5]), keep=ours) == []  # only kept blocks left to take
     assert all(bm.cached_block(h) is not None for h in ours)
+
+
+def test_importing_never_evicts_the_blocks_it_skips():
+    """Blocks of the imported run that the cache holds already are skipped, and must outlive the import: a pool of 4,
+    the run's second block cached and the least recently used; importing the run's 3 others takes the free block and
+    the other prompt's two, not it (without the protection it went first, and the lookup stopped at the gap: a
+    Gemma-3 window group loaded 20 of its 32 blocks, and the prompt was computed whole)."""
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    run = bm.prompt_hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    other = bm.prompt_hashes([9, 9, 8, 8, 7, 7])
+    bm.import_cached([run[1]])
+    bm.import_cached(other[:2])
+    assert [j for j, _ in bm.import_cached(run)] == [0, 2, 3]  # the free block, then the other prompt's two
+    assert all(bm.cached_block(h) is not None for h in run) and all(bm.cached_block(h) is None for h in other[:2])

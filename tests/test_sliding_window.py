@@ -357,8 +357,35 @@ def test_avx2_decode_kernel_attends_to_each_rows_window(avx2):
 
 
 
-def test_the_kv_tiers_refuse_sliding_window_pools_by_name(sliding_checkpoints, tmp_path):
-    from sieve.config import ConfigError
-
-    with pytest.raises(ConfigError, match="sliding-window layers"):
-        engine(sliding_checkpoints["gemma3"], kv_cache_disk=str(tmp_path / "kv"))
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_kv_tiers_bring_back_the_full_group_and_the_last_window(name, sliding_checkpoints):
+    """The KV tiers on a model with sliding-window layers (issue 64): each block goes down with both groups' parts;
+    a prompt whose blocks the pools evicted comes back from host RAM with its full-attention blocks whole and, of the
+    window group, only the blocks inside the window of the prefix loaded. Its tokens are those of the plain path."""
+    path = sliding_checkpoints[name]
+    tok = engine(path, num_gpu_blocks_override=64).get_tokenizer()
+    prompts = long_prompts(tok)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in engine(path, enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    llm = engine(path, num_gpu_blocks_override=40, kv_offloading_size=0.01)
+    eng = llm.llm_engine
+    eng.kv_tiers.recompute_s_per_block = float("inf")  # a tiny model recomputes as fast as a tier reads: price it as a real one
+    target = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    first = llm.generate([{"prompt_token_ids": prompts[target]}], params)[0]
+    assert eng.kv_tiers.flush()
+    bm = eng.block_manager
+    hashes = bm.prompt_hashes(prompts[target][:-1])
+    others = [[10 + (7 * i + 3 * k) % 200 for k in range(60)] for i in range(4)]  # 4 x 66 tokens through a pool of 160
+    llm.generate([{"prompt_token_ids": p} for p in others], params)
+    assert all(bm.cached_block(h) is None and bm.window.cached_block(h) is None for h in hashes)
+    loaded = eng.kv_tiers.fetch(prompts[target], None)
+    end = loaded.start + len(loaded.blocks)
+    assert loaded.start == 0 and end == len(hashes)
+    eng.kv_tiers.admit(prompts[target], loaded)
+    first_in_window = bm.window.first_needed_block(end * 4)
+    assert all(bm.cached_block(h) is not None for h in hashes)
+    assert [bm.window.cached_block(h) is not None for h in hashes] == [j >= first_in_window for j in range(end)]
+    again = llm.generate([{"prompt_token_ids": prompts[target]}], params)[0]
+    assert again.num_cached_tokens == 4 * end
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == ref[target]

@@ -51,20 +51,19 @@ def tier_secret(root: Path | None, secret_file: str | None) -> bytes:
 
 
 def build_kv_tiers(config, layout: str, scales: str, arch, runner, block_manager, seconds_per_prefill_token: float) -> KVTiers:
-    """The engine's tiers, checked against what they can hold: one pool of full-attention blocks (dense or latent),
-    found through the prefix cache. `layout` and `scales`: sieve/kv_fingerprint.py."""
+    """The engine's tiers, checked against what they can hold: full-attention blocks (dense or latent) and, beside
+    them, sliding-window layers' blocks, found through the prefix cache; not Mamba-2 state. `layout` and `scales`:
+    sieve/kv_fingerprint.py."""
     from sieve.config import ConfigError
     from sieve.distributed.kv_auth import KVAuth
 
-    if len(runner.layer_groups) > 1:
-        raise ConfigError("the KV tiers hold one pool of full-attention blocks; sliding-window layers keep a pool of their "
-                          "own, which they do not hold yet (serve without --kv-offloading-size / --kv-cache-disk / --kv-cache-remote)")
     if arch.mamba_layers:
         raise ConfigError("the KV tiers: a Mamba-2 layer's state is not kept in blocks, so a prefix cannot be restored from "
                           "them (serve without --kv-offloading-size / --kv-cache-disk / --kv-cache-remote)")
     lossy = config.kv_tier_dtype != "auto"
     # lossy blocks live under a fingerprint of their own: never mixed with a lossless tier's (a restart, a replica)
-    wire_layout = f"{layout}|{scales}" + (f"|tier:{config.kv_tier_dtype}" if lossy else "")
+    wire_layout = f"{layout}|{scales}" + ("|window" if len(runner.layer_groups) > 1 else "") + (
+        f"|tier:{config.kv_tier_dtype}" if lossy else "")
     fingerprint = hashlib.blake2b(wire_layout.encode(), digest_size=12).hexdigest()
     stores: list = [HostStore(int(config.kv_offloading_size * 1e9))] if config.kv_offloading_size else []
     try:

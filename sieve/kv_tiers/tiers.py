@@ -77,6 +77,9 @@ class KVTiers:
 
     def __init__(self, stores: list, auth: KVAuth, layout: str, runner, blocks, lossy: bool = False):
         self.stores, self.auth, self.layout, self.runner, self.blocks = stores, auth, layout, runner, blocks
+        # the sliding-window layers' own pool (a hybrid model's), or None: a block goes down with both groups' parts,
+        # and comes back into the window pool only where it is inside the window of the prefix loaded
+        self.window = getattr(blocks, "window", None)
         self.lossy = lossy  # blocks written as int8 codes and scales (sieve/kv_tiers/lossy.py), not the pool's bytes
         self.block_size = blocks.block_size
         self.stats = TierStats()
@@ -98,7 +101,11 @@ class KVTiers:
             key = h.hex()
             if key in self._queued or all(s.knows(key) for s in self.stores):
                 continue
-            views = self.runner.block_tensors(block)
+            wblock = self.window.cached_block(h) if self.window is not None else None
+            if self.window is not None and wblock is None:  # its window part already evicted: nothing whole to write
+                self.stats.dropped_writes += 1
+                continue
+            views = self._views(block, wblock)
             size = sum(v.numel() * v.element_size() for v in views)
             with self._count_lock:
                 full = self._queued_bytes + size > WRITE_QUEUE_BYTES
@@ -222,7 +229,12 @@ class KVTiers:
         taken = self.blocks.import_cached(hashes[fetched.start : end], keep=hashes[: fetched.start])
         started = time.perf_counter()
         for j, block in taken:
-            self._fill(self.runner.block_tensors(block), fetched.blocks[j])
+            self._fill(self._views(block, None), fetched.blocks[j])
+        if self.window is not None:  # the window group: only the blocks inside the window of the prefix loaded
+            first = max(fetched.start, self.window.first_needed_block(end * self.block_size))
+            keep = hashes[self.window.first_needed_block(end * self.block_size) : first]
+            for j, wblock in self.window.import_cached(hashes[first:end], keep=keep):
+                self._fill(self._views(None, wblock), fetched.blocks[first - fetched.start + j], window=True)
         if taken:
             self.fill_s_per_block += EMA * ((time.perf_counter() - started) / len(taken) - self.fill_s_per_block)
         self.stats.hits[fetched.tier] += len(taken)
@@ -237,7 +249,7 @@ class KVTiers:
         views, timed)."""
         self.recompute_s_per_block = seconds_per_prefill_token * self.block_size
         tokens = [0] * self.block_size
-        views = self.runner.block_tensors(0)
+        views = self._views(0, 0 if self.window is not None else None)
         probe = self._probe()
         payload = encode_block(self.auth, "0" * 32, tokens, self.layout, lossy_format.pack(views) if self.lossy else views)
         key = "calibration-" + "0" * 20
@@ -269,12 +281,22 @@ class KVTiers:
             f"{s.name} ({len(s)} blocks held, a block fetched in {1e3 * self.fetch_s_per_block[s.name]:.2f} ms)"
             for s in self.stores), 1e3 * self.fill_s_per_block, 1e3 * self.recompute_s_per_block)
 
-    def _fill(self, views: list, raw_parts: list[bytes]) -> None:
+    def _views(self, block: int | None, wblock: int | None) -> list:
+        """The pool's views of a block as it goes down: the full-attention group's (`block`), then the window group's
+        (`wblock`); either None leaves its group out."""
+        views = self.runner.block_tensors(block) if block is not None else []
+        return views + (self.runner.block_tensors(wblock, group=1) if wblock is not None else [])
+
+    def _fill(self, views: list, raw_parts: list[bytes], window: bool = False) -> None:
+        """A checked block's parts into `views`: the full group's parts, or with `window` the window group's."""
+        if self.window is not None:
+            n = len(self.runner.block_tensors(0)) * (2 if self.lossy else 1)
+            raw_parts = raw_parts[n:] if window else raw_parts[:n]
         (lossy_format.unpack_into if self.lossy else fill_block)(views, raw_parts)
 
     def _probe(self) -> list:
         """Tensors shaped as a block's parts on the wire (what a payload's sizes are checked against)."""
-        views = self.runner.block_tensors(0)
+        views = self._views(0, 0 if self.window is not None else None)
         return lossy_format.packed_shapes(views) if self.lossy else views
 
     def snapshot(self):
