@@ -159,7 +159,9 @@ class LLMEngine:
         gc.freeze()
 
     def _time_decode_rows(self, num_rows: int, tables, context: int = 0, logits: bool = True) -> float:
-        return model_runner.time_decode_rows(self.runner, num_rows, tables, context, logits)
+        if logits:
+            return model_runner.time_decode_rows(self.runner, num_rows, tables, context)
+        return model_runner.time_decode_rows(self.runner, num_rows, tables, context, logits=False)
 
     def _build_tiers(self, config: EngineConfig):
         """The KV tiers (sieve/kv_tiers), their cost model told what a prefill token costs here: decode rows at

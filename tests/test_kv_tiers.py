@@ -394,6 +394,21 @@ def test_the_cost_model_is_measured_at_start(checkpoints, tmp_path, monkeypatch)
     llm.shutdown()
 
 
+def test_recomputing_is_priced_without_the_lm_head(checkpoints, monkeypatch):
+    """A prompt computes logits for its last token only: the price of recomputing a block is the forward's, without
+    the head (Gemma-3's 262k-word head had tripled it, and a tier slower than recomputing was taken). A fake machine:
+    0.1 s a row without logits, 0.5 with."""
+    import sieve.model_runner
+
+    def fake(runner, n, tables, context=0, logits=True):
+        return (0.5 if logits else 0.1) * n
+
+    monkeypatch.setattr(sieve.model_runner, "time_decode_rows", fake)
+    llm = engine(checkpoints["llama"], None, measured_cost=True, kv_offloading_size=0.01)
+    assert llm.llm_engine.kv_tiers.recompute_s_per_block == pytest.approx(0.1 * 4)
+    llm.shutdown()
+
+
 def test_what_the_tiers_cannot_hold_is_refused_with_a_reason(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="prefix caching"):
         engine(checkpoints["llama"], str(tmp_path / "kv"), enable_prefix_caching=False)
