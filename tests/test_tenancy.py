@@ -17,8 +17,14 @@ def engine_with(llama_dir, **kw) -> LLMEngine:
                                   **kw))
 
 
+FIRST_TOKENS: dict[str, int] = {}  # request id -> its prompt's first token, distinct per id, the same in every run
+
+
 def add(engine, rid, tenant, tier, priority, params=LONG, length=12):
-    engine.add_request(rid, {"prompt_token_ids": [5 + (hash(rid) % 50) + i for i in range(length)]}, params, priority,
+    """A prompt of its own for `rid` (no two ids share a first token, so none hits another's prefix cache; not
+    `hash(rid)`, which Python salts per process and which made two ids collide in one run in fifty)."""
+    first = FIRST_TOKENS.setdefault(rid, 5 + len(FIRST_TOKENS))
+    engine.add_request(rid, {"prompt_token_ids": [first + i for i in range(length)]}, params, priority,
                        tenant=tenant, tier=tier)
 
 
