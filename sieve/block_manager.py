@@ -110,7 +110,11 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must still take so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_needed(num_tokens - seq.kv_dropped) - len(self.table_of(seq)))
+        return max(0, self.blocks_needed(num_tokens - self.dropped(seq)) - len(self.table_of(seq)))
+
+    def dropped(self, seq: Sequence) -> int:
+        """Positions a press dropped from this group's slots (KV compression: token p is in slot p - dropped)."""
+        return seq.kv_dropped
 
     def root(self, salt: str | None) -> bytes:
         """Where a sequence's chain of hashes starts: the engine's namespace, or with a cache salt (vLLM's `cache_salt`)
@@ -227,7 +231,7 @@ class BlockManager:
         before `start` in that block (done by the runner in the step that writes them: before the forward pass for a
         draft chain, after it for a choice whose sibling's prompt that step computes). None (nothing changed) when the
         pool is short."""
-        start, end = start - seq.kv_dropped, end - seq.kv_dropped  # positions to slots (a compressed sequence)
+        start, end = start - self.dropped(seq), end - self.dropped(seq)  # positions to slots (a compressed sequence)
         first = start // self.block_size
         need = max(self.blocks_needed(end), first + (1 if start % self.block_size else 0)) - first
         if need > self.num_free_blocks:
@@ -235,13 +239,13 @@ class BlockManager:
         blocks = self._new_blocks(need)
         table = self.table_of(seq)
         copies = [(self.GROUP, table[first], blocks[0])] if start % self.block_size else []
-        return BlockFork(seq, start + seq.kv_dropped, table[:first], blocks, copies)
+        return BlockFork(seq, start + self.dropped(seq), table[:first], blocks, copies)
 
     def adopt(self, seq: Sequence, f: BlockFork) -> None:
         """`seq` continues on the fork `f`. Its source: its own blocks from the one holding `start` (private to it, being
         written) give way to the fork's. Another sequence (with no blocks yet): it shares the source's blocks before
         `start` and takes the fork's, and with them the source's first `start` tokens as computed."""
-        first = (f.start - f.source.kv_dropped) // self.block_size
+        first = (f.start - self.dropped(f.source)) // self.block_size
         if seq is f.source:
             table = self.table_of(seq)
             self._forget_own(table[first:], "a draft branch replaces")
@@ -320,7 +324,7 @@ class BlockManager:
         """Keep only the blocks needed for the first `num_tokens` tokens (speculative rollback).
         Every block from the one holding token `num_tokens` on may hold rejected tokens (and the kept
         partial one will be written again), so they leave the cache; none of them may be shared."""
-        slots = num_tokens - seq.kv_dropped
+        slots = num_tokens - self.dropped(seq)
         keep, first_dirty = self.blocks_needed(slots), slots // self.block_size
         table = self.table_of(seq)
         self._forget_own(table[first_dirty:], "truncate into")
@@ -409,13 +413,24 @@ class SlidingWindowBlockManager(BlockManager):
         self.window = window
         self.num_window_freed = 0  # blocks given back because they left the window (statistics)
 
+    def dropped(self, seq: Sequence) -> int:
+        return 0  # a press leaves the sliding-window layers whole: their slots stay positions
+
     def first_needed_block(self, position: int) -> int:
         """The first block a token computed at `position` (or later) may read."""
         return max(0, position - self.window + 1) // self.block_size
 
+    def first_kept_block(self, seq: Sequence, position: int) -> int:
+        """The first block `seq` may still read once its next token to compute is at `position`: that token's
+        window, and while a press is to run on its prompt, the windows of the prompt's last positions whose queries
+        the press reads again (SnapKV's)."""
+        if getattr(seq, "press_pending", False):
+            position = min(position, seq.num_prompt_tokens - seq.params.kv_compression.lookback)
+        return self.first_needed_block(position)
+
     def release_out_of_window(self, seq: Sequence) -> None:
         table = seq.window.table
-        for j in range(min(self.first_needed_block(seq.num_computed_tokens), len(table))):
+        for j in range(min(self.first_kept_block(seq, seq.num_computed_tokens), len(table))):
             if table[j] != PAD:
                 self._release([table[j]])
                 table[j] = PAD
@@ -430,13 +445,13 @@ class SlidingWindowBlockManager(BlockManager):
         window is entirely in this group's cache."""
         hashes = self._hashes(seq, max_blocks)
         for h in range(max_blocks, 0, -1):
-            if all(hashes[j] in self.cached for j in range(self.first_needed_block(h * self.block_size), h)):
+            if all(hashes[j] in self.cached for j in range(self.first_kept_block(seq, h * self.block_size), h)):
                 return h
         return 0
 
     def take_hit(self, seq: Sequence, num_blocks: int) -> None:
         """`seq` enters with its first `num_blocks` blocks cached: share those its window needs, PAD the rest."""
-        first = self.first_needed_block(num_blocks * self.block_size)
+        first = self.first_kept_block(seq, num_blocks * self.block_size)
         hashes = self._hashes(seq, num_blocks)
         self._share(seq, [PAD] * first + [self.cached[hashes[j]] for j in range(first, num_blocks)])
 
@@ -457,6 +472,8 @@ class HybridBlockManager(BlockManager):
         return max(super().usage, self.window.usage)
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        if getattr(seq, "query_stats", None) is not None:  # its press needs every prompt position's queries, which a
+            return []  # pass over a cached prefix cannot give here: the window layers gave the blocks it reads back
         hit = super().cached_prefix_blocks(seq)
         return hit[: self.window.longest_hit(seq, len(hit))] if hit else hit
 

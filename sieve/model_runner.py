@@ -215,11 +215,14 @@ class ModelRunner:
             log.info("KV cache capped at max_num_seqs x max_model_len; the budget would hold %d blocks", budget // self.block_bytes)
         return num_blocks, window
 
-    def metadata(self, writes: list[tuple], decodes: list[tuple], prefills: list[tuple]) -> AttentionMetadata:
+    def metadata(self, writes: list[tuple], decodes: list[tuple], prefills: list[tuple],
+                 window_rows: tuple[list, list, list] | None = None) -> AttentionMetadata:
         """A step's attention metadata from what holds the tables (a Sequence, or anything with its `block_table`
-        and `window.table`): `writes` (holder, first, end) for the positions whose K/V the step writes;
+        and `window.table`): `writes` (holder, first, end) for the slots whose K/V the step writes;
         `decodes` (holder, context length, table blocks) per decode row; `prefills` (first row, query length,
-        context length, holder) per chunk. Sliding-window layers get their windows' views of `window.table`."""
+        context length, holder) per chunk. Sliding-window layers get their windows' views of `window.table`, from
+        `window_rows` (the same three in that group's slots) where its slots differ from the full group's (a
+        compressed sequence's: the press drops positions from the full-attention layers only)."""
         bs = self.block_size
 
         def group(table_of, windows: tuple[int, ...]) -> AttentionMetadata:
@@ -239,6 +242,7 @@ class ModelRunner:
 
         meta = group(lambda h: h.block_table, ())
         if len(self.layer_groups) > 1:
+            writes, decodes, prefills = window_rows or (writes, decodes, prefills)
             meta.windows = group(lambda h: h.window.table, tuple(w for w in self.arch.layer_windows if w is not None)).windows
         if self.arch.mamba_layers:  # which state slot each row continues; a sequence at position 0 starts from zeros
             fresh = [holder.state_slot for holder, start, _ in writes if start == 0]
@@ -294,8 +298,10 @@ class ModelRunner:
         """The step's token ids, positions and attention metadata. A decode and its drafts are rows of one table
         (the kernel walks it once for them all); a draft tree's other chains follow as the last token again, then
         the chain, each in blocks of its own."""
-        input_ids, positions, writes, decodes, prefills, taps, adapters = [], [], [], [], [], [], []
-        bs = self.block_size
+        input_ids, positions, taps, adapters = [], [], [], []
+        # per KV-cache group, (writes, decodes, prefills) in its slots: a token's slot is its position less what a
+        # press dropped from that group (the full-attention layers'; sliding-window layers keep their window whole)
+        rows = [([], [], []) for _ in self.layer_groups]
         for item in items:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -304,25 +310,33 @@ class ModelRunner:
                 adapters.append((seq.request.lora, row, row + item.num_rows))
             input_ids += seq.token_ids[start : start + item.num_real_tokens] + item.draft
             positions += range(start, end)  # rotary positions; K/V slots are positions less what a press dropped
-            d = seq.kv_dropped
-            writes.append((seq, start - d, end - d))
-            if not item.is_decode:
-                prefills.append((row, item.num_new_tokens, end - d, seq))
-                if seq.query_stats is not None and seq.press_pending:  # its press's query statistics, in this step
-                    taps += [QueryTap(row + a - start, b - a, seq.query_stats)
-                             for a, b in seq.query_stats.take(start, min(end, seq.num_prompt_tokens))]
-                continue
-            decodes += [(seq, p + 1, -(-(end - d) // bs)) for p in range(start - d, end - d)]
+            for group, d in zip(rows, (seq.kv_dropped, 0)):
+                self._lay_out_slots(group, item, row, start - d, end - d)
+            if not item.is_decode and seq.query_stats is not None and seq.press_pending:  # its press's statistics
+                taps += [QueryTap(row + a - start, b - a, seq.query_stats)
+                         for a, b in seq.query_stats.take(start, min(end, seq.num_prompt_tokens))]
             for branch in item.branches:
-                b_end = start + branch.num_rows
                 input_ids += seq.token_ids[start : start + 1] + branch.draft
-                positions += range(start, b_end)
-                writes.append((branch, start - d, b_end - d))
-                decodes += [(branch, p + 1, -(-(b_end - d) // bs)) for p in range(start - d, b_end - d)]
-        meta = self.metadata(writes, decodes, prefills)
+                positions += range(start, start + branch.num_rows)
+        meta = self.metadata(*rows[0], rows[1]) if len(rows) > 1 else self.metadata(*rows[0])
         meta.query_taps = taps
         meta.lora = LoRABatch.of(adapters, self.device) if adapters else None
         return input_ids, positions, meta
+
+    def _lay_out_slots(self, group: tuple[list, list, list], item: ScheduledSeq, row: int, start: int, end: int) -> None:
+        """Append `item`'s rows to one KV-cache group's (writes, decodes, prefills), its slots start .. end - 1 (a
+        decode's draft chains after it, each in its own fork's slots)."""
+        writes, decodes, prefills = group
+        seq, bs = item.seq, self.block_size
+        writes.append((seq, start, end))
+        if not item.is_decode:
+            prefills.append((row, item.num_new_tokens, end, seq))
+            return
+        decodes += [(seq, p + 1, -(-end // bs)) for p in range(start, end)]
+        for branch in item.branches:
+            b_end = start + branch.num_rows
+            writes.append((branch, start, b_end))
+            decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
 
     def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:
         """The rows to sample (the last token of each item that reaches its sequence's end, and its drafted
@@ -423,7 +437,8 @@ class ModelRunner:
     # ---- KV compression (sieve/kv_compression) ---------------------------------------------
     @property
     def attention_layers(self) -> list[int]:
-        """The layers a press compresses: every attention layer (a model with other kinds has none: refused)."""
+        """The layers a press compresses: the full-attention ones (a sliding-window layer's window already bounds its
+        cache, and it keeps it whole; a model with recurrent layers is refused)."""
         return list(self.layer_groups[0])
 
     def attention_scale(self, layer: int) -> float:
@@ -437,28 +452,27 @@ class ModelRunner:
         return k[:num_tokens].transpose(0, 1), v[:num_tokens].transpose(0, 1)
 
     @torch.inference_mode()
-    def window_queries(self, token_ids: list[int], num_tokens: int, table: list[int], window: int) -> list[torch.Tensor]:
-        """Per attention layer, the rotated queries [H, window, D] (float32) of positions num_tokens - window ..
-        num_tokens - 1, whose K/V `table` holds with everything before them: those positions run again through the
-        PyTorch layer loop, which keeps each layer's queries and writes nothing."""
+    def window_queries(self, token_ids: list[int], num_tokens: int, tables, window: int) -> list[torch.Tensor]:
+        """Per attention layer a press compresses, the rotated queries [H, window, D] (float32) of positions
+        num_tokens - window .. num_tokens - 1, whose K/V the holder `tables` (its `block_table`, and `window.table`
+        where the model has sliding layers) holds with everything before them: those positions run again through the
+        PyTorch layer loop, which keeps each full-attention layer's queries and writes nothing."""
         start = num_tokens - window
-        holder = _Tables(table)
-        meta = self.metadata([(holder, start, num_tokens)], [], [(0, window, num_tokens, holder)])
-        meta.write_kv, meta.capture = False, []
+        meta = _passing(self.metadata([(tables, start, num_tokens)], [], [(0, window, num_tokens, tables)]))
+        meta.capture = []
         self.model(torch.tensor(token_ids[start:num_tokens], device=self.device),
                    torch.arange(start, num_tokens, device=self.device), self.caches, meta)
         return [q.transpose(0, 1).float() for q in meta.capture]
 
     @torch.inference_mode()
-    def tap_queries(self, token_ids: list[int], start: int, end: int, table: list[int], sink, rows: int = 512) -> None:
-        """Positions start .. end - 1, whose K/V `table` holds with everything before them, run again through the
-        PyTorch layer loop `rows` at a time, writing nothing; each attention layer hands their queries before rotation
-        to `sink.add(layer, q)`."""
-        holder = _Tables(table)
+    def tap_queries(self, token_ids: list[int], start: int, end: int, tables, sink, rows: int = 512) -> None:
+        """Positions start .. end - 1, whose K/V the holder `tables` holds with everything before them (as for
+        `window_queries`), run again through the PyTorch layer loop `rows` at a time, writing nothing; each
+        full-attention layer hands their queries before rotation to `sink.add(layer, q)`."""
         for a in range(start, end, rows):
             b = min(a + rows, end)
-            meta = self.metadata([(holder, a, b)], [], [(0, b - a, b, holder)])
-            meta.write_kv, meta.query_taps = False, [QueryTap(0, b - a, sink)]
+            meta = _passing(self.metadata([(tables, a, b)], [], [(0, b - a, b, tables)]))
+            meta.query_taps = [QueryTap(0, b - a, sink)]
             self.model(torch.tensor(token_ids[a:b], device=self.device), torch.arange(a, b, device=self.device),
                        self.caches, meta)
 
@@ -503,11 +517,11 @@ class ModelRunner:
         return [(seq, lo + 1, dicts)] if dicts else []
 
 
-class _Tables:
-    """A block table to run a pass through (what `metadata` reads of a sequence)."""
-
-    def __init__(self, table: list[int]):
-        self.block_table = table
+def _passing(meta: AttentionMetadata) -> AttentionMetadata:
+    """`meta` (and its sliding windows' views) for a pass that writes no K/V."""
+    for view in (meta, *meta.windows.values()):
+        view.write_kv = False
+    return meta
 
 
 @torch.inference_mode()

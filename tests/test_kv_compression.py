@@ -270,21 +270,7 @@ def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_m
                             kv_compression={"press": "snapkv", "ratio": 0.6})
     out = stories_llm.generate([{"prompt_token_ids": ids}], params)[0]
     kept, T = seen[0], len(ids)
-
-    def masked(module, q, k, v, attention_mask, scaling, dropout=0.0, **kwargs):
-        H, KVH, n, L = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-        k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
-        logits = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, n, L]
-        visible = torch.ones(H, n, L, dtype=torch.bool).tril(L - n)
-        if n < L:  # after the prompt: only the kept prompt positions, then every later one
-            allowed = torch.zeros(KVH, L, dtype=torch.bool)
-            allowed[:, T:] = True
-            allowed.scatter_(1, kept[module.layer_idx].cpu(), True)
-            visible &= allowed.repeat_interleave(H // KVH, dim=0)[:, None, :]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        return torch.matmul(probs, v).transpose(1, 2), None
-
-    AttentionInterface.register("sieve_kept_only", masked)
+    AttentionInterface.register("sieve_kept_only", kept_only_attention(dict(enumerate(kept)), T))
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sieve_kept_only").eval()
     tokens = ids + out.outputs[0].token_ids
     with torch.no_grad():
@@ -302,6 +288,30 @@ def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_m
     # and the mask mattered: without it the answer's logprobs differ
     full = torch.log_softmax(hf_logits_unmasked(tokens, T), dim=-1)
     assert (full - ref).abs().max() > 1e-3
+
+
+def kept_only_attention(kept_by_layer: dict, T: int):
+    """A transformers attention function (float32, eager): causal, within a sliding layer's window (keys p - W < k
+    <= p), and for queries after the `T`-token prompt, of its positions only those `kept_by_layer[layer]` ([KVH, n])
+    keeps for each KV head (every position in a layer not in it)."""
+
+    def masked(module, q, k, v, attention_mask, scaling, dropout=0.0, sliding_window=None, **kwargs):
+        H, KVH, n, L = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
+        logits = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, n, L]
+        q_pos, k_pos = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
+        visible = (k_pos <= q_pos).expand(H, n, L).clone()
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        if n < L and module.layer_idx in kept_by_layer:  # after the prompt: its kept positions, then every later one
+            allowed = torch.zeros(KVH, L, dtype=torch.bool)
+            allowed[:, T:] = True
+            allowed.scatter_(1, kept_by_layer[module.layer_idx].cpu(), True)
+            visible &= allowed.repeat_interleave(H // KVH, dim=0)[:, None, :]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.matmul(probs, v).transpose(1, 2), None
+
+    return masked
 
 
 def hf_logits_unmasked(tokens: list[int], T: int) -> torch.Tensor:
@@ -482,11 +492,12 @@ def test_models_a_press_cannot_serve_are_refused_by_name(checkpoints):
     from sieve.config import ConfigError
     from sieve.engine import RequestError
 
+    # (a model with some full-attention layers is pressed there: test_a_press_on_gemma3_compresses_its_global_layers)
     sliding = dict(model=str(checkpoints["mistral"]), dtype="float32", num_gpu_blocks_override=64, hf_overrides={"sliding_window": 32})
-    with pytest.raises(ConfigError, match="sliding-window"):
+    with pytest.raises(ConfigError, match="every attention layer slides"):
         LLMEngine(EngineConfig(**sliding, kv_compression="knorm:0.5"))
     engine = LLMEngine(EngineConfig(**sliding))
-    with pytest.raises(RequestError, match="kv_compression: not built for models with sliding-window layers"):
+    with pytest.raises(RequestError, match="kv_compression: every attention layer slides"):
         engine.add_request("r", {"prompt_token_ids": [5] * 40}, SamplingParams(kv_compression="knorm:0.5"))
     with pytest.raises(ConfigError, match="unknown press"):
         EngineConfig(model=str(checkpoints["llama"]), kv_compression="h2o:0.5").validate()
@@ -512,3 +523,88 @@ def test_a_pool_too_short_for_a_fresh_copy_keeps_the_start_of_the_cached_prompt(
     assert all(bm.cached_block(h) == b for h, b in zip(hashes[:3], old[:3])), "the prompt's first blocks left the cache"
     assert not any(b in bm.cached.values() for b in new)
     assert bm.num_free_blocks == 4  # the first four: cached, unreferenced
+
+
+# ---- models with sliding-window layers: the full-attention layers are pressed, the windows kept whole ----------------
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, demo_dir):
+    """A random Gemma 3 (tests/test_sliding_window.py's): layers 0, 1 and 3 slide (window 8), layer 2 is global."""
+    import test_sliding_window
+
+    return test_sliding_window.sliding_checkpoints.__wrapped__(tmp_path_factory, demo_dir)["gemma3"]
+
+
+def gemma3_masked_reference(path, kept_by_layer: dict, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """Transformers' logprobs (float32) for the prompt's last position and each of `tokens` but the last, where every
+    later query's attention in layer l leaves out the prompt positions not in `kept_by_layer[l]` (per KV head); the
+    sliding layers keep their window (keys p - W < k <= p)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+
+    AttentionInterface.register("sieve_gemma3_kept_only", kept_only_attention(kept_by_layer, len(ids)))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sieve_gemma3_kept_only").eval()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        logits = [model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]]
+        for t in tokens[:-1]:
+            logits.append(model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
+    return torch.log_softmax(torch.stack(logits), dim=-1)
+
+
+@pytest.mark.parametrize("press", ["snapkv", "expected_attention"])
+def test_a_press_on_gemma3_compresses_its_global_layers(gemma3_dir, monkeypatch, press):
+    """On a model with sliding-window layers the press compresses the full-attention layers only; the windows stay
+    whole and keep their slots at positions. Each decode step after the press against transformers (float32) with
+    the dropped prompt positions masked out of the global layer and the sliding layers' own window: every logprob
+    within 1e-4. Prefill in chunks shorter than SnapKV's window of queries (its last chunk's window blocks must still
+    be there for the press's pass)."""
+    from test_sliding_window import engine
+
+    rng = random.Random(5)
+    ids = [rng.randrange(3, 4096) for _ in range(150)]
+    seen = record_kept(monkeypatch)
+    llm = engine(gemma3_dir, max_num_batched_tokens=20)
+    assert llm.llm_engine.runner.attention_layers == [2]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True,
+                            kv_compression={"press": press, "ratio": 0.6})
+    out = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    assert out.kv_kept_tokens == 60 and len(seen) == 1 and len(seen[0]) == 1
+    window = llm.llm_engine.block_manager.window
+    assert window.num_window_freed > 0, "the sliding layers' pool gave blocks back as usual"
+    tokens = out.outputs[0].token_ids
+    ref = gemma3_masked_reference(gemma3_dir, {2: seen[0][0]}, ids, tokens)
+    for i, (token, lps) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        assert ref[i].max() - ref[i, token] < 1e-4
+        for tid, lp in lps.items():
+            assert abs(lp.logprob - ref[i, tid].item()) < 1e-4, f"step {i}, token {tid}"
+    # the mask mattered: transformers without it (the windows alone) differs
+    plain = gemma3_masked_reference(gemma3_dir, {}, ids, tokens)
+    assert (plain - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_gpu_blocks_override=512),  # all in one batch
+    dict(num_gpu_blocks_override=512, max_num_batched_tokens=24),  # chunked, decodes beside them
+    dict(num_gpu_blocks_override=13, block_size=16),  # preempted and pressed again
+], ids=["batch", "chunked", "preempt"])
+def test_gemma3_compressed_and_plain_requests_leave_each_other_unchanged(gemma3_dir, options):
+    """Every press beside plain requests on the Gemma 3 checkpoint, twice (the second time plain prompts hit the
+    prefix cache, and expected attention's requests take no hit: the window layers gave back the blocks its pass over a
+    cached prefix would read): each request's tokens as alone, and every block back."""
+    from sieve import LLM
+
+    prompts, params = mixed_workload(12)
+    alone = [LLM(str(gemma3_dir), dtype="float32", device="cpu").generate([p], [sp])[0].outputs[0].token_ids
+             for p, sp in zip(prompts[:6], params[:6])]
+    llm = LLM(str(gemma3_dir), dtype="float32", device="cpu", **options)
+    for _ in range(2):
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs[:6]] == alone
+        assert all((o.kv_kept_tokens is None) == (sp.kv_compression is None) for o, sp in zip(outs, params))
+    engine = llm.llm_engine
+    blocks = engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks and blocks.window.num_free_blocks == blocks.window.num_blocks
+    if options["num_gpu_blocks_override"] < 100:  # a pool this short keeps nothing cached for the second run
+        assert engine.scheduler.num_preemptions > 0
+    else:
+        assert blocks.num_hit_tokens > 0
+    assert engine.stats().kv_compression.requests == 20

@@ -198,7 +198,7 @@ def run_bench_compression(args) -> dict:
     text = shared_data("wikitext2_test.txt").read_text()
     longest = max([int(x) for x in args.lengths.split(",")] + [args.speed_context])
     llm = LLM(model, dtype=args.dtype, block_size=16, num_gpu_blocks_override=3 * (longest // 16 + 64),
-              max_model_len=min(8192, longest + 256), num_threads=args.num_threads)
+              num_threads=args.num_threads)  # max_model_len: the model's own (8k SmolLM2, 32k Gemma 3)
     started = time.time()
     quality = run_quality(args, llm, text) if args.samples else []
     speed = run_speed(args, llm, text) if args.speed_context else []

@@ -66,6 +66,11 @@ class KVCompression:
         """A fresh press for one sequence."""
         return PRESSES[self.press]()
 
+    @property
+    def lookback(self) -> int:
+        """The prompt's last positions whose queries the press reads again after the prefill (SnapKV's window)."""
+        return self.make().query_window
+
     def n_kept(self, num_tokens: int) -> int:
         """Positions kept of a prompt of `num_tokens` (kvpress's int(T * (1 - ratio)), at least one)."""
         return max(1, int(num_tokens * (1 - self.ratio)))

@@ -1,9 +1,10 @@
 """Compressing one sequence after its prompt's prefill: the press chooses, layer by layer, the positions each KV head
 keeps; the block manager gives the sequence a shorter table; the model runner writes the kept K/V there, compactly.
 
-After it the sequence has `kv_dropped` fewer slots than positions: a new token at position p goes to slot
-p - kv_dropped and attends to every slot before it, while its rotary position stays p. Kept keys were rotated at their
-own positions, so attention over the kept set is exact for that set.
+After it the sequence has `kv_dropped` fewer slots than positions in the full-attention layers: a new token at
+position p goes to slot p - kv_dropped and attends to every slot before it, while its rotary position stays p. Kept
+keys were rotated at their own positions, so attention over the kept set is exact for that set. Sliding-window layers
+(Gemma 3's local ones) are not pressed: their window already bounds their cache, and their slots stay positions.
 
 The prompt's exact blocks are not overwritten where the pool has room: they stay in the prefix cache for requests
 that share the prompt, and the compacted copy is the sequence's own, never entered in the cache.
@@ -32,12 +33,12 @@ def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | Non
     if n_kept >= T or T < press.min_prompt():
         return None
     table = seq.block_table
-    queries = runner.window_queries(seq.token_ids, T, table, press.query_window) if press.query_window else None
+    queries = runner.window_queries(seq.token_ids, T, seq, press.query_window) if press.query_window else None
     stats = rotation = None
     if press.query_stats_from is not None:
         stats = seq.query_stats
         for start, end in stats.missing(T):  # positions taken from the prefix cache: a pass that writes nothing
-            runner.tap_queries(seq.token_ids, start, end, table, stats)
+            runner.tap_queries(seq.token_ids, start, end, seq, stats)
             stats.take(start, end)
         rotation = runner.future_rotation(T, press.future_positions)
     kept = []
@@ -91,8 +92,8 @@ class KVCompressor:
         """Why this model cannot be compressed (by name), or None."""
         if arch.is_mla:
             return "not built for multi-head latent attention (its cache holds latents, not per-head keys)"
-        if arch.has_sliding_layers:
-            return "not built for models with sliding-window layers yet (their window already bounds their cache)"
+        if not arch.full_layers:
+            return "every attention layer slides: each one's window already bounds its cache"
         if arch.mamba_layers:
             return "not built for models with recurrent (Mamba-2) layers"
         if tensor_parallel:
