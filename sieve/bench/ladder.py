@@ -248,7 +248,7 @@ def compact(users: int, s: dict) -> dict:
 class RungSpec:
     key: str
     name: str
-    weights: str  # bf16 | int8 | w8a8 | int4 (planner and quality)
+    weights: str  # bf16 | int8 | w8a8 | fp8 | int4 (planner and quality)
     kv: str  # bf16 | fp8
     batching: bool = True
     prefix: bool = False
@@ -265,6 +265,8 @@ RUNGS = [
     RungSpec("int8", "+ int8 weights", "int8", "bf16", prefix=True, lossy=True),
     # int8 weights against int8 activations (issue 63): an alternative to the int8 rung, compared with it by name
     RungSpec("w8a8", "+ W8A8 (int8 weights and activations)", "w8a8", "bf16", prefix=True, lossy=True, default=False),
+    # FP8 weights (a CUDA machine's int8 alternative): compared with the int8 rung by name
+    RungSpec("fp8", "+ FP8 weights", "fp8", "bf16", prefix=True, lossy=True, default=False),
     RungSpec("speculative", "+ speculative decoding (n-gram, auto depth)", "int8", "bf16", prefix=True, spec=True),
     RungSpec("kv-fp8", "+ FP8 KV cache", "int8", "fp8", prefix=True, spec=True, lossy=True),
     RungSpec("int4", "+ int4 weights", "int4", "fp8", prefix=True, spec=True, lossy=True),
