@@ -485,7 +485,7 @@ def add_throughput_benches(bench) -> None:
     """offline, serve, peers, quant and spec."""
     o = bench.add_parser("offline", help="offline throughput against plain transformers and the bandwidth floor")
     add_engine_args(o)
-    o.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b", "llama-3.2-1b"], help="write a random checkpoint of this shape at --model if absent")
+    o.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b", "llama-3.2-1b", "smollm2-135m"], help="write a random checkpoint of this shape at --model if absent")
     o.add_argument("--num-prompts", type=int, default=200)
     o.add_argument("--input-len", default="32:1024", help="min:max prompt tokens")
     o.add_argument("--output-len", default="16:512", help="min:max output tokens")

@@ -387,7 +387,7 @@ def test_kv_press_rung_serves_its_press_and_leaves_quality_to_its_benchmark():
     assert flags[flags.index("--kv-compression") + 1] == "snapkv:0.5"
 
 
-@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "llama-3.2-1b"])
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "llama-3.2-1b", "smollm2-135m"])
 def test_random_bench_checkpoints_are_what_transformers_reads(shape, tmp_path, monkeypatch):
     """The benchmarks' random checkpoints (sieve/bench/checkpoints.py: the GPU ladder's Llama-3.2-1B shape, the offline
     bench's Qwen2.5-0.5B) keep their published config's architecture: biases where Qwen2 has them, Llama's head_dim

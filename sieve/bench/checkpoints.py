@@ -22,7 +22,15 @@ LLAMA32_1B = dict(
     rms_norm_eps=1e-5, tie_word_embeddings=True, vocab_size=128256, bos_token_id=128000, eos_token_id=128001,
     hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
 )
-SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "llama-3.2-1b": LLAMA32_1B}
+# Published config values of HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shape, for a GPU machine that
+# cannot take the GGUF file along (a decode step's time is its shape's, not its weights').
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+    hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
+)
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "llama-3.2-1b": LLAMA32_1B, "smollm2-135m": SMOLLM2_135M}
 
 
 def add_tokenizer(path: Path, cfg: dict) -> None:

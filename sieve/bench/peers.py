@@ -38,7 +38,7 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-rounds", type=int, default=5, help="--gguf-file: interleaved batch-1 rounds per engine and file")
     p.add_argument("--batch1-tokens", type=int, default=128, help="--gguf-file: tokens per batch-1 round (llama-bench tg)")
     p.add_argument("--no-serving", dest="serving", action="store_false", help="--gguf-file: batch-1 decode only")
-    p.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b", "llama-3.2-1b"], help="write a random checkpoint of this shape at --model if absent")
+    p.add_argument("--create-model", default=None, choices=["qwen2.5-0.5b", "llama-3.2-1b", "smollm2-135m"], help="write a random checkpoint of this shape at --model if absent")
     p.add_argument("--dtype", default="bfloat16", help="sieve's dtype for the checkpoint")
     p.add_argument("--engines", default="sieve,llama.cpp",
                    help="comma list of sieve, sieve-no-prefix-cache, llama.cpp; ratios are the first ÷ each other")
