@@ -3,18 +3,10 @@
 # (1, 8, 32, 64), eager, beside the HBM floor measured in the same run, on random checkpoints shaped like SmolLM2-135M
 # and Llama-3.2-1B, written on the device (nothing large travels; a step's time is its shape's).
 #
-# Prepared here: the wheels the device lacks (scripts/gpu_ladder.sh's header lists them; pytest is there). The call:
+# Prepared here: the wheels the device lacks (scripts/gpu_env.sh). The call:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
-# Results come back under $OUT: cuda-tests.log, decode-steps-*.json.
-set -uo pipefail
-OUT=${OUT:-bench-out/gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/gpu.txt"
+# Results come back under $OUT: gpu.txt, cuda-tests.log, decode-steps-*.json.
+source "$(dirname "$0")/gpu_env.sh"
 timeout 240 python3 -m pytest -q -x tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -5
 for shape in smollm2-135m llama-3.2-1b; do
   python3 -m sieve.bench.checkpoints "$shape" "bench-out/$shape" --no-tokenizer
