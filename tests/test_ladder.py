@@ -389,12 +389,10 @@ def test_kv_press_rung_serves_its_press_and_leaves_quality_to_its_benchmark():
 
 @pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "llama-3.2-1b", "smollm2-135m"])
 def test_random_bench_checkpoints_are_what_transformers_reads(shape, tmp_path, monkeypatch):
-    """The benchmarks' random checkpoints (sieve/bench/checkpoints.py: the GPU ladder's Llama-3.2-1B shape, the offline
-    bench's Qwen2.5-0.5B) keep their published config's architecture: biases where Qwen2 has them, Llama's head_dim
+    """The benchmarks' random checkpoints (sieve/bench/checkpoints.py: the GPU scripts' Llama-3.2-1B and SmolLM2-135M
+    shapes, the offline bench's Qwen2.5-0.5B) keep their published config's architecture: biases where Qwen2 has them, Llama's head_dim
     and llama3-scaled rotary; shrunk here, written in float32 with std-1 weights (so greedy decisions are clear), and
     sieve's greedy tokens and logprobs are transformers' own."""
-    import torch
-
     import sieve.bench.checkpoints as ckpt
     from reference import assert_matches, greedy_reference
     from sieve import LLM, SamplingParams
@@ -404,10 +402,7 @@ def test_random_bench_checkpoints_are_what_transformers_reads(shape, tmp_path, m
     if "head_dim" in small:
         small["head_dim"] = 16
     monkeypatch.setitem(ckpt.SHAPES, shape, small)
-    randn = torch.randn
-    monkeypatch.setattr(torch, "randn", lambda *a, **k: randn(*a, **k) * 50)  # the checkpoint's std 0.02 -> 1
-    path = ckpt.make_random_checkpoint(tmp_path / shape, shape, tokenizer=False)
-    monkeypatch.setattr(torch, "randn", randn)
+    path = ckpt.make_random_checkpoint(tmp_path / shape, shape, tokenizer=False, std=1.0)
     prompts = [[5, 9, 33, 100, 7], [300, 12, 8, 8, 41, 2, 17]]
     llm = LLM(str(path), dtype="float32", device="cpu", skip_tokenizer_init=True, num_gpu_blocks_override=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

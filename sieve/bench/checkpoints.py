@@ -45,8 +45,9 @@ def add_tokenizer(path: Path, cfg: dict) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 0, tokenizer: bool = True) -> Path:
-    """Write config.json + model.safetensors with seeded random weights (std 0.02) in the config's dtype,
+def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 0, tokenizer: bool = True,
+                           std: float = 0.02) -> Path:
+    """Write config.json + model.safetensors with seeded random weights (std `std`) in the config's dtype,
     and (unless `tokenizer=False`) a tokenizer with the full vocabulary; a folder that has the weights
     but no tokenizer gets one, and one that has the tokenizer (with its config) keeps its token ids."""
     import torch
@@ -70,7 +71,7 @@ def make_random_checkpoint(path: Path, shape: str = "qwen2.5-0.5b", seed: int = 
     bias = cfg["model_type"] == "qwen2"  # Qwen2's q/k/v carry biases; Llama's nothing
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
 
     tensors = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
     if not cfg["tie_word_embeddings"]:
