@@ -1,8 +1,8 @@
-"""Decode step time against batch size, beside the bandwidth floor measured in the same run (issues 61 and 62: the
-GPU's eager baseline, which CUDA graphs are to bring to the floor; it runs on a CPU alike).
+"""Decode step time against batch size, eager and with CUDA graphs, beside the bandwidth floor measured in the same run
+(issues 61 and 62; it runs on a CPU alike, where "graphs" is the same padded static path run eagerly).
 
 python scripts/decode_steps.py --model PATH [--device cuda] [--dtype bfloat16] [--batches 1,8,32,64] [--context 128]
-                               [--steps 32] [--output-json F]
+                               [--steps 32] [--modes eager,graphs] [--output-json F]
 
 Each batch: that many requests of `--context` prompt tokens, stepped until every one has its first token, then
 `--steps` decode steps timed one by one (each returns its tokens to the host, so the device is synchronised); the
@@ -43,6 +43,17 @@ def median_decode_step(llm, batch: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def _release(device: str) -> None:
+    """The last engine's memory back before the next one loads."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     from sieve import LLM
     from sieve.bench.bandwidth import decode_weight_bytes, measure_bandwidth
@@ -54,26 +65,35 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs (CUDA graphs; on a CPU the "
+                   "padded static path, eagerly)")
     p.add_argument("--output-json", default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, skip_tokenizer_init=True, max_num_seqs=max(batches),
-              max_model_len=a.context + a.steps + 64, enable_prefix_caching=False)
-    engine = llm.llm_engine
-    device = str(engine.runner.device)
-    bw = measure_bandwidth(device, array_mib=1024 if device.startswith("cuda") else 256)
-    weights = decode_weight_bytes(engine.arch, engine.dtype.itemsize)
-    rows = []
-    for b in batches:
-        step = median_decode_step(llm, b, a.context, a.steps)
-        kv = b * engine.arch.kv_bytes_per_token(engine.dtype.itemsize) * (a.context + a.steps // 2)
-        floor = (weights + kv) / (bw.best_gbps * 1e9)
-        rows.append({"batch": b, "step_ms": round(step * 1e3, 3), "tokens_per_s": round(b / step, 1),
-                     "floor_ms": round(floor * 1e3, 4), "floor_pct": round(100 * floor / step, 1)})
-        print(f"batch {b}: {step * 1e3:.2f} ms a step ({b / step:.0f} tokens/s); the floor {floor * 1e3:.3f} ms: "
-              f"{100 * floor / step:.1f}%", flush=True)
-    result = {"model": a.model, "device": device, "dtype": a.dtype, "context": a.context,
-              "bandwidth_gbps": round(bw.best_gbps, 1), "weight_bytes": weights, "rows": rows}
+    rows, bw, result = [], None, {}
+    for mode in a.modes.split(","):
+        if mode not in ("eager", "graphs"):
+            p.error(f"--modes: eager or graphs, got {mode!r}")
+        llm = LLM(a.model, dtype=a.dtype, device=a.device, skip_tokenizer_init=True, max_num_seqs=max(batches),
+                  max_model_len=a.context + a.steps + 64, enable_prefix_caching=False, enforce_eager=mode == "eager",
+                  static_decode_on_cpu=mode == "graphs")
+        engine = llm.llm_engine
+        device = str(engine.runner.device)
+        if bw is None:  # measured once, before the first model's steps
+            bw = measure_bandwidth(device, array_mib=1024 if device.startswith("cuda") else 256)
+        weights = decode_weight_bytes(engine.arch, engine.dtype.itemsize)
+        for b in batches:
+            step = median_decode_step(llm, b, a.context, a.steps)
+            kv = b * engine.arch.kv_bytes_per_token(engine.dtype.itemsize) * (a.context + a.steps // 2)
+            floor = (weights + kv) / (bw.best_gbps * 1e9)
+            rows.append({"mode": mode, "batch": b, "step_ms": round(step * 1e3, 3), "tokens_per_s": round(b / step, 1),
+                         "floor_ms": round(floor * 1e3, 4), "floor_pct": round(100 * floor / step, 1)})
+            print(f"{mode} batch {b}: {step * 1e3:.2f} ms a step ({b / step:.0f} tokens/s); the floor {floor * 1e3:.3f} ms: "
+                  f"{100 * floor / step:.1f}%", flush=True)
+        result = {"model": a.model, "device": device, "dtype": a.dtype, "context": a.context,
+                  "bandwidth_gbps": round(bw.best_gbps, 1), "weight_bytes": weights, "rows": rows}
+        del llm, engine
+        _release(device)
     if device.startswith("cuda"):
         import torch
 

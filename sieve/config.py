@@ -94,6 +94,14 @@ class EngineConfig:
     # tokens never depend on what shares its steps (slower prefill and large batches; float32 needs none)
     batch_invariant: bool = False
 
+    # CUDA graphs (sieve/decode_graph.py): decode steps are captured per batch-size bucket at start-up unless
+    # enforce_eager (vLLM's flag); cuda_graph_sizes: the buckets (default 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to
+    # max_num_seqs x (1 + the most draft tokens), at most 512). static_decode_on_cpu: run decode steps through the same
+    # static buffers and padded buckets on the CPU, eagerly (how the CPU suite checks that path; slower: padding)
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    static_decode_on_cpu: bool = False
+
     # Speculative decoding (sieve/spec_decode): a SpeculativeConfig, its dict (vLLM's fields) or JSON; None: off
     speculative_config: object = None
 
@@ -195,6 +203,9 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)):
+            raise ConfigError(f"cuda_graph_sizes must be positive integers, got {sizes!r}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ConfigError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -108,6 +108,7 @@ class LLMEngine:
         self._fit_config(config)
         self._load(ckpt, config)
         self._build_cache(ckpt, config)
+        self.runner.prepare_static_decode(self._most_decode_rows(config))
         # What a step costs on this machine, where a run-time choice needs it: SLO pacing, speculation's "auto"
         spec_auto = config.speculative_config is not None and config.speculative_config.auto
         self.step_cost = StepCostModel() if spec_auto or config.slo_tpot_ms or config.slo_reject else None
@@ -157,6 +158,14 @@ class LLMEngine:
         # which otherwise walk the tokenizer's and the model's objects (~5% of a small model's decode step).
         gc.collect()
         gc.freeze()
+
+    @staticmethod
+    def _most_decode_rows(config: EngineConfig) -> int:
+        """The decode rows a step may hold, capped at 512 (the largest CUDA graph captured by default): every running
+        sequence with its most draft tokens, in every chain of its draft tree."""
+        spec = config.speculative_config
+        per_seq = spec.num_branches * (1 + spec.max_k) if spec is not None else 1
+        return min(config.max_num_seqs * per_seq, 512)
 
     def _time_decode_rows(self, num_rows: int, tables, context: int = 0, logits: bool = True) -> float:
         if logits:

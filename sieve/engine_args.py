@@ -35,26 +35,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object merged over the checkpoint\'s config, e.g. \'{"sliding_window": null}\' (vLLM\'s flag)')
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV block pool budget in GiB")
-    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GB",
-                   help="a KV tier in host RAM of this many GB (vLLM's flag): prefix-cache blocks are copied there "
-                        "(asynchronously) and loaded back when the pool no longer holds them; below a GPU's pool, and "
-                        "on a CPU memory beside the pool's budget. Fastest tier, lost at a restart")
-    g.add_argument("--kv-offloading-backend", default="native", choices=["native"],
-                   help="where --kv-offloading-size keeps blocks: native (sieve's own tier; vLLM's flag)")
-    g.add_argument("--kv-tier-dtype", default="auto", choices=["auto", "int8"],
-                   help="how the KV tiers hold blocks: auto (the pool's bytes, lossless) or int8 (opt-in, lossy: codes "
-                        "with a scale per token and head, about twice the blocks in the same room; docs/serving.md)")
-    g.add_argument("--kv-cache-disk", default=None, metavar="PATH",
-                   help="a KV tier on local disk: prefix-cache blocks are written down (asynchronously) and loaded back "
-                        "when a prompt's prefix is no longer in the pool and loading beats recomputing; kept across "
-                        "restarts. A directory private to this user")
-    g.add_argument("--kv-cache-disk-gb", type=float, default=10.0, help="the disk tier's size (least recently used out)")
-    g.add_argument("--kv-cache-remote", default=None, metavar="redis://HOST:PORT/DB",
-                   help="a KV tier shared by replicas (Redis): blocks one server computed, another loads; needs "
-                        "--kv-cache-secret-file, the same on every replica")
-    g.add_argument("--kv-cache-secret-file", default=None,
-                   help="a file (mode 600) with the secret the KV tiers' blocks are signed with (default: one kept in "
-                        "the --kv-cache-disk directory); a block without a valid MAC is never loaded")
     g.add_argument("--kv-compression", default=None, metavar="PRESS:RATIO",
                    help="compress every prompt's KV after its prefill unless the request says otherwise (its "
                         "`kv_compression` field): a press (streaming_llm, knorm, snapkv, chunkkv) and the fraction of "
@@ -83,6 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes (spawned here; or run the same command under torchrun, "
                         "which sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
     add_lora_args(p.add_argument_group("LoRA adapters"))
+    add_graph_args(p.add_argument_group("CUDA graphs"))
+    add_kv_tier_args(p.add_argument_group("KV tiers"))
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (logprobs, prompt_logprobs)")
     add_slo_args(p.add_argument_group("objectives"))
     g.add_argument("--speculative-config", default=None,
@@ -102,6 +84,37 @@ def add_slo_args(g) -> None:
     g.add_argument("--background-slowdown", type=float, default=0.1,
                    help="how much background work (the Batch API's requests) may slow a step with interactive work in "
                         "it, as a fraction of its predicted time (default 0.1)")
+
+
+def add_kv_tier_args(g) -> None:
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GB",
+                   help="a KV tier in host RAM of this many GB (vLLM's flag): prefix-cache blocks are copied there "
+                        "(asynchronously) and loaded back when the pool no longer holds them; below a GPU's pool, and "
+                        "on a CPU memory beside the pool's budget. Fastest tier, lost at a restart")
+    g.add_argument("--kv-offloading-backend", default="native", choices=["native"],
+                   help="where --kv-offloading-size keeps blocks: native (sieve's own tier; vLLM's flag)")
+    g.add_argument("--kv-tier-dtype", default="auto", choices=["auto", "int8"],
+                   help="how the KV tiers hold blocks: auto (the pool's bytes, lossless) or int8 (opt-in, lossy: codes "
+                        "with a scale per token and head, about twice the blocks in the same room; docs/serving.md)")
+    g.add_argument("--kv-cache-disk", default=None, metavar="PATH",
+                   help="a KV tier on local disk: prefix-cache blocks are written down (asynchronously) and loaded back "
+                        "when a prompt's prefix is no longer in the pool and loading beats recomputing; kept across "
+                        "restarts. A directory private to this user")
+    g.add_argument("--kv-cache-disk-gb", type=float, default=10.0, help="the disk tier's size (least recently used out)")
+    g.add_argument("--kv-cache-remote", default=None, metavar="redis://HOST:PORT/DB",
+                   help="a KV tier shared by replicas (Redis): blocks one server computed, another loads; needs "
+                        "--kv-cache-secret-file, the same on every replica")
+    g.add_argument("--kv-cache-secret-file", default=None,
+                   help="a file (mode 600) with the secret the KV tiers' blocks are signed with (default: one kept in "
+                        "the --kv-cache-disk directory); a block without a valid MAC is never loaded")
+
+
+def add_graph_args(g) -> None:
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, capturing no CUDA graphs (vLLM's flag)")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="CUDA: the decode batch sizes captured as graphs, a step padded to the next one up (default 1 2 4 8 "
+                        "16 24 32 48 64 ... up to --max-num-seqs x (1 + draft tokens), at most 512)")
 
 
 def add_lora_args(g) -> None:

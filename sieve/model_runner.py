@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sieve.config import EngineConfig
+from sieve.decode_graph import StaticDecode, capture_sizes
 from sieve.device import available_memory_bytes, zeroed
 from sieve.kernels import cpu_ops
 from sieve.block_manager import STATE_GROUP
@@ -88,7 +89,14 @@ class ModelRunner:
         self.layer_groups = [arch.full_layers, arch.sliding_layers] if arch.has_sliding_layers else [arch.full_layers]
         self.num_blocks, self.num_window_blocks = num_blocks if num_blocks is not None else self._plan_num_blocks()
         self.kv_pools, self.kv_scale_pools, self.caches = [], [], [None] * arch.num_layers
-        for layers, n in zip(self.layer_groups, (self.num_blocks, self.num_window_blocks)):
+        # the capture-ready decode step (sieve/decode_graph.py), built by `prepare_static_decode`: its padded rows
+        # write to a block past the ones the block manager hands out
+        self.static_decode = None
+        why_not = self._static_decode_refusal()
+        self.pad_block = self.num_blocks if why_not is None else None
+        if why_not and why_not != "off":
+            log.info("decode steps run eagerly: %s", why_not)
+        for layers, n in zip(self.layer_groups, (self.num_blocks + (self.pad_block is not None), self.num_window_blocks)):
             shape = (arch.kv_entries, len(layers), n, self.block_size, arch.num_kv_heads, arch.head_dim)
             pool = zeroed(shape, self.kv_dtype, device)
             scales = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.kv_kind == "int8" else None
@@ -106,6 +114,41 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         if device.type == "cpu":
             cpu_ops()  # build the native kernels now, not inside the first request
+
+    def _static_decode_refusal(self) -> str | None:
+        """None where decode steps can take the capture-ready path; else "off" (not asked for: `enforce_eager` on CUDA,
+        the CPU's default) or why this model cannot."""
+        c, a = self.config, self.arch
+        if c.enforce_eager if self.device.type == "cuda" else not c.static_decode_on_cpu:
+            return "off"
+        if self.model.tp is not None:
+            return "tensor parallelism announces each step to the other ranks"
+        if a.has_sliding_layers or a.has_recurrent_state or a.is_mla or a.is_moe:
+            return ("sliding-window, Mamba-2, latent-attention and mixture-of-experts layers are not in the capture-ready "
+                    "step (expert routing reads its counts back to the host)")
+        if self.device.type == "cuda" and self.kv_kind in ("fp8", "int8"):
+            return "a quantized KV cache's CUDA decode path gathers whole block tables"
+        return None
+
+    def prepare_static_decode(self, max_rows: int) -> None:
+        """Decode steps of up to `max_rows` rows through static buffers and batch-size buckets (sieve/decode_graph.py),
+        captured in CUDA graphs on a GPU. Called once the context length is final (block tables are that wide) and any
+        FP8 KV scales are calibrated. A no-op where `_static_decode_refusal` says no."""
+        if self.pad_block is None:
+            return
+        sizes = capture_sizes(max_rows, self.config.cuda_graph_sizes)
+        max_blocks = -(-(self.config.max_model_len + 1) // self.block_size) + 1
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(input_ids, positions, self.caches, meta)
+
+        self.static_decode = StaticDecode(forward, self.device, sizes, max_blocks, self.pad_block, self.block_size)
+        if self.device.type == "cuda":
+            with torch.inference_mode():
+                self.static_decode.capture()
+        else:
+            log.info("decode steps run through static buffers padded to %d buckets (%s rows), eagerly: the CPU's check of "
+                     "the path CUDA graphs capture", len(sizes), ", ".join(map(str, sizes)))
 
     @staticmethod
     def _quantize_activations(model: DecoderModel, device: torch.device) -> None:
@@ -223,22 +266,10 @@ class ModelRunner:
         context length, holder) per chunk. Sliding-window layers get their windows' views of `window.table`, from
         `window_rows` (the same three in that group's slots) where its slots differ from the full group's (a
         compressed sequence's: the press drops positions from the full-attention layers only)."""
-        bs = self.block_size
-
         def group(table_of, windows: tuple[int, ...]) -> AttentionMetadata:
-            slots = []
-            for holder, start, end in writes:
-                table = table_of(holder)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            tables = {}  # one slice per holder, shared by its rows (the decode kernel walks a sequence's K/V once for them)
-            rows = []
-            for holder, ctx, nb in decodes:
-                key = (id(holder), nb)
-                if key not in tables:
-                    tables[key] = table_of(holder)[:nb]
-                rows.append((tables[key], ctx))
+            slots, rows = self._slots_and_rows(table_of, writes, decodes)
             chunks = [(row, n, ctx, table_of(holder)) for row, n, ctx, holder in prefills]
-            return build_metadata(slots, rows, chunks, bs, self.device, windows)
+            return build_metadata(slots, rows, chunks, self.block_size, self.device, windows)
 
         meta = group(lambda h: h.block_table, ())
         if len(self.layer_groups) > 1:
@@ -255,6 +286,35 @@ class ModelRunner:
                 [(row, n, holder.state_slot) for row, n, _, holder in prefills])
         return meta
 
+    def _slots_and_rows(self, table_of, writes: list[tuple], decodes: list[tuple]) -> tuple[list[int], list[tuple[list[int], int]]]:
+        """The cache slots `writes` write, and each decode row's (block table, context length), from the tables
+        `table_of(holder)` gives; a holder's rows share one slice of its table (the decode kernel walks a sequence's
+        K/V once for them)."""
+        bs = self.block_size
+        slots = []
+        for holder, start, end in writes:
+            table = table_of(holder)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        tables, rows = {}, []
+        for holder, ctx, nb in decodes:
+            key = (id(holder), nb)
+            if key not in tables:
+                tables[key] = table_of(holder)[:nb]
+            rows.append((tables[key], ctx))
+        return slots, rows
+
+    def forward_decodes(self, input_ids: list[int], positions: list[int], writes: list[tuple], decodes: list[tuple]) -> torch.Tensor:
+        """Final hidden states of a decode-only step (`writes` and `decodes` as for `metadata`; one group of full-attention
+        layers): through the capture-ready path where it fits the step, else eagerly."""
+        if self.static_decode is not None:
+            slots, rows = self._slots_and_rows(lambda h: h.block_table, writes, decodes)
+            if self.static_decode.fits(len(rows), max(len(t) for t, _ in rows)):
+                hidden = self.static_decode.run(input_ids, positions, slots, [t for t, _ in rows], [c for _, c in rows])
+                return hidden.clone() if self.keep_hidden is not None else hidden  # kept past the next replay
+        meta = self.metadata(writes, decodes, [])
+        return self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                          self.caches, meta)
+
     # ---- one step --------------------------------------------------------------------------
     def keep_hidden_states(self, mode: str | None, aux_layers: tuple[int, ...] = ()) -> None:
         """What a speculative proposer drafts from: the hidden state of each sequence's "last" row, or of "all" its rows
@@ -270,12 +330,21 @@ class ModelRunner:
         decode and its drafts together, then prefill chunks), run the model, sample, and verify whatever was drafted."""
         # decode rows first; among them, the rows of one LoRA adapter together (one run each, for its low-rank products)
         items = sorted(sched.scheduled, key=lambda s: (not s.is_decode, s.seq.request.lora.fingerprint if s.seq.request.lora else ""))
-        input_ids, positions, meta = self._layout(items)
+        input_ids, positions, rows, taps, adapters = self._layout(items)
         if sched.branch_copies:  # draft branches start from a copy of their sequence's partial last block
             self.copy_blocks(sched.branch_copies)
         aux_layers = self.aux_hidden_layers if self.keep_hidden == "all" else ()
-        hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.caches, meta, aux_layers)
+        # decode-only steps take the capture-ready path (whose output a later step overwrites: a pooled embedding's
+        # last row, which its pooler keeps, stays eager), the rest the eager one
+        if self.static_decode is not None and not aux_layers and not adapters and all(
+                i.is_decode and i.seq.request.pooler is None for i in items):
+            hidden = self.forward_decodes(input_ids, positions, *rows[0][:2])
+        else:
+            meta = self.metadata(*rows[0], rows[1]) if len(rows) > 1 else self.metadata(*rows[0])
+            meta.query_taps = taps
+            meta.lora = LoRABatch.of(adapters, self.device) if adapters else None
+            hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                                self.caches, meta, aux_layers)
         features = hidden
         if aux_layers:
             hidden, aux = hidden
@@ -294,10 +363,11 @@ class ModelRunner:
             kept = [(seq, seq.num_tokens + len(emitted) - 2, rows[i: i + 1]) for i, (seq, emitted, _) in enumerate(result)]
         return StepResult(result, prompt_lps, mask_seconds, masked, kept)
 
-    def _layout(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], AttentionMetadata]:
-        """The step's token ids, positions and attention metadata. A decode and its drafts are rows of one table
-        (the kernel walks it once for them all); a draft tree's other chains follow as the last token again, then
-        the chain, each in blocks of its own."""
+    def _layout(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], list[tuple], list[QueryTap], list[tuple]]:
+        """The step's token ids, positions, per KV-cache group the (writes, decodes, prefills) `metadata` takes, the
+        query taps and the LoRA adapters' rows. A decode and its drafts are rows of one table (the kernel walks it
+        once for them all); a draft tree's other chains follow as the last token again, then the chain, each in
+        blocks of its own."""
         input_ids, positions, taps, adapters = [], [], [], []
         # per KV-cache group, (writes, decodes, prefills) in its slots: a token's slot is its position less what a
         # press dropped from that group (the full-attention layers'; sliding-window layers keep their window whole)
@@ -318,10 +388,7 @@ class ModelRunner:
             for branch in item.branches:
                 input_ids += seq.token_ids[start : start + 1] + branch.draft
                 positions += range(start, start + branch.num_rows)
-        meta = self.metadata(*rows[0], rows[1]) if len(rows) > 1 else self.metadata(*rows[0])
-        meta.query_taps = taps
-        meta.lora = LoRABatch.of(adapters, self.device) if adapters else None
-        return input_ids, positions, meta
+        return input_ids, positions, rows, taps, adapters
 
     def _lay_out_slots(self, group: tuple[list, list, list], item: ScheduledSeq, row: int, start: int, end: int) -> None:
         """Append `item`'s rows to one KV-cache group's (writes, decodes, prefills), its slots start .. end - 1 (a
@@ -565,12 +632,16 @@ def time_decode_rows(runner: ModelRunner, num_rows: int, tables, context: int = 
         torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     if context:
-        meta = runner.metadata([(tables, context, end)], [(tables, p + 1, blocks) for p in range(context, end)], [])
-        positions = torch.arange(context, end, device=dev)
+        writes, decodes = [(tables, context, end)], [(tables, p + 1, blocks) for p in range(context, end)]
+        positions = list(range(context, end))
     else:
-        meta = runner.metadata([(tables, 0, 1)] * num_rows, [(tables, 1, blocks)] * num_rows, [])
-        positions = torch.zeros(num_rows, dtype=torch.int64, device=dev)
-    hidden = runner.model(torch.zeros(num_rows, dtype=torch.int64, device=dev), positions, runner.caches, meta)
+        writes, decodes, positions = [(tables, 0, 1)] * num_rows, [(tables, 1, blocks)] * num_rows, [0] * num_rows
+    if len(runner.layer_groups) == 1 and not runner.arch.mamba_layers:
+        hidden = runner.forward_decodes([0] * num_rows, positions, writes, decodes)
+    else:
+        meta = runner.metadata(writes, decodes, [])
+        hidden = runner.model(torch.zeros(num_rows, dtype=torch.int64, device=dev), torch.tensor(positions, device=dev),
+                              runner.caches, meta)
     if logits:
         runner.model.compute_logits(hidden).max(dim=-1).indices.tolist()
     elif dev.type == "cuda":

@@ -195,3 +195,35 @@ def test_eagle_distillation_trains_on_the_gpu_where_the_target_runs(tmp_path, mo
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
     assert ids(spec.generate(prompts, params)) == ids(plain.generate(prompts, params))
     assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
+
+
+@cuda
+@pytest.mark.parametrize("case", ["float32", "bfloat16 q8_0", "float32 ngram", "bfloat16 q8_0 ngram"])
+def test_captured_decode_steps_give_the_eager_tokens(checkpoints, tmp_path, case, caplog):
+    """CUDA graphs (sieve/decode_graph.py), captured at start-up per bucket, against --enforce-eager: nine requests of
+    different lengths, so the decode steps hold 9, 8, ... 1 rows (with ngram drafts, 1 + k each) in buckets 1 to 64,
+    padded; greedy and seeded tokens equal. bfloat16 on a GGUF Q8_0 file: its Triton linears give a row the same bits
+    at every row count, as the Triton decode attention does."""
+    import logging
+
+    from sieve import LLM, SamplingParams
+    from sieve.bench.gguf_export import export_gguf
+    from test_decode_graph import PROMPTS
+
+    dtype = case.split()[0]
+    path = export_gguf(checkpoints["llama"], tmp_path / "q.gguf", "q8_0", log=lambda s: None) if "q8_0" in case else checkpoints["llama"]
+    kw = dict(device="cuda", dtype=dtype, num_gpu_blocks_override=256, max_num_seqs=16)
+    if "ngram" in case:
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    runs = []
+    for eager in (True, False):
+        with caplog.at_level(logging.INFO, logger="sieve"):
+            llm = LLM(str(path), enforce_eager=eager, **kw)
+        static = llm.llm_engine.runner.static_decode
+        assert (static is None) == eager
+        runs.append([[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+                     for params in (SamplingParams(max_tokens=24, temperature=0),
+                                    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11))])
+    assert set(static.graphs) == set(static.sizes) and static.steps > 20 and static.padded_rows > 0
+    assert "CUDA graphs:" in caplog.text and "memory pool took" in caplog.text
+    assert runs[1] == runs[0]
