@@ -2,7 +2,7 @@
 (issues 61 and 62; it runs on a CPU alike, where "graphs" is the same padded static path run eagerly).
 
 python scripts/decode_steps.py --model PATH [--device cuda] [--dtype bfloat16] [--batches 1,8,32,64] [--context 128]
-                               [--steps 32] [--modes eager,graphs] [--output-json F]
+                               [--steps 32] [--modes eager,graphs,graphs-unfused] [--output-json F]
 
 Each batch: that many requests of `--context` prompt tokens, stepped until every one has its first token, then
 `--steps` decode steps timed one by one (each returns its tokens to the host, so the device is synchronised); the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -66,17 +67,18 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs (CUDA graphs; on a CPU the "
-                   "padded static path, eagerly)")
+                   "padded static path, eagerly), graphs-unfused (graphs without the fused pointwise Triton kernels)")
     p.add_argument("--output-json", default=None)
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     rows, bw, result = [], None, {}
     for mode in a.modes.split(","):
-        if mode not in ("eager", "graphs"):
-            p.error(f"--modes: eager or graphs, got {mode!r}")
+        if mode not in ("eager", "graphs", "graphs-unfused"):
+            p.error(f"--modes: eager, graphs or graphs-unfused, got {mode!r}")
+        os.environ["SIEVE_FUSED_POINTWISE"] = "0" if mode == "graphs-unfused" else "1"  # read at each call
         llm = LLM(a.model, dtype=a.dtype, device=a.device, skip_tokenizer_init=True, max_num_seqs=max(batches),
                   max_model_len=a.context + a.steps + 64, enable_prefix_caching=False, enforce_eager=mode == "eager",
-                  static_decode_on_cpu=mode == "graphs")
+                  static_decode_on_cpu=mode != "eager")
         engine = llm.llm_engine
         device = str(engine.runner.device)
         if bw is None:  # measured once, before the first model's steps

@@ -227,3 +227,10 @@ def test_captured_decode_steps_give_the_eager_tokens(checkpoints, tmp_path, case
     assert set(static.graphs) == set(static.sizes) and static.steps > 20 and static.padded_rows > 0
     assert "CUDA graphs:" in caplog.text and "memory pool took" in caplog.text
     assert runs[1] == runs[0]
+
+
+@cuda
+def test_fused_pointwise_kernels_on_the_gpu():
+    from test_pointwise_triton import check_pointwise
+
+    check_pointwise("cuda")

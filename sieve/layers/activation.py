@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from sieve.kernels import cpu_ops
+from sieve.layers import pointwise_triton
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -17,6 +18,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ops = cpu_ops()
         if ops is not None:
             return ops.silu_mul(gate_up)
+    if pointwise_triton.supports(gate_up):  # CUDA: one launch (sieve/layers/pointwise_triton.py)
+        return pointwise_triton.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sieve.kernels import cpu_ops
+from sieve.layers import pointwise_triton
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +31,9 @@ class RMSNorm(nn.Module):
         if ops is not None and (residual is None or (_native(residual) is not None and residual.dtype == x.dtype)):
             out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, total)
+        if self.weight.dtype == x.dtype and pointwise_triton.supports(x) and (residual is None or residual.shape == x.shape
+                                                                          and residual.dtype == x.dtype):
+            return pointwise_triton.add_rms_norm(x, residual, self.weight, self.eps)  # CUDA: one launch
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         total = x + residual
