@@ -68,12 +68,20 @@ def check_paged_decode(device: str) -> None:
     _case(device, torch.float32, torch.float32, 6, 2, 32, 16, [40, 41, 20, 90], windows=[7, 8, 0, 15], seed=4)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (the Makefile installs it)")
-def test_triton_decode_attention_under_the_interpreter():
+def run_interpreted(module: str, check: str) -> None:
+    """`module.check('cpu')` (a module of tests/) in a subprocess under Triton's interpreter, which must pass."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    code = "from test_attention_triton import check_paged_decode; check_paged_decode('cpu'); print('ok')"
+    code = f"from {module} import {check}; {check}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (the Makefile installs it)")
+
+
+@needs_triton
+def test_triton_decode_attention_under_the_interpreter():
+    run_interpreted("test_attention_triton", "check_paged_decode")
 
 
 def test_a_cpu_query_without_the_interpreter_is_not_taken(monkeypatch):

@@ -5,17 +5,10 @@ defined); tests/test_cuda.py runs the same checks compiled."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_attention_triton import needs_triton, run_interpreted
 
 
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -58,12 +51,9 @@ def check_pointwise(device: str) -> None:
     torch.testing.assert_close(pointwise_triton.silu_and_mul(wide), F.silu(wide[:, :2560]) * wide[:, 2560:])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (the Makefile installs it)")
+@needs_triton
 def test_fused_pointwise_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    code = "from test_pointwise_triton import check_pointwise; check_pointwise('cpu'); print('ok')"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
+    run_interpreted("test_pointwise_triton", "check_pointwise")
 
 
 def test_the_cpu_keeps_its_native_kernels(monkeypatch):
