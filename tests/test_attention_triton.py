@@ -68,10 +68,10 @@ def check_paged_decode(device: str) -> None:
     _case(device, torch.float32, torch.float32, 6, 2, 32, 16, [40, 41, 20, 90], windows=[7, 8, 0, 15], seed=4)
 
 
-def run_interpreted(module: str, check: str) -> None:
-    """`module.check('cpu')` (a module of tests/) in a subprocess under Triton's interpreter, which must pass."""
+def run_interpreted(module: str, check: str, arg: str = "cpu") -> None:
+    """`module.check(arg)` (a module of tests/) in a subprocess under Triton's interpreter, which must pass."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    code = f"from {module} import {check}; {check}('cpu'); print('ok')"
+    code = f"from {module} import {check}; {check}({arg!r}); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
 

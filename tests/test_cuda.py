@@ -231,6 +231,6 @@ def test_captured_decode_steps_give_the_eager_tokens(checkpoints, tmp_path, case
 
 @cuda
 def test_fused_pointwise_kernels_on_the_gpu():
-    from test_pointwise_triton import check_pointwise
+    from test_pointwise_triton import check_all
 
-    check_pointwise("cuda")
+    check_all("cuda")

@@ -1,5 +1,5 @@
-"""The CUDA layer's fused pointwise kernels (sieve/layers/pointwise_triton.py): residual add + RMSNorm and SiLU x mul
-against PyTorch's ops, and each row's result the same bits alone and in a batch (what a padded CUDA-graph bucket
+"""The CUDA layer's fused pointwise kernels (sieve/layers/pointwise_triton.py): residual add + RMSNorm, SiLU x mul, and
+rotary with the K/V cache write, against PyTorch's ops, and each row's result the same bits alone and in a batch (what a padded CUDA-graph bucket
 needs). On this CPU under Triton's interpreter, in a subprocess (Triton reads TRITON_INTERPRET when the kernel is
 defined); tests/test_cuda.py runs the same checks compiled."""
 
@@ -51,9 +51,80 @@ def check_pointwise(device: str) -> None:
     torch.testing.assert_close(pointwise_triton.silu_and_mul(wide), F.silu(wide[:, :2560]) * wide[:, 2560:])
 
 
+def check_rotary_write(device: str) -> None:
+    """Rotary and the K/V write in one launch against `rotate_half_form` then `write_kv`: SmolLM2's heads (9 over 3, 64
+    dims) and a smaller shape, each dtype, a bf16 cache under float32, rows at scattered positions and slots."""
+    from sieve.layers import pointwise_triton
+    from sieve.layers.attention import KVCacheLayer
+    from sieve.layers.rotary import RopeStep, RotaryEmbedding, rotate_half_form
+
+    g = torch.Generator().manual_seed(1)
+    cases = [(dt, dt, 9, 3, 64) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases += [(torch.float32, torch.bfloat16, 4, 2, 32)]
+    for dtype, cache_dtype, H, KVH, D in cases:
+        T, bs, blocks = 6, 16, 8
+        rotary = RotaryEmbedding(D, 512, 10000.0, None).to(device)
+        qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 2).to(device, dtype)
+        positions = torch.randint(0, 512, (T,), generator=g).to(device)
+        slots = torch.randperm(blocks * bs, generator=g)[:T].to(device)
+        caches = [torch.zeros(blocks, bs, KVH, D, dtype=cache_dtype, device=device) for _ in range(4)]
+        rope = RopeStep(positions, rotary.cos, rotary.sin)
+        qk = rotate_half_form(qkv[:, : (H + KVH) * D].view(T, -1, D), *rope.gathered(dtype))
+        KVCacheLayer(caches[0], caches[1]).write_kv(slots, qk[:, H:], qkv[:, (H + KVH) * D:].view(T, KVH, D))
+        assert pointwise_triton.supports_rotary_write(qkv, caches[2], caches[3])
+        q = pointwise_triton.rotary_write_kv(qkv, positions, rotary.cos, rotary.sin, caches[2], caches[3], slots, H, KVH)
+        pairs = [(q, qk[:, :H]), (caches[2], caches[0]), (caches[3], caches[1])]
+        for got, want in pairs:
+            if device == "cuda" or torch.bfloat16 not in (dtype, cache_dtype):
+                assert torch.equal(got, want), (dtype, cache_dtype, H)
+            else:  # Triton's interpreter rounds float32 to bfloat16 toward zero, a GPU to nearest: each of the three
+                # roundings a step of the operands' scale at most
+                scale = 3 * torch.finfo(torch.bfloat16).eps * qkv.abs().max().float()
+                assert (got.float() - want.float()).abs().max() <= scale, (dtype, cache_dtype, H)
+
+
+def check_fused_decoder(path: str) -> None:
+    """A float32 model on the CPU (the PyTorch layer loop) under the interpreter: its decode rows take the fused rotary
+    and K/V write (counted), and generate the tokens the unfused path does."""
+    import os
+
+    from sieve import LLM, SamplingParams
+    from sieve.layers import pointwise_triton
+
+    calls = []
+    fused = pointwise_triton.rotary_write_kv
+    pointwise_triton.rotary_write_kv = lambda *a, **k: (calls.append(1), fused(*a, **k))[1]
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=64)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33, 90 + i] * (i + 1)} for i in range(3)]
+    runs = []
+    for on in ("1", "0"):
+        os.environ["SIEVE_FUSED_POINTWISE"] = on
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+        runs.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                     for o in outs])
+        if on == "1":
+            assert calls, "the decode rows did not take the fused rotary and K/V write"
+            calls.clear()
+    assert not calls
+    # the same tokens; logprobs within float32's last bits: the CPU's unfused rotary is its native kernel, which
+    # contracts a multiply and an add into an FMA (on CUDA the unfused path is PyTorch's, the fused kernel's bits)
+    for (tokens, lps), (want_tokens, want_lps) in zip(*runs):
+        assert tokens == want_tokens and max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-5
+
+
+def check_all(device: str) -> None:
+    check_pointwise(device)
+    check_rotary_write(device)
+
+
 @needs_triton
 def test_fused_pointwise_kernels_under_the_interpreter():
-    run_interpreted("test_pointwise_triton", "check_pointwise")
+    run_interpreted("test_pointwise_triton", "check_all")
+
+
+@needs_triton
+def test_a_model_decodes_through_the_fused_rotary_write_under_the_interpreter(llama_dir):
+    run_interpreted("test_pointwise_triton", "check_fused_decoder", str(llama_dir))
 
 
 def test_the_cpu_keeps_its_native_kernels(monkeypatch):

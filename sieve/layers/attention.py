@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sieve.kernels import cpu_ops
-from sieve.layers import attention_triton
+from sieve.layers import attention_triton, pointwise_triton
 from sieve.quant.formats import quantize_int8_rows
 
 
@@ -241,6 +241,16 @@ class Attention(nn.Module):
             )[0].transpose(0, 1)
         return out
 
+
+    def writes_fused(self, qkv: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> bool:
+        """Whether this step's rotary and K/V write may be one launch before `decode_written` (CUDA, sieve/layers/
+        pointwise_triton.py): decode rows only, written, nothing captured, an exact float cache."""
+        return (not meta.prefills and meta.write_kv and meta.capture is None and cache.k_scale is None
+                and pointwise_triton.supports_rotary_write(qkv, cache.k, cache.v))
+
+    def decode_written(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows whose K/V the cache already holds (`writes_fused`): q [nd, H, D] -> [nd, H, D]."""
+        return self._decode(q, cache, meta)
 
     def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""

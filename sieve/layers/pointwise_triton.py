@@ -1,13 +1,13 @@
 """A decoder layer's pointwise work on CUDA in one Triton launch each, where PyTorch takes several: the residual add
-fused into the RMSNorm after it (add, square-mean, rsqrt, scale: one pass over the row), and SiLU x mul over the fused
-gate|up projection. A small model's GPU decode step is launch-bound (issue 62), so a launch saved per layer is time
+fused into the RMSNorm after it (add, square-mean, rsqrt, scale: one pass over the row), SiLU x mul over the fused
+gate|up projection, and in a decode-only step rotary applied to q and k with k and v written to their cache slots. A small model's GPU decode step is launch-bound (issue 62), so a launch saved per layer is time
 saved per step, captured or not.
 
 Each program takes one row (RMSNorm) or one block of one row (SiLU x mul): a row's result never depends on how many
 rows the call holds, so a padded CUDA-graph bucket gives its real rows the bits an unpadded step gives. Rounding
 follows PyTorch's: the residual sum in the stream's dtype, the norm in float32 rounded before the weight multiplies it
-(as `F.rms_norm`), SiLU in float32 rounded before the product (as `F.silu(gate) * up`); only the order of the float32
-sum of squares differs (tests/test_pointwise_triton.py: within an ulp of the PyTorch path). The CPU keeps its native
+(as `F.rms_norm`), SiLU in float32 rounded before the product (as `F.silu(gate) * up`), rotary's two products rounded
+before their sum (launched without FMA contraction); only the order of the float32 sum of squares differs (tests/test_pointwise_triton.py: within an ulp of the PyTorch path). The CPU keeps its native
 kernels (sieve/kernels/layer_ops.cpp). SIEVE_FUSED_POINTWISE=0 turns these off (the benchmark's comparison).
 """
 
@@ -66,3 +66,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T:
         _kernels().silu_mul[(T, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
+
+
+def supports_rotary_write(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """`supports(qkv)`, and caches of floats whose slots are rows of one stride (a block's slots follow each other)."""
+    return supports(qkv) and all(c.dtype in (torch.float32, torch.bfloat16, torch.float16) and c.stride(-1) == 1
+                                 and c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
+
+
+def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                    num_kv_heads: int) -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) * D] (q | k | v) -> the rotated queries [T, H, D]; each row's rotated keys and its values
+    written to its slot of the caches [blocks, block_size, KVH, D]: rotary and the cache write in one launch, where
+    PyTorch takes six (`apply_rotary`'s four, `write_kv`'s two)."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q = qkv.new_empty(T, num_heads, D)
+    if T:
+        _kernels().rotary_write_kv[(T, num_heads + 2 * num_kv_heads)](
+            qkv, positions, cos_table, sin_table, q, k_cache, v_cache, slots, qkv.stride(0), q.stride(0), q.stride(1),
+            cos_table.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+            num_heads, num_kv_heads, HALF=D // 2, HP=_pow2(D // 2), enable_fp_fusion=False)
+    return q

@@ -35,3 +35,38 @@ def silu_mul(gu_ptr, out_ptr, inter, s_in, s_out, BLOCK: tl.constexpr):
     g = tl.load(gu_ptr + row * s_in + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)  # silu in float32, rounded as F.silu's output is
     tl.store(out_ptr + row * s_out + cols, (act * up.to(tl.float32)).to(up.dtype), mask=mask)  # (as in add_rms_norm)
+
+
+@triton.jit
+def rotary_write_kv(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, s_qkv, s_qt, s_qh, s_cos,
+                    s_ks, s_kh, s_vs, s_vh, H, KVH, HALF: tl.constexpr, HP: tl.constexpr):
+    """Program (t, j): head j of row t's q | k | v. A q head rotated into q; a k head rotated into its cache slot; a v
+    head copied there. Rotate-half form, rounded where PyTorch's `x * cos + roll(x) * signed_sin` rounds (each product,
+    then the sum; launched without FMA contraction)."""
+    t, j = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, HP)
+    mask = d < HALF
+    src = qkv_ptr + t * s_qkv + j * (2 * HALF)
+    x1 = tl.load(src + d, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0)
+    if j >= H + KVH:  # v: copied to its slot
+        slot = tl.load(slot_ptr + t)
+        dst = v_ptr + slot * s_vs + (j - H - KVH) * s_vh
+        tl.store(dst + d, x1.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + d, x2.to(v_ptr.dtype.element_ty), mask=mask)
+    else:
+        pos = tl.load(pos_ptr + t)
+        c = tl.load(cos_ptr + pos * s_cos + d, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)  # the table in x's dtype
+        s = tl.load(sin_ptr + pos * s_cos + d, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        y1 = ((a1 * c).to(x1.dtype).to(tl.float32) - (a2 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        y2 = ((a2 * c).to(x1.dtype).to(tl.float32) + (a1 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        if j < H:
+            dst = q_ptr + t * s_qt + j * s_qh
+            tl.store(dst + d, y1, mask=mask)
+            tl.store(dst + HALF + d, y2, mask=mask)
+        else:
+            slot = tl.load(slot_ptr + t)
+            dst = k_ptr + slot * s_ks + (j - H) * s_kh
+            tl.store(dst + d, y1.to(k_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF + d, y2.to(k_ptr.dtype.element_ty), mask=mask)

@@ -27,6 +27,7 @@ from sieve.layers.linear import Linear
 from sieve.layers.mamba import Mamba2Mixer
 from sieve.layers.mla import MultiHeadLatentAttention
 from sieve.layers.moe import SparseMoE
+from sieve.layers import pointwise_triton
 from sieve.layers.norm import RMSNorm
 from sieve.layers.rotary import RopeStep, RotaryEmbedding, apply_rotary
 from sieve.models.arch import ModelArch
@@ -112,6 +113,11 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(q) if self.q_norm is not None else q
             for tap in meta.query_taps:
                 tap.sink.add(self.index, q[tap.row: tap.row + tap.num_rows])
+        if self.rotary_dim == a.head_dim and self.q_norm is None and self.attn.writes_fused(qkv, cache, meta):
+            # CUDA, decode rows: rotary and the K/V write in one launch (sieve/layers/pointwise_triton.py)
+            q = pointwise_triton.rotary_write_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, cache.k, cache.v,
+                                                 meta.slot_mapping, a.num_heads, a.num_kv_heads)
+            return self._reduce(self._proj("o_proj", self.attn.decode_written(q, cache, meta).view(T, -1), lora))
         if self.rotary_dim < a.head_dim:  # partial rotary (Bamba): the rest of each head passes through
             qk = qkv[:, : q_size + kv_size].view(T, -1, a.head_dim)
             qk = torch.cat([apply_rotary(qk[..., : self.rotary_dim].contiguous(), rope), qk[..., self.rotary_dim :]], dim=-1)
