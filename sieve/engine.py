@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib.util
 import itertools
 import logging
 import os
@@ -353,6 +354,10 @@ class LLMEngine:
                         for layer in self.runner.model.layers)
         weight_dtype = torch.bfloat16 if self.dtype == torch.float32 and quantized and self.device.type == "cpu" else self.dtype
         manager = LoRAManager(self.arch, weight_dtype, self.device, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:  # one launch for every adapter
+            from sieve.lora.slots import LoRASlots
+
+            self.runner.lora_slots = LoRASlots(self.arch, config.max_loras, config.max_lora_rank, weight_dtype, self.device)
         for name, path in (config.lora_modules or {}).items():
             try:
                 manager.load(name, path)

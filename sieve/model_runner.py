@@ -75,6 +75,7 @@ class ModelRunner:
         if config.activation_quantization is not None:
             self._quantize_activations(model, device)
         self.grammars = grammars  # structured outputs: fills the token masks of constrained rows
+        self.lora_slots = None  # CUDA: the step's adapters in slots, one launch each projection (sieve/lora/slots.py)
         self.keep_hidden: str | None = None  # speculative heads draft from hidden states: "last" or "all" rows (StepResult)
         # keep_hidden "all" with EAGLE-3's fused features: the residual stream after these layers is kept beside each
         # row's last hidden state ([rows, (1 + len) * hidden], the last hidden state first)
@@ -342,7 +343,10 @@ class ModelRunner:
         else:
             meta = self.metadata(*rows[0], rows[1]) if len(rows) > 1 else self.metadata(*rows[0])
             meta.query_taps = taps
-            meta.lora = LoRABatch.of(adapters, self.device) if adapters else None
+            meta.lora = None
+            if adapters:  # (on a CPU without slots, the two-argument call the tests watch)
+                slots = (self.lora_slots,) if self.lora_slots is not None else ()
+                meta.lora = LoRABatch.of(adapters, self.device, *slots)
             hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                                 self.caches, meta, aux_layers)
         features = hidden

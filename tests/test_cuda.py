@@ -234,3 +234,39 @@ def test_fused_pointwise_kernels_on_the_gpu():
     from test_pointwise_triton import check_all
 
     check_all("cuda")
+
+
+@cuda
+def test_multi_lora_kernels_on_the_gpu():
+    from test_lora_triton import check_lora_slots
+
+    check_lora_slots("cuda")
+
+
+@cuda
+def test_multi_lora_on_the_gpu_equals_peft_and_each_request_alone(llama_dir, tmp_path_factory):
+    """Adapters on CUDA through the slots' Triton kernels (sieve/lora/slots.py): each equals PEFT's greedy tokens and
+    logprobs (float32), and four adapters with the base model in the same steps equal each request alone."""
+    import copy
+
+    from reference import assert_matches, greedy_reference, reference_model
+    from sieve import LLM, LoRARequest
+    from test_lora import ADAPTERS, GREEDY, PROMPTS, make_adapter, peft_model
+
+    root = tmp_path_factory.mktemp("gpu-adapters")
+    base = copy.deepcopy(reference_model(llama_dir))
+    adapters = {name: make_adapter(base, root / name, seed, **cfg) for seed, (name, cfg) in enumerate(ADAPTERS.items())}
+    llm = LLM(str(llama_dir), dtype="float32", device="cuda", num_gpu_blocks_override=256, enable_lora=True, max_loras=4,
+              max_lora_rank=16)
+    assert llm.llm_engine.runner.lora_slots is not None
+    for name, path in adapters.items():
+        ref_tokens, ref_logprobs = greedy_reference(llama_dir, PROMPTS, 12, model=peft_model(llama_dir, path))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=LoRARequest(name, 1, path))
+        assert_matches(outs, ref_tokens, ref_logprobs, f"LoRA {name} on CUDA")
+    names = [None, *ADAPTERS]
+    loras = [LoRARequest(n, i, adapters[n]) if n else None for i, n in enumerate(names)]
+    prompts = [{"prompt_token_ids": PROMPTS[i % 2] + [i + 3]} for i in range(len(names))]
+    together = llm.generate(prompts, GREEDY, lora_request=loras)
+    for prompt, lora, out in zip(prompts, loras, together):
+        assert out.outputs[0].token_ids == llm.generate(prompt, GREEDY, lora_request=lora)[0].outputs[0].token_ids
+    assert llm.llm_engine.runner.lora_slots.num_loads >= 4

@@ -3,7 +3,8 @@
 Every row goes through the base projection together (one GEMM, whatever its weights' format); then, per adapter in
 the step, its rows' `(x A^T) B^T` (A^T and B^T as the adapter keeps them) is added to their outputs (the SGMV idea: the rows of one adapter, one pair of
 small GEMMs). Rows of one adapter are usually one run (the model runner lays a step out by sequence), and a run is
-a slice, not a gather."""
+a slice, not a gather. On CUDA the step's adapters sit in slots (sieve/lora/slots.py) and one pair of Triton launches
+per projection serves them all."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ from sieve.lora.adapter import MODULES, LoRAAdapter
 
 
 class LoRABatch:
-    def __init__(self, groups: list[tuple[LoRAAdapter, list[tuple[int, int]]]], device: torch.device):
+    def __init__(self, groups: list[tuple[LoRAAdapter, list[tuple[int, int]]]], device: torch.device, slots=None):
+        """`slots` (CUDA: sieve/lora/slots.py LoRASlots): every adapter's rows in one launch per projection."""
         self.spans = groups
+        self.slots, self.row_slots = slots, None
+        if slots is not None:  # each row's slot (-1: the base model alone), for as many rows as the spans reach
+            ids = slots.assign([adapter for adapter, _ in groups])
+            rows = [-1] * max(b for _, spans in groups for _, b in spans)
+            for slot, (_, spans) in zip(ids, groups):
+                for a, b in spans:
+                    rows[a:b] = [slot] * (b - a)
+            self.row_slots = torch.tensor(rows, dtype=torch.int32, device=device)
         self.groups = []  # (adapter, slice or row-index tensor)
         for adapter, spans in groups:
             if len(spans) == 1:
@@ -24,7 +34,7 @@ class LoRABatch:
             self.groups.append((adapter, rows))
 
     @classmethod
-    def of(cls, spans: list[tuple[LoRAAdapter | None, int, int]], device: torch.device) -> "LoRABatch | None":
+    def of(cls, spans: list[tuple[LoRAAdapter | None, int, int]], device: torch.device, slots=None) -> "LoRABatch | None":
         """From (adapter or None, first row, end row) per scheduled item, in row order; None when no row runs one."""
         by_adapter: dict[str, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
         for adapter, a, b in spans:
@@ -35,7 +45,7 @@ class LoRABatch:
                 runs[-1] = (runs[-1][0], b)
             else:
                 runs.append((a, b))
-        return cls(list(by_adapter.values()), device) if by_adapter else None
+        return cls(list(by_adapter.values()), device, slots) if by_adapter else None
 
     def native(self) -> tuple[list, list[int]] | None:
         """The C++ layer loop's arguments (its adapters, and (adapter, first row, end row) triples), or None where an
@@ -47,7 +57,15 @@ class LoRABatch:
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base projection of `x`, [T, out]) with each adapter's rows' low-rank product added in place: with
-        sieve's CPU kernels, by the C++ layer loop's own kernel (the same bits either way)."""
+        sieve's CPU kernels, by the C++ layer loop's own kernel (the same bits either way); with slots, every adapter's
+        rows in one pair of Triton launches."""
+        if self.slots is not None:
+            if any((layer, module) in adapter.modules for adapter, _ in self.spans):
+                if self.row_slots.shape[0] < x.shape[0]:  # rows past the last adapter's run the base model alone
+                    pad = self.row_slots.new_full((x.shape[0] - self.row_slots.shape[0],), -1)
+                    self.row_slots = torch.cat([self.row_slots, pad])
+                self.slots.apply(layer, module, x, y, self.row_slots[: x.shape[0]])
+            return y
         for (adapter, rows), (_, spans) in zip(self.groups, self.spans):
             if (layer, module) not in adapter.modules:
                 continue
