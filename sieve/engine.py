@@ -444,8 +444,6 @@ class LLMEngine:
         """A request's LoRA adapter (None: the base model); its params' cache_salt becomes the adapter's namespace."""
         if params.lora_request is None:
             return None
-        if params.kv_compression is not None:
-            raise RequestError("kv_compression is not built together with LoRA adapters yet")
         try:
             params.cache_salt = self.cache_salt(params)
             return self.lora.get(params.lora_request.lora_name)

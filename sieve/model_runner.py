@@ -531,6 +531,7 @@ class ModelRunner:
         start = num_tokens - window
         meta = _passing(self.metadata([(tables, start, num_tokens)], [], [(0, window, num_tokens, tables)]))
         meta.capture = []
+        meta.lora = self._adapter_rows(tables, window)
         self.model(torch.tensor(token_ids[start:num_tokens], device=self.device),
                    torch.arange(start, num_tokens, device=self.device), self.caches, meta)
         return [q.transpose(0, 1).float() for q in meta.capture]
@@ -544,8 +545,17 @@ class ModelRunner:
             b = min(a + rows, end)
             meta = _passing(self.metadata([(tables, a, b)], [], [(0, b - a, b, tables)]))
             meta.query_taps = [QueryTap(0, b - a, sink)]
+            meta.lora = self._adapter_rows(tables, b - a)
             self.model(torch.tensor(token_ids[a:b], device=self.device), torch.arange(a, b, device=self.device),
                        self.caches, meta)
+
+    def _adapter_rows(self, holder, rows: int) -> LoRABatch | None:
+        """A pass's `rows` rows as the LoRA adapter of the holder's request runs them (None: the base model's), so that
+        a press reads the queries the request's own steps compute."""
+        adapter = getattr(getattr(holder, "request", None), "lora", None)
+        if adapter is None:
+            return None
+        return LoRABatch.of([(adapter, 0, rows)], self.device, *((self.lora_slots,) if self.lora_slots is not None else ()))
 
     def future_rotation(self, first: int, count: int) -> torch.Tensor:
         """[D, D]: the rotary rotation of positions first .. first + count - 1, averaged (expected attention)."""

@@ -126,6 +126,43 @@ def test_expected_attention_keeps_what_kvpress_keeps_with_llama3_rope_and_qk_nor
     assert_same_kept(seen[0], ref, ref_scores, 100)
 
 
+@pytest.mark.parametrize("press", ["snapkv", "expected_attention"])
+def test_a_press_over_a_lora_adapter_keeps_what_kvpress_keeps_over_peft(hf_stories, monkeypatch, tmp_path, press):
+    """A request with an adapter is pressed on the queries its adapter computes: the positions kvpress keeps on the
+    PEFT model of the same adapter (which differ from the base model's: a press that read the base model's queries
+    would fail here)."""
+    import copy
+
+    import kvpress
+    from peft import PeftModel
+
+    from sieve import LoRARequest
+    from test_lora import make_adapter
+
+    folder = make_adapter(copy.deepcopy(hf_stories), tmp_path / "a", 5, scale=6.0, r=8, lora_alpha=16,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    tuned = PeftModel.from_pretrained(copy.deepcopy(hf_stories), folder).eval().base_model.model
+    ref_press = {"snapkv": kvpress.SnapKVPress, "expected_attention": kvpress.ExpectedAttentionPress}[press]
+    ids = story_prompt(300, seed=3)
+    refs = {}
+    for name, model in (("adapter", tuned), ("base", hf_stories)):
+        for layer in model.model.layers:
+            layer.self_attn.rotary_emb = model.model.rotary_emb
+        refs[name] = kvpress_kept(model, ref_press(compression_ratio=0.5), ids)
+    assert any(not torch.equal(a, b) for a, b in zip(refs["adapter"][0], refs["base"][0]))  # the adapter changes the choice
+    llm = LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256, enable_lora=True, max_lora_rank=8)
+    seen = record_kept(monkeypatch)
+    lora, prompt = LoRARequest("a", 1, folder), [{"prompt_token_ids": ids}]
+    pressed = SamplingParams(temperature=0, max_tokens=2, kv_compression={"press": press, "ratio": 0.5})
+    assert llm.generate(prompt, pressed, lora_request=lora)[0].kv_kept_tokens == 150
+    # again over the prompt's blocks the first left in the adapter's prefix cache: the press's pass over cached
+    # positions (expected attention's query statistics) runs the adapter too
+    again = llm.generate(prompt, pressed, lora_request=lora)[0]
+    assert again.num_cached_tokens > 0 and again.kv_kept_tokens == 150
+    for kept in seen:
+        assert_same_kept(kept, *refs["adapter"], 150)
+
+
 def assert_same_kept(ours: list, ref: list, ref_scores: list, n_kept: int) -> None:
     ties = exact = 0
     for layer, (a, b, s) in enumerate(zip(ours, ref, ref_scores)):
