@@ -30,6 +30,7 @@ the CPU takes the unpadded eager step, which does no work for padding.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -76,10 +77,13 @@ class StepGuard(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        self._tolist = torch.Tensor.tolist
+        self._tolist = original = torch.Tensor.tolist
+        owner = threading.get_ident()
 
-        def tolist(t):
-            raise GraphBreak(".tolist() inside a step meant to be captured (a host sync)")
+        def tolist(t):  # (only on the guarded thread: a server's other threads go on as before)
+            if threading.get_ident() == owner:
+                raise GraphBreak(".tolist() inside a step meant to be captured (a host sync)")
+            return original(t)
 
         torch.Tensor.tolist = tolist
         return super().__enter__()

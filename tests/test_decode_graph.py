@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from contextlib import ExitStack
 
 import pytest
@@ -47,6 +48,12 @@ def test_the_guard_stops_what_a_captured_step_cannot_replay():
         with pytest.raises(GraphBreak), StepGuard():
             bad()
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # restored after the guard
+    seen = []
+    with StepGuard():  # another thread's .tolist() (a server's) is not this step's
+        other = threading.Thread(target=lambda: seen.append(x.tolist()))
+        other.start()
+        other.join()
+    assert seen == [x.tolist()]
 
 
 def _prefilled(llm: LLM, prompts: list[list[int]]):
