@@ -183,24 +183,71 @@ def _apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> None:
 
 def target_probs(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """The distribution a random row samples from: temperature, then top-k, top-p, min-p ([B, V], rows sum to 1)."""
-    B, V = logits.shape
     logits = logits / m.temperature.clamp_min(1e-5)[:, None]
     if m.top_k is not None or m.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if m.top_k is not None:
-            drop |= torch.arange(V, device=logits.device)[None, :] >= m.top_k[:, None]
-        if m.top_p is not None:
-            probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            drop |= before >= m.top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits = nucleus(logits, m.top_k, m.top_p)
     probs = logits.softmax(dim=-1)
     if m.min_p is not None:
         probs = probs.masked_fill(probs < m.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+# Top-k / top-p look at each row's largest logits first: a sort of the whole vocabulary took 56 ms for 32 rows of
+# SmolLM2's 49,152 on 2 Zen 4 cores (more than the decode step it followed), the 256 largest 2.9 ms. A row whose
+# nucleus may reach past them (a flat distribution under a high top-p) takes 2,048, then the full sort.
+NUCLEUS_CANDIDATES = (256, 2048)
+
+
+def nucleus(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [B, V] with every token outside each row's top-k (None: none) and then top-p (None: none) set to
+    -inf, the mass top-p counts being after top-k's cut. Each row on its own: the same set whatever the batch."""
+    B, V = logits.shape
+    top_k = top_k if top_k is not None else torch.full((B,), V, dtype=torch.int64, device=logits.device)
+    top_p = top_p if top_p is not None else torch.ones(B, device=logits.device)
+    out = torch.empty_like(logits)
+    rows = torch.arange(B, device=logits.device)
+    for k0 in NUCLEUS_CANDIDATES:
+        kept, covered = nucleus_from_candidates(logits[rows], top_k[rows], top_p[rows], k0)
+        out[rows[covered]] = kept[covered]
+        rows = rows[~covered]
+        if not rows.numel():
+            return out
+    out[rows] = nucleus_by_full_sort(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def nucleus_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            k0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nucleus` from each row's k0 largest logits alone, and which rows it serves: those whose top-k lies among the
+    candidates, and those without top-k whose top-p is 1 (every logit kept) or whose candidates hold at least top-p of
+    the mass (the nucleus then ends among them). A row's outcome depends on that row alone. The same sets as the full
+    sort but where a token's mass before it lies within float32 rounding of top-p (or ties at the cut, which either
+    orders as it finds them)."""
+    V = logits.shape[1]
+    k0 = min(V, k0)
+    vals, order = logits.topk(k0, dim=-1)  # descending
+    vals = vals.masked_fill(torch.arange(k0, device=logits.device)[None, :] >= top_k[:, None], _NEG_INF)
+    within_k, no_k = top_k <= k0, top_k >= V  # the top-k set among the candidates (its whole mass is theirs); no top-k
+    norm = torch.where(within_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(logits, dim=-1))
+    probs = (vals - norm[:, None]).exp()
+    limited = top_p < 1
+    covered = within_k | (no_k & (~limited | (probs.sum(dim=-1) >= top_p)))
+    vals = vals.masked_fill((probs.cumsum(dim=-1) - probs >= top_p[:, None]) & limited[:, None], _NEG_INF)
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, order, vals)
+    whole = no_k & ~limited & ~within_k  # no limit applies to these rows
+    return torch.where(whole[:, None], logits, out), covered
+
+
+def nucleus_by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`nucleus` from a sort of every row's whole vocabulary."""
+    V = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(V, device=logits.device)[None, :] >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop |= (before >= top_p[:, None]) & (top_p < 1)[:, None]
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, _NEG_INF))
 
 
 def draw(probs: torch.Tensor, seeds: list[int | None], generator: torch.Generator | None) -> torch.Tensor:

@@ -47,6 +47,31 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(draw(LOGITS, top_p=torch.tensor([0.6]))) == {0, 1}  # .45 < .6 <= .45 + .27
 
 
+def test_top_k_and_top_p_from_the_largest_logits_are_the_full_sorts():
+    """The candidates' path (a row's 256 largest logits, then 2,048) keeps what a sort of the whole vocabulary keeps,
+    row by row: top-p alone, top-k alone, both, top-k past the first candidates, neither (every logit kept) beside
+    limited rows, and a flat row whose nucleus reaches past 2,048 (the full sort's, for that row alone)."""
+    from sieve.sampler import nucleus, nucleus_by_full_sort, nucleus_from_candidates
+
+    g = torch.Generator().manual_seed(0)
+    V = 5000
+    logits = torch.randn(6, V, generator=g) * 4
+    logits[5] *= 0.02  # flat: its nucleus at 0.99 holds most of the vocabulary
+    top_k, top_p = torch.tensor([V, 50, 40, 1000, V, V]), torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0, 0.99])
+    full = nucleus_by_full_sort(logits, top_k, top_p)
+    kept, covered = nucleus_from_candidates(logits, top_k, top_p, 256)
+    assert covered.tolist() == [True, True, True, False, True, False]  # top-k 1,000: past the first candidates
+    both = [0, 1, 2, 4]
+    assert torch.equal(kept[both], full[both])
+    assert torch.isfinite(kept[4]).all() and 1 < int(torch.isfinite(kept[0]).sum()) < 256
+    assert nucleus_from_candidates(logits, top_k, top_p, 2048)[1].tolist() == [True] * 5 + [False]
+    assert 2048 < int(torch.isfinite(full[5]).sum()) < V
+    got = nucleus(logits, top_k, top_p)
+    assert torch.equal(got, full)
+    for i in range(6):  # a row alone: the same set
+        assert torch.equal(nucleus(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])[0], got[i])
+
+
 def test_min_p_drops_tokens_below_fraction_of_the_best():
     assert set(draw(LOGITS, min_p=torch.tensor([0.3]))) == {0, 1, 2}  # .17 / .45 > .3 > .06 / .45
 
