@@ -1,10 +1,9 @@
 """Turn a batch of logits into next tokens, vectorised over the batch.
 
 Order of operations (as in vLLM): raw logprobs for reporting -> penalties -> logit_bias -> min_tokens ban ->
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
-exponential race (argmax p / q with q ~ Exp(1)), which equals a multinomial draw; seeded rows
-draw q from their own generator, seeded by (seed, choice, output position), so a seeded request gives the
-same tokens whatever else is in the batch and after preemption or rollback.
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling inverts each row's cumulative
+distribution at one uniform draw; seeded rows draw it from their own generator, seeded by (seed, choice, output
+position), so a seeded request gives the same tokens whatever else is in the batch and after preemption or rollback.
 """
 
 from __future__ import annotations
@@ -251,23 +250,23 @@ def nucleus_by_full_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch
 
 
 def draw(probs: torch.Tensor, seeds: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from `probs` (any non-negative weights): argmax p / q with q ~ Exp(1)."""
+    """One draw per row from `probs` (any non-negative weights, a positive sum): the first token whose cumulative
+    weight (float64) passes u times the row's total, u ~ U[0, 1) from the row's own generator where it has a seed (the
+    shared one where not). A token of weight 0 is never drawn. One uniform a row: the exponential race this replaced
+    drew one per token (rand and log over 32 rows of a 49,152-token vocabulary: 12 ms on 2 Zen 4 cores, now 2.4)."""
     B, V = probs.shape
-    q = torch.empty_like(probs)
+    u = torch.empty(B, dtype=torch.float64, device=probs.device)
     unseeded = [i for i, s in enumerate(seeds) if s is None]
     if unseeded:
-        q[unseeded] = _exponential((len(unseeded), V), probs.device, generator)
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=probs.device, generator=generator)
     for i, seed in enumerate(seeds):
         if seed is not None:
-            q[i] = _exponential((V,), probs.device, torch.Generator(device=probs.device).manual_seed(seed))
-    return (probs / q).argmax(dim=-1)
-
-
-def _exponential(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) draws as -log(U), U uniform in [0, 1): always > 0, so p / q never divides by zero. On CPU
-    this is 6x faster than `exponential_` (0.4 against 2.5 ms for a 151,936-token vocabulary), which
-    was 15% of a batch-1 int8 decode step for a sampled request."""
-    return torch.rand(shape, device=device, generator=generator).log_().neg_()
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device,
+                              generator=torch.Generator(device=probs.device).manual_seed(seed))[0]
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # below the total
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(V - 1)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -89,6 +89,25 @@ def test_sampling_follows_the_distribution():
         assert counts[t] / 2000 == pytest.approx(probs[t].item(), abs=0.04)
 
 
+def test_a_draw_never_takes_a_zero_weight_and_a_seeded_row_is_its_own():
+    """Inverting the cumulative weights at one uniform: zero weights (before, between and after the others) are never
+    drawn, the frequencies follow the weights, and a seeded row draws the same token alone or among others."""
+    from sieve.sampler import draw as draw_rows
+
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.3, 0.2, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    got = collections.Counter(int(t) for t in draw_rows(w.expand(3000, -1), [None] * 3000, g))
+    assert set(got) == {1, 4, 5}
+    for t, p in ((1, 0.5), (4, 0.3), (5, 0.2)):
+        assert got[t] / 3000 == pytest.approx(p, abs=0.03)
+    rows = torch.rand(5, 40, generator=g)
+    seeds = [11, None, 12, 13, None]
+    together = draw_rows(rows, seeds, g)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            assert int(draw_rows(rows[i:i + 1], [seed], g)[0]) == int(together[i])
+
+
 def test_penalties_arithmetic():
     V = 6
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0, 0.0, 0.0]])
