@@ -120,6 +120,8 @@ class ModelRunner:
         """None where decode steps can take the capture-ready path; else "off" (not asked for: `enforce_eager` on CUDA,
         the CPU's default) or why this model cannot."""
         c, a = self.config, self.arch
+        if self.device.type != "cuda" and (c.cuda_graph_sizes is not None or c.enforce_eager) and not c.static_decode_on_cpu:
+            log.info("cuda_graph_sizes / enforce_eager: CUDA graphs are a GPU's; this engine runs on %s, eagerly", self.device)
         if c.enforce_eager if self.device.type == "cuda" else not c.static_decode_on_cpu:
             return "off"
         if self.model.tp is not None:

@@ -169,3 +169,9 @@ def test_a_model_the_step_does_not_cover_runs_eagerly_and_says_why(checkpoints, 
     assert llm.llm_engine.runner.static_decode is None and llm.llm_engine.runner.pad_block is None
     assert "decode steps run eagerly: sliding-window" in caplog.text
     assert len(_generate(llm, SamplingParams(max_tokens=4, temperature=0))[0]) == 4
+
+
+def test_graph_flags_on_a_cpu_say_they_do_nothing_here(llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="sieve"):
+        llm = _llm(llama_dir, "float32", cuda_graph_sizes=(1, 8))
+    assert llm.llm_engine.runner.static_decode is None and "CUDA graphs are a GPU's" in caplog.text
