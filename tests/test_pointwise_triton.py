@@ -99,9 +99,12 @@ def check_fused_decoder(path: str) -> None:
     runs = []
     for on in ("1", "0"):
         os.environ["SIEVE_FUSED_POINTWISE"] = on
-        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=2))
         runs.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                      for o in outs])
+        # every greedy choice by a margin far past the paths' last-bit differences (on every CPU)
+        margins = [abs(a - b) for o in outs for lp in o.outputs[0].logprobs for a, b in [[v.logprob for v in lp.values()]]]
+        assert min(margins) > 1e-3, min(margins)
         if on == "1":
             assert calls, "the decode rows did not take the fused rotary and K/V write"
             calls.clear()

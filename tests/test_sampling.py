@@ -59,6 +59,12 @@ def test_top_k_and_top_p_from_the_largest_logits_are_the_full_sorts():
     logits[5] *= 0.02  # flat: its nucleus at 0.99 holds most of the vocabulary
     top_k, top_p = torch.tensor([V, 50, 40, 1000, V, V]), torch.tensor([0.9, 1.0, 0.5, 0.8, 1.0, 0.99])
     full = nucleus_by_full_sort(logits, top_k, top_p)
+    for i in (0, 2, 3):  # the cut is no near-tie: no token's mass before it lies within 1e-5 of top-p (a premise that
+        # holds on every CPU, whose exp and sums round a little otherwise)
+        sorted_logits = logits[i].sort(descending=True).values
+        sorted_logits[int(top_k[i]):] = float("-inf")
+        p = sorted_logits.softmax(-1)
+        assert ((p.cumsum(-1) - p) - top_p[i]).abs().min() > 1e-5
     kept, covered = nucleus_from_candidates(logits, top_k, top_p, 256)
     assert covered.tolist() == [True, True, True, False, True, False]  # top-k 1,000: past the first candidates
     both = [0, 1, 2, 4]
