@@ -41,8 +41,9 @@ def _kernel():
     return paged_decode
 
 
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (>= 1): a Triton block's width."""
+    return 1 << max(0, (x - 1).bit_length())
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool) -> bool:
@@ -76,6 +77,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, first_visible if first_visible is not None else context_lens, out,
         float(scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GP=_pow2(group), D=D, DP=_pow2(D), BS=bs,
+        GROUP=group, GP=next_pow2(group), D=D, DP=next_pow2(D), BS=bs,
         HAS_FIRST=first_visible is not None, num_warps=4)
     return out

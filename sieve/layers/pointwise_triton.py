@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from sieve.layers.attention_triton import next_pow2
+
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
@@ -40,9 +42,6 @@ def supports(x: torch.Tensor) -> bool:
     return _kernels() is not None
 
 
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """RMSNorm(x + residual) * weight and x + residual ([T, H] each; residual None: the norm of x alone, and no sum)."""
@@ -53,7 +52,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         res = residual.contiguous() if residual is not None else x
         _kernels().add_rms_norm[(T,)](x, res, weight, out, total if total is not None else out, float(eps), H, x.stride(0),
                                       res.stride(0), out.stride(0), total.stride(0) if total is not None else 0,
-                                      HAS_RES=residual is not None, BLOCK=_pow2(H))
+                                      HAS_RES=residual is not None, BLOCK=next_pow2(H))
     return out if residual is None else (out, total)
 
 
@@ -62,7 +61,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     T, two_i = gate_up.shape
     inter = two_i // 2
     out = gate_up.new_empty(T, inter)
-    block = min(1024, _pow2(inter))
+    block = min(1024, next_pow2(inter))
     if T:
         _kernels().silu_mul[(T, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
@@ -87,5 +86,5 @@ def rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch
         _kernels().rotary_write_kv[(T, num_heads + 2 * num_kv_heads)](
             qkv, positions, cos_table, sin_table, q, k_cache, v_cache, slots, qkv.stride(0), q.stride(0), q.stride(1),
             cos_table.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-            num_heads, num_kv_heads, HALF=D // 2, HP=_pow2(D // 2), enable_fp_fusion=False)
+            num_heads, num_kv_heads, HALF=D // 2, HP=next_pow2(D // 2), enable_fp_fusion=False)
     return q

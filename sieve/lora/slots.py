@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from sieve.layers.attention_triton import next_pow2
 from sieve.lora.adapter import LoRAAdapter, dense_layers, module_shapes
 
 
@@ -28,9 +29,6 @@ def _kernels():
 
     return triton_kernel
 
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 class LoRASlots:
@@ -82,12 +80,12 @@ class LoRASlots:
         if not T:
             return
         a, b, R = self.a[module], self.b[module], self.rank[module]
-        RP = _pow2(R)
+        RP = next_pow2(R)
         x = x.contiguous()
         t = torch.empty(T, RP, dtype=torch.float32, device=x.device)
         k = _kernels()
         k.shrink[(T,)](x, a, t, row_slots, layer, inp, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
                        R=R, RP=RP, BK=64)
-        bn = min(128, _pow2(out))
+        bn = min(128, next_pow2(out))
         k.expand[(T, -(-out // bn))](t, b, y, row_slots, layer, out, y.stride(0), b.stride(0), b.stride(1), b.stride(2),
                                      R=R, RP=RP, BN=bn)
