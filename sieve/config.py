@@ -182,8 +182,6 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("lora_modules registers adapters: it needs enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("LoRA adapters are not built together with tensor parallelism yet")
 
     def validate(self) -> None:
         from sieve.spec_decode.config import SpeculativeConfig

@@ -353,11 +353,16 @@ class LLMEngine:
         quantized = any(getattr(layer, "qkv_proj", None) is not None and layer.qkv_proj.qkernel is not None
                         for layer in self.runner.model.layers)
         weight_dtype = torch.bfloat16 if self.dtype == torch.float32 and quantized and self.device.type == "cpu" else self.dtype
-        manager = LoRAManager(self.arch, weight_dtype, self.device, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        tp = self.runner.model.tp  # under tensor parallelism each rank keeps its shard of an adapter
+        manager = LoRAManager(self.arch, weight_dtype, self.device, config.max_loras, config.max_lora_rank, config.max_cpu_loras, tp)
+        if tp is not None:
+            from sieve.distributed.lora_ranks import DriverAdapters
+
+            tp.adapters = DriverAdapters(manager.max_cpu_loras, weight_dtype)
         if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:  # one launch for every adapter
             from sieve.lora.slots import LoRASlots
 
-            self.runner.lora_slots = LoRASlots(self.arch, config.max_loras, config.max_lora_rank, weight_dtype, self.device)
+            self.runner.lora_slots = LoRASlots(self.runner.arch, config.max_loras, config.max_lora_rank, weight_dtype, self.device)
         for name, path in (config.lora_modules or {}).items():
             try:
                 manager.load(name, path)

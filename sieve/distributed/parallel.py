@@ -33,6 +33,8 @@ class TensorParallelGroup:
         # Driver: names a rank it started that is no longer running, or None (set by TensorParallelWorkers; None
         # under torchrun, whose launcher watches its ranks)
         self.gone = None
+        # Driver with LoRA: what the other ranks hold of the adapters (sieve/distributed/lora_ranks.py DriverAdapters)
+        self.adapters = None
 
     @classmethod
     def init(cls, rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int,
@@ -91,6 +93,12 @@ class TensorParallelGroup:
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
         self._broadcast(payload)
+
+    def announce_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Driver: a model step, its adapters (if any) sent to the ranks first and named in it by fingerprint."""
+        if self.adapters is not None:
+            meta = self.adapters.outgoing(self, meta)
+        self.announce(("forward", input_ids, positions, meta))
 
     def next_command(self) -> tuple:
         """Worker: wait for the driver's next command."""

@@ -78,6 +78,21 @@ def shard_tensor(name: str, tensor, a: ModelArch, tp: TensorParallelGroup):
     return tensor  # q_norm / k_norm: per head dimension, the same for every head
 
 
+def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, arch: ModelArch, tp: TensorParallelGroup):
+    """This rank's part of a LoRA pair (PEFT's A [r, in], B [out, r]) on `module` (a Hugging Face name) of the whole
+    model `arch`. A column-parallel module's B loses the rows its weight loses; a row-parallel module's A loses the
+    columns its weight loses, and B stays whole: each rank's x_s A_s^T B^T is then a partial sum, and the all-reduce
+    the layer already runs adds them up to x A^T B^T, with no collective of its own."""
+    size = {"q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim, "mlp": arch.intermediate_size}
+    if module in _COLUMN:
+        start, n = tp.split(size[_COLUMN[module]], module)
+        return a, b[start : start + n].contiguous()
+    if module in _ROW:
+        start, n = tp.split(size[_ROW[module]], module)
+        return a[:, start : start + n].contiguous(), b
+    raise ValueError(f"no tensor-parallel split for a LoRA pair on {module!r}")
+
+
 def vocab_rows(tensor, vocab: int, tp: TensorParallelGroup):
     """This rank's rows of an LM head (or of the embedding that is the head), zero-padded to an equal share."""
     n = tp.vocab_shard(vocab)

@@ -194,6 +194,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, world: int | None 
     from sieve.models.arch import ModelArch
     from sieve.models.default import resolve_default
     from sieve.models.loader import default_num_threads, load_model, open_checkpoint, resolve_dtype
+    from sieve.distributed.lora_ranks import WorkerAdapters
     from sieve.distributed.shard import shard_arch
 
     rank = env_rank() if rank is None else rank
@@ -221,6 +222,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, world: int | None 
     if command[0] != "init":
         raise RuntimeError(f"tensor-parallel rank {rank} expected the driver's pool size, got {command[0]!r}")
     runner = ModelRunner(config, shard_arch(arch, world), model, dtype, device, (), num_blocks=command[1])
+    adapters = WorkerAdapters(arch, group, device, config.max_loras, config.max_lora_rank) if config.enable_lora else None
     report("ready")
     with torch.inference_mode():
         while True:
@@ -228,7 +230,11 @@ def run_worker(config: EngineConfig, rank: int | None = None, world: int | None 
             kind = command[0]
             if kind == "forward":
                 _, input_ids, positions, meta = command
-                model(input_ids, positions, runner.caches, meta)
+                model(input_ids, positions, runner.caches, adapters.incoming(meta) if adapters else meta)
+            elif kind == "lora_add":
+                adapters.add(*command[1:])
+            elif kind == "lora_drop":
+                adapters.drop(command[1])
             elif kind == "logits":
                 model.compute_logits(command[1])
             elif kind == "copy_blocks":

@@ -42,6 +42,9 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     native: object = None  # the same matrices for sieve's CPU kernels (NativeLoRA), which then hold the only copy
     modules: set = field(default_factory=set)  # the (layer, sieve module) pairs it changes
+    # tensor parallelism, on the driver: (config, tensors) as read, which it sends the other ranks to shard for
+    # themselves (sieve/distributed/lora_ranks.py)
+    source: tuple | None = None
 
 
 
@@ -120,15 +123,45 @@ def pairs(path: Path, tensors: dict[str, torch.Tensor], arch) -> dict[tuple[int,
     return found
 
 
-def load_adapter(name: str, path: str, arch, max_rank: int, dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
-    """Read and check the adapter at `path` for a model of `arch`; its weights laid out per fused module."""
+def load_adapter(name: str, path: str, arch, max_rank: int, dtype: torch.dtype, device: torch.device, tp=None) -> LoRAAdapter:
+    """Read and check the adapter at `path` for a model of `arch`; its weights laid out per fused module. With `tp`
+    (a tensor-parallel group; `arch` is then the whole model's), this rank's shard of them, and the file's contents
+    kept (`source`) for the driver to send the other ranks."""
     folder = Path(path)
     if not folder.is_dir():
         raise LoRAError(f"{path}: no such adapter folder")
     config, tensors = read_config(folder), read_tensors(folder)
-    shapes, rank = module_shapes(arch), 0
-    per_module: dict[tuple[int, str], list] = {}
-    for (layer, module), ab in sorted(pairs(folder, tensors, arch).items()):
+    adapter = adapter_from(name, str(folder), config, tensors, arch, max_rank, dtype, device, tp)
+    if tp is not None:
+        adapter.source = (config, tensors)
+    return adapter
+
+
+def adapter_from(name: str, path: str, config: dict, tensors: dict[str, torch.Tensor], arch, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, tp=None) -> LoRAAdapter:
+    """The adapter an `adapter_config.json` and `adapter_model.safetensors` make (as read), checked against the whole
+    model `arch`; with `tp`, this rank's shard (sieve.distributed.shard: a column-parallel module's B rows and a
+    row-parallel module's A columns, split as the base weight is)."""
+    parts, rank = checked_pairs(Path(path), config, tensors, arch, max_rank)
+    shapes = module_shapes(arch)
+    if tp is not None:
+        from sieve.distributed.shard import shard_arch, shard_lora
+
+        parts = [(layer, module, *shard_lora(module, a, b, arch, tp)) for layer, module, a, b in parts]
+        shapes = module_shapes(shard_arch(arch, tp.world_size))
+    weights = lay_out(parts, shapes, dtype, device)
+    adapter = LoRAAdapter(name, path, rank, fingerprint(config, tensors), weights, modules=set(weights))
+    adapter.native = native_lora(weights, arch.num_layers, dtype, device)
+    if adapter.native is not None:  # it keeps its own copy, laid out as its kernel reads it
+        adapter.weights = {}
+    return adapter
+
+
+def checked_pairs(path: Path, config: dict, tensors: dict[str, torch.Tensor], arch, max_rank: int) -> tuple[list, int]:
+    """[(layer, PEFT module, A [r, in], B [out, r] with the scaling folded in)], float32, every shape checked against
+    `arch`; and the largest rank."""
+    shapes, rank, parts = module_shapes(arch), 0, []
+    for (layer, module), ab in sorted(pairs(path, tensors, arch).items()):
         a, b = ab["A"], ab["B"]
         target, shard = TARGETS[module]
         in_features, outs = shapes[target]
@@ -140,27 +173,36 @@ def load_adapter(name: str, path: str, arch, max_rank: int, dtype: torch.dtype, 
         if r > max_rank:
             raise LoRAError(f"{path}: layer {layer} {module} has rank {r}, over this server's --max-lora-rank {max_rank}")
         rank = max(rank, r)
-        per_module.setdefault((layer, target), []).append((shard, a.float(), b.float() * scaling(config, module, r)))
+        parts.append((layer, module, a.float(), b.float() * scaling(config, module, r)))
+    return parts, rank
+
+
+def lay_out(parts: list, shapes: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    """(layer, sieve module) -> (A^T, B^T) of the fused module: the A's stacked, the B's block-diagonal."""
+    per_module: dict[tuple[int, str], list] = {}
+    for layer, module, a, b in parts:
+        target, shard = TARGETS[module]
+        per_module.setdefault((layer, target), []).append((shard, a, b))
     weights = {}
-    for (layer, target), parts in per_module.items():
+    for (layer, target), group in per_module.items():
         in_features, outs = shapes[target]
         offsets = [sum(outs[:i]) for i in range(len(outs))]
-        total = sum(a.shape[0] for _, a, _ in parts)
+        total = sum(a.shape[0] for _, a, _ in group)
         A, B, col = torch.zeros(total, in_features), torch.zeros(sum(outs), total), 0
-        for shard, a, b in parts:
+        for shard, a, b in group:
             A[col: col + a.shape[0]] = a
             B[offsets[shard]: offsets[shard] + outs[shard], col: col + a.shape[0]] = b
             col += a.shape[0]
         weights[(layer, target)] = (A.t().to(device=device, dtype=dtype).contiguous(), B.t().to(device=device, dtype=dtype).contiguous())
+    return weights
+
+
+def fingerprint(config: dict, tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].float().numpy().tobytes())
-    adapter = LoRAAdapter(name, str(folder), rank, digest.hexdigest(), weights, modules=set(weights))
-    adapter.native = native_lora(weights, arch.num_layers, dtype, device)
-    if adapter.native is not None:  # it keeps its own copy, laid out as its kernel reads it
-        adapter.weights = {}
-    return adapter
+    return digest.hexdigest()
 
 
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C++ layer loop's order

@@ -29,8 +29,9 @@ class LoRARequest:
 
 class LoRAManager:
     def __init__(self, arch, dtype: torch.dtype, device: torch.device, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
-        self.arch, self.dtype, self.device = arch, dtype, device
+                 max_cpu_loras: int | None = None, tp=None):
+        """`tp`: the tensor-parallel group (`arch` is then the whole model's): adapters are kept as this rank's shard."""
+        self.arch, self.dtype, self.device, self.tp = arch, dtype, device, tp
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.paths: dict[str, str] = {}  # registered: name -> folder
@@ -47,7 +48,7 @@ class LoRAManager:
         """Read and check an adapter (LoRAError naming what is wrong); nothing is registered."""
         if not name or not isinstance(name, str):
             raise LoRAError("an adapter needs a name")
-        adapter = load_adapter(name, path, self.arch, self.max_rank, self.dtype, self.device)
+        adapter = load_adapter(name, path, self.arch, self.max_rank, self.dtype, self.device, self.tp)
         self.num_loads += 1
         return adapter
 

@@ -191,7 +191,7 @@ class DecoderModel(nn.Module):
         if self.tp is not None:  # the driver tells the other ranks to run the same step on their shards
             if aux_layers:
                 raise ValueError("the residual stream of inner layers is not gathered under tensor parallelism")
-            self.tp.announce(("forward", input_ids, positions, meta))
+            self.tp.announce_forward(input_ids, positions, meta)
         x, residual = self.embed(input_ids), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
         lora_native = meta.lora.native() if meta.lora is not None else ([], [])
