@@ -1,5 +1,6 @@
 """LoRA adapters (sieve/lora) against PEFT on the same adapter: identical greedy tokens and logprobs within 1e-3 in
-float32 (every target module, rsLoRA, alpha and rank patterns), and over the default model's quantized weights within the
+float32 (every target module, rsLoRA, alpha and rank patterns; every family's sites: mixture-of-experts attention and
+shared experts, latent attention with kv_b_proj absorbed, Mamba-2's projections), and over the default model's quantized weights within the
 default path's tolerance; a batch mixing adapters and the base model equals each request alone; the prefix cache never
 crosses adapters; --max-loras and --max-cpu-loras hold; a bad adapter is refused by name and changes nothing."""
 
@@ -15,6 +16,11 @@ from safetensors.torch import load_file, save_file
 from reference import DEFAULT_PATH_TOL, assert_matches, assert_matches_forward_pass, greedy_reference, reference_model
 from sieve import LLM, LoRARequest, SamplingParams
 from sieve.lora import LoRAError
+from test_hybrid import bamba
+from test_mla import mla_checkpoints
+from test_moe import moe_checkpoints
+
+FAMILY_FIXTURES = (bamba, mla_checkpoints, moe_checkpoints)  # the families' checkpoints, fixtures here too
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 5, 9, 200, 31, 7, 8, 100], [17, 3, 3, 950, 12, 44, 600, 2000, 77, 5, 8]]
@@ -71,6 +77,60 @@ def test_each_adapter_equals_peft(llm, llama_dir, adapters, name):
     assert_matches(outs, ref_tokens, ref_logprobs, f"LoRA {name}")
     base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [o.outputs[0].token_ids for o in base] != [o.outputs[0].token_ids for o in outs], "the adapter changes nothing"
+
+
+FAMILIES = {  # (the test module's checkpoint fixture, its name there, PEFT's target_modules, sites the adapter must hold)
+    # attention only, on every layer of a mixture-of-experts model
+    "mixtral": ("moe_checkpoints", "mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"], ["self_attn"]),
+    # attention, the shared expert of layer 0's experts and the dense MLP of layer 1
+    "qwen2_moe": ("moe_checkpoints", "qwen2_moe", ALL, ["shared_expert.gate_proj", "1.mlp.down_proj"]),
+    # latent attention's every projection (kv_b_proj absorbed), q through its low-rank pair or direct. (PEFT on
+    # transformers 5 puts a DeepSeek adapter's gate/up/down_proj on its routed experts, which are refused below.)
+    "deepseek-v3": ("mla_checkpoints", "v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                    ["q_b_proj", "kv_b_proj"]),
+    "deepseek-v3-plain": ("mla_checkpoints", "v3-plain", ["q_proj", "kv_b_proj", "o_proj"], ["q_proj", "kv_b_proj"]),
+    # a hybrid: Mamba-2's in_proj and out_proj, the attention layer, every layer's MLP
+    "bamba": ("bamba", None, ["in_proj", "out_proj", *ALL], ["mamba.in_proj", "mamba.out_proj", "self_attn.q_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_s_linears_take_an_adapter_as_peft_does(request, tmp_path, family):
+    """Each family's sites (sieve/lora/sites.py) against transformers + PEFT on the same adapter, float32: identical
+    greedy tokens, logprobs within 1e-3; the adapter changes the answer, and a batch mixing it with the base model
+    equals each alone."""
+    fixture, name, targets, sites = FAMILIES[family]
+    path = request.getfixturevalue(fixture)
+    path = path[name] if name else path
+    base = copy.deepcopy(reference_model(path))
+    folder = make_adapter(base, tmp_path / family, 5, r=8, lora_alpha=16, target_modules=targets)
+    keys = list(load_file(f"{folder}/adapter_model.safetensors"))
+    assert all(any(site in k for k in keys) for site in sites), keys
+    prompts = [[(5 + 37 * i) % 4000 + 3 for i in range(n)] for n in (6, 19)]
+    ref_tokens, ref_logprobs = greedy_reference(path, prompts, 12, model=peft_model(path, folder))
+    llm = LLM(str(path), dtype="float32", device="cpu", num_gpu_blocks_override=128, block_size=4, skip_tokenizer_init=True,
+              enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest(family, 1, folder)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=lora)
+    assert_matches(outs, ref_tokens, ref_logprobs, f"LoRA on {family}")
+    base_outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in base_outs] != [o.outputs[0].token_ids for o in outs], "the adapter changes nothing"
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], GREEDY, lora_request=[lora, lora, None, None])
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in outs + base_outs]
+
+
+def test_routed_experts_are_refused_by_name(request, tmp_path):
+    """PEFT puts DeepSeek's gate/up/down_proj targets on its routed experts (3-D parameters in transformers 5): no
+    linear sieve runs LoRA on, so the adapter is refused, naming why."""
+    from sieve.lora.manager import LoRAManager
+
+    path = request.getfixturevalue("mla_checkpoints")["v3"]
+    folder = make_adapter(copy.deepcopy(reference_model(path)), tmp_path / "experts", 1, r=4, target_modules=["gate_proj", "up_proj"])
+    llm = LLM(str(path), dtype="float32", device="cpu", num_gpu_blocks_override=64, skip_tokenizer_init=True, enable_lora=True)
+    manager = llm.llm_engine.lora
+    assert isinstance(manager, LoRAManager)
+    with pytest.raises(LoRAError, match="mlp.experts.*shared expert only"):
+        manager.read("experts", folder)
 
 
 def test_a_mixed_batch_equals_each_request_alone(llm, adapters):
@@ -169,7 +229,7 @@ def test_metrics_name_the_adapters_of_running_and_waiting_requests(llama_dir, ad
 @pytest.mark.parametrize("breakage, message", [
     ("rank", "rank 8, over"),
     ("missing", "no adapter_model.safetensors"),
-    ("module", "no 'lm_head'"),
+    ("module", "no 'self_attn.lm_head'"),
     ("shape", "do not fit"),
     ("layer", "layer 7"),
     ("dora", "DoRA"),

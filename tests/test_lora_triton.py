@@ -12,17 +12,18 @@ import torch
 from test_attention_triton import needs_triton, run_interpreted
 
 ARCH = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=96, num_layers=3,
-                       is_mla=False, mamba_layers=(), sparse_layers=())
+                       is_mla=False, mamba_layers=(), sparse_layers=(), shared_expert_intermediate_size=0)
 
 
 def _adapter(name: str, rank: int, modules: tuple[str, ...], seed: int):
-    from sieve.lora.adapter import LoRAAdapter, module_shapes
+    from sieve.lora.adapter import LoRAAdapter
+    from sieve.lora.sites import dense_sites
 
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for layer in range(ARCH.num_layers):
         for module in modules:
-            inp, outs = module_shapes(ARCH)[module]
+            inp, outs = dense_sites(ARCH)[module]
             r = rank * len(outs)
             weights[(layer, module)] = (torch.randn(inp, r, generator=g) * 0.2, torch.randn(r, sum(outs), generator=g) * 0.2)
     return LoRAAdapter(name, name, rank, f"fp-{name}", weights, modules=set(weights))
@@ -30,7 +31,7 @@ def _adapter(name: str, rank: int, modules: tuple[str, ...], seed: int):
 
 def _check_step(device, dtype, slots, groups, T):
     """Every projection of every layer through LoRABatch with `slots`, against float64."""
-    from sieve.lora.adapter import module_shapes
+    from sieve.lora.sites import dense_sites
     from sieve.lora.batch import LoRABatch
 
     moved = [(_on(a, device, dtype), spans) for a, spans in groups]
@@ -38,7 +39,7 @@ def _check_step(device, dtype, slots, groups, T):
     g = torch.Generator().manual_seed(T)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for layer in range(ARCH.num_layers):
-        for module, (inp, outs) in module_shapes(ARCH).items():
+        for module, (inp, outs) in dense_sites(ARCH).items():
             x = torch.randn(T, inp, generator=g).to(device, dtype)
             y0 = torch.randn(T, sum(outs), generator=g).to(device, dtype)
             got = batch.apply(layer, module, x, y0.clone())

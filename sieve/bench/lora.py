@@ -43,10 +43,10 @@ def add_bench_lora_args(p: argparse.ArgumentParser) -> None:
 
 def peft_dims(arch) -> dict[str, tuple[int, int]]:
     """PEFT module -> (in features, out features) in a dense layer of `arch` (sieve fuses q/k/v and gate/up)."""
-    from sieve.lora.adapter import TARGETS as SHARDS, module_shapes
+    from sieve.lora.sites import ATTENTION, MLP, dense_sites
 
-    shapes = module_shapes(arch)
-    return {m: (shapes[fused][0], shapes[fused][1][shard]) for m, (fused, shard) in SHARDS.items()}
+    shapes = dense_sites(arch)
+    return {m: (shapes[fused][0], shapes[fused][1][shard]) for m, (fused, shard) in {**ATTENTION, **MLP}.items()}
 
 
 def write_random_adapter(folder: Path, arch, rank: int, seed: int) -> str:

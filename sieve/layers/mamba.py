@@ -67,10 +67,12 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(self.I, dtype=dtype), requires_grad=False)
         self.out_proj = Linear(self.I, [a.hidden_size], a.mamba_proj_bias, dtype)
 
-    def forward(self, u: torch.Tensor, state: RecurrentState, meta) -> torch.Tensor:
-        """u [T, hidden] -> [T, hidden]; reads and advances the states of the slots `meta.recurrent` names."""
+    def forward(self, u: torch.Tensor, state: RecurrentState, meta, adapt=None) -> torch.Tensor:
+        """u [T, hidden] -> [T, hidden]; reads and advances the states of the slots `meta.recurrent` names. `adapt`
+        (sieve/lora LayerLoRA): the step's adapters, at sites mamba.in_proj and mamba.out_proj."""
         rec: RecurrentMetadata = meta.recurrent
-        proj = self.in_proj(u).float()
+        adapt = adapt or (lambda site, x, y: y)
+        proj = adapt("mamba.in_proj", u, self.in_proj(u)).float()
         z, xbc, dt = proj.split([self.I, self.conv_dim, self.H], dim=-1)
         dt = F.softplus(dt + self.dt_bias.float()).clamp(self.dt_limit[0], self.dt_limit[1])
         A = -torch.exp(self.A_log.float())
@@ -80,7 +82,8 @@ class Mamba2Mixer(nn.Module):
             y[:nd] = self._decode(xbc[:nd], dt[:nd], A, state, rec.decode_slots)
         for row, n, slot in rec.prefills:
             y[row : row + n] = self._prefill(xbc[row : row + n], dt[row : row + n], A, state, slot)
-        return self.out_proj(self._gated_norm(y.view(-1, self.I), z).to(u.dtype))
+        gated = self._gated_norm(y.view(-1, self.I), z).to(u.dtype)
+        return adapt("mamba.out_proj", gated, self.out_proj(gated))
 
     # ---- the convolution ------------------------------------------------------------------------
     def _conv(self, xbc: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

@@ -47,21 +47,43 @@ class MultiHeadLatentAttention(nn.Module):
         self.register_buffer("rope_order", torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
                              if a.rope_interleave else None, persistent=False)
 
-    def forward(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: RopeStep, cache: KVCacheLayer, meta: AttentionMetadata, adapt=None) -> torch.Tensor:
+        """`adapt` (sieve/lora LayerLoRA): the step's adapters, at sites mla.<projection>; kv_b_proj's product is
+        absorbed as its weight is (`_absorbed_keys`, `_absorbed_values`)."""
         T, H, r = h.shape[0], self.H, self.r
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if hasattr(self, "q_b_proj") else self.q_proj(h)
+        proj = (lambda name, x: getattr(self, name)(x)) if adapt is None else (lambda name, x: adapt("mla." + name, x, getattr(self, name)(x)))
+        q = proj("q_b_proj", self.q_a_layernorm(proj("q_a_proj", h))) if hasattr(self, "q_b_proj") else proj("q_proj", h)
         q = q.view(T, H, self.nope + self.rope)
-        latent = self.kv_a_proj_with_mqa(h)
+        latent = proj("kv_a_proj_with_mqa", h)
         c = self.kv_a_layernorm(latent[:, :r].contiguous())
         q_pe, k_pe = q[..., self.nope :], latent[:, r:].view(T, 1, self.rope)
         if self.rope_order is not None:
             q_pe, k_pe = q_pe[..., self.rope_order], k_pe[..., self.rope_order]
         q_pe, k_pe = apply_rotary(q_pe.contiguous(), rope), apply_rotary(k_pe.contiguous(), rope)
-        q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope], self.w_uk)
+        q_latent = self._absorbed_keys(q[..., : self.nope], adapt)
         query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + rope]
         key = torch.cat([c.view(T, 1, r), k_pe], dim=-1)  # [T, 1, r + rope]: what the cache holds
         mixed = self.attn(query, key, key, cache, meta)[..., :r]  # values are the cached rows; keep the latent dims
-        return self.o_proj(torch.einsum("thr,hvr->thv", mixed, self.w_uv).reshape(T, H * self.v))
+        return proj("o_proj", self._absorbed_values(mixed, adapt).reshape(T, H * self.v))
+
+    def _absorbed_keys(self, q_nope: torch.Tensor, adapt) -> torch.Tensor:
+        """q_nope [T, H, nope] -> [T, H, r]: W_UK_h^T q_nope_h per head. An adapter's kv_b_proj (B A, B's rows per head
+        in kv_b_proj's order) adds its key half, (B_K,h A)^T q = A^T (B_K,h^T q): through its rank, never a full
+        matrix."""
+        out = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        for rows, at, bt in adapt.each("mla.kv_b_proj") if adapt is not None else ():
+            b = bt.to(out.dtype).t().reshape(self.H, self.nope + self.v, -1)[:, : self.nope]  # [H, nope, R]
+            out[rows] += torch.einsum("thn,hnR->thR", q_nope[rows], b) @ at.to(out.dtype).t()
+        return out
+
+    def _absorbed_values(self, mixed: torch.Tensor, adapt) -> torch.Tensor:
+        """mixed [T, H, r] (the latent the attention mixed) -> [T, H, v]: W_UV_h per head, plus an adapter's value
+        half, B_V,h (A mixed)."""
+        out = torch.einsum("thr,hvr->thv", mixed, self.w_uv)
+        for rows, at, bt in adapt.each("mla.kv_b_proj") if adapt is not None else ():
+            b = bt.to(out.dtype).t().reshape(self.H, self.nope + self.v, -1)[:, self.nope :]  # [H, v, R]
+            out[rows] += torch.einsum("thR,hvR->thv", mixed[rows] @ at.to(out.dtype), b)
+        return out
 
     def load_weight(self, parts: list[str], tensor: torch.Tensor) -> None:
         """parts: a checkpoint name after `self_attn.` ('q_a_proj.weight', 'kv_b_proj.weight', ...)."""

@@ -26,8 +26,12 @@ class ExpertMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, [inter, inter], False, dtype)
         self.down_proj = Linear(inter, [hidden], False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, adapt=None, site: str = "") -> torch.Tensor:
+        """`adapt` (sieve/lora LayerLoRA): the step's adapters, at sites `site`.gate_up_proj and `site`.down_proj."""
+        if adapt is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = silu_and_mul(adapt(site + ".gate_up_proj", x, self.gate_up_proj(x)))
+        return adapt(site + ".down_proj", h, self.down_proj(h))
 
 
 class SparseMoE(nn.Module):
@@ -79,7 +83,8 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, (weights * self.scaling).to(h.dtype)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, adapt=None) -> torch.Tensor:
+        """`adapt` (sieve/lora LayerLoRA): the step's adapters, which run on the shared expert (site shared_expert)."""
         ids, weights = self.route(h)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -95,9 +100,9 @@ class SparseMoE(nn.Module):
                 active += 1
         self.last_active = active
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(nn.functional.linear(h, self.shared_expert_gate)) * self.shared_expert(h)
+            out = out + torch.sigmoid(nn.functional.linear(h, self.shared_expert_gate)) * self.shared_expert(h, adapt, "shared_expert")
         elif self.shared_expert is not None:
-            out = out + self.shared_expert(h)
+            out = out + self.shared_expert(h, adapt, "shared_expert")
         return out
 
     def load_weight(self, parts: list[str], tensor: torch.Tensor) -> None:

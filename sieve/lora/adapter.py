@@ -1,5 +1,5 @@
 """A LoRA adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`), read and checked against the
-model it will run on, and laid out for sieve's fused projections.
+model it will run on, and laid out for sieve's fused projections (its sites: sieve/lora/sites.py).
 
 sieve's decoder fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`. A fused module's adapters become
 one pair of matrices: the A's stacked ([r_q + r_k + r_v, in]) and the B's block-diagonal ([out, r_q + r_k + r_v], each
@@ -16,16 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-# PEFT module name -> (sieve's module, shard index within it)
-TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
-KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+from sieve.lora.sites import KEY, NAMES, layer_sites, site_of
 
 
 class LoRAError(ValueError):
@@ -38,28 +34,15 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of any of its modules
     fingerprint: str  # sha256 of its weights and config: what its KV depends on besides the base model
-    # (layer, sieve module) -> (A^T [in, R], B^T [R, out] with the scaling folded in), in the model's dtype and device
+    # (layer, site) -> (A^T [in, R], B^T [R, out] with the scaling folded in), in the model's dtype and device
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    native: object = None  # the same matrices for sieve's CPU kernels (NativeLoRA), which then hold the only copy
-    modules: set = field(default_factory=set)  # the (layer, sieve module) pairs it changes
+    # the dense sites' matrices (MODULES) for sieve's CPU kernels (NativeLoRA), which then hold the only copy of those
+    native: object = None
+    modules: set = field(default_factory=set)  # the (layer, site) pairs it changes
     # tensor parallelism, on the driver: (config, tensors) as read, which it sends the other ranks to shard for
     # themselves (sieve/distributed/lora_ranks.py)
     source: tuple | None = None
 
-
-
-def module_shapes(arch) -> dict[str, tuple[int, list[int]]]:
-    """sieve module -> (in features, its shards' out features), for a dense layer of `arch`."""
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return {"qkv_proj": (arch.hidden_size, [q, kv, kv]), "o_proj": (q, [arch.hidden_size]),
-            "gate_up_proj": (arch.hidden_size, [arch.intermediate_size] * 2), "down_proj": (arch.intermediate_size, [arch.hidden_size])}
-
-
-def dense_layers(arch) -> set[int]:
-    """The layers whose attention and MLP are the plain linears LoRA targets here."""
-    if arch.is_mla:
-        return set()
-    return {i for i in range(arch.num_layers) if i not in arch.mamba_layers and i not in arch.sparse_layers}
 
 
 def read_config(path: Path) -> dict:
@@ -101,19 +84,17 @@ def scaling(config: dict, module: str, rank: int) -> float:
 
 
 def pairs(path: Path, tensors: dict[str, torch.Tensor], arch) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-    """(layer, PEFT module) -> {"A": ..., "B": ...}, every key named and every module one the model has."""
-    dense, found = dense_layers(arch), {}
+    """(layer, PEFT module path in it) -> {"A": ..., "B": ...}, every key named and every module a site of the model."""
+    found = {}
     for key, tensor in tensors.items():
         m = KEY.match(key)
         if m is None:
-            raise LoRAError(f"{path}: {key}: not a LoRA weight of a decoder layer's linear (sieve runs LoRA on "
-                            f"{', '.join(TARGETS)})")
+            raise LoRAError(f"{path}: {key}: not a LoRA weight of a decoder layer's linear (sieve runs LoRA on {NAMES})")
         layer, module, which = int(m[1]), m[2], m[3]
-        if module not in TARGETS:
-            raise LoRAError(f"{path}: {key}: the model has no {module!r} that LoRA runs on here (targets: {', '.join(TARGETS)})")
-        if layer not in dense:
-            raise LoRAError(f"{path}: {key}: layer {layer} of this model has no dense {module} (it has {arch.num_layers} "
-                            "layers; mixture-of-experts, MLA and Mamba layers take no LoRA here)")
+        try:
+            site_of(arch, layer, module)
+        except ValueError as e:
+            raise LoRAError(f"{path}: {key}: {e}") from None
         found.setdefault((layer, module), {})[which] = tensor
     for (layer, module), ab in found.items():
         if set(ab) != {"A", "B"}:
@@ -143,28 +124,28 @@ def adapter_from(name: str, path: str, config: dict, tensors: dict[str, torch.Te
     model `arch`; with `tp`, this rank's shard (sieve.distributed.shard: a column-parallel module's B rows and a
     row-parallel module's A columns, split as the base weight is)."""
     parts, rank = checked_pairs(Path(path), config, tensors, arch, max_rank)
-    shapes = module_shapes(arch)
+    local = arch
     if tp is not None:
         from sieve.distributed.shard import shard_arch, shard_lora
 
-        parts = [(layer, module, *shard_lora(module, a, b, arch, tp)) for layer, module, a, b in parts]
-        shapes = module_shapes(shard_arch(arch, tp.world_size))
-    weights = lay_out(parts, shapes, dtype, device)
+        parts = [(layer, module, *shard_lora(module.rpartition(".")[2], a, b, arch, tp)) for layer, module, a, b in parts]
+        local = shard_arch(arch, tp.world_size)
+    weights = lay_out(parts, local, dtype, device)
     adapter = LoRAAdapter(name, path, rank, fingerprint(config, tensors), weights, modules=set(weights))
     adapter.native = native_lora(weights, arch.num_layers, dtype, device)
-    if adapter.native is not None:  # it keeps its own copy, laid out as its kernel reads it
-        adapter.weights = {}
+    if adapter.native is not None:  # it keeps its own copy of the dense sites, laid out as its kernel reads them
+        adapter.weights = {key: ab for key, ab in weights.items() if key[1] not in MODULES}
     return adapter
 
 
 def checked_pairs(path: Path, config: dict, tensors: dict[str, torch.Tensor], arch, max_rank: int) -> tuple[list, int]:
-    """[(layer, PEFT module, A [r, in], B [out, r] with the scaling folded in)], float32, every shape checked against
-    `arch`; and the largest rank."""
-    shapes, rank, parts = module_shapes(arch), 0, []
+    """[(layer, PEFT module path, A [r, in], B [out, r] with the scaling folded in)], float32, every shape checked
+    against `arch`; and the largest rank."""
+    rank, parts = 0, []
     for (layer, module), ab in sorted(pairs(path, tensors, arch).items()):
         a, b = ab["A"], ab["B"]
-        target, shard = TARGETS[module]
-        in_features, outs = shapes[target]
+        site, shard = site_of(arch, layer, module)
+        in_features, outs = layer_sites(arch, layer)[site]
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (outs[shard], r):
             raise LoRAError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
@@ -173,19 +154,20 @@ def checked_pairs(path: Path, config: dict, tensors: dict[str, torch.Tensor], ar
         if r > max_rank:
             raise LoRAError(f"{path}: layer {layer} {module} has rank {r}, over this server's --max-lora-rank {max_rank}")
         rank = max(rank, r)
-        parts.append((layer, module, a.float(), b.float() * scaling(config, module, r)))
+        parts.append((layer, module, a.float(), b.float() * scaling(config, module.rpartition(".")[2], r)))
     return parts, rank
 
 
-def lay_out(parts: list, shapes: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """(layer, sieve module) -> (A^T, B^T) of the fused module: the A's stacked, the B's block-diagonal."""
-    per_module: dict[tuple[int, str], list] = {}
+def lay_out(parts: list, arch, dtype: torch.dtype, device: torch.device) -> dict:
+    """(layer, site) -> (A^T, B^T) of the (fused) module, for a model of `arch` (a rank's shard under tensor
+    parallelism): the A's stacked, the B's block-diagonal."""
+    per_site: dict[tuple[int, str], list] = {}
     for layer, module, a, b in parts:
-        target, shard = TARGETS[module]
-        per_module.setdefault((layer, target), []).append((shard, a, b))
+        site, shard = site_of(arch, layer, module)
+        per_site.setdefault((layer, site), []).append((shard, a, b))
     weights = {}
-    for (layer, target), group in per_module.items():
-        in_features, outs = shapes[target]
+    for (layer, site), group in per_site.items():
+        in_features, outs = layer_sites(arch, layer)[site]
         offsets = [sum(outs[:i]) for i in range(len(outs))]
         total = sum(a.shape[0] for _, a, _ in group)
         A, B, col = torch.zeros(total, in_features), torch.zeros(sum(outs), total), 0
@@ -193,7 +175,7 @@ def lay_out(parts: list, shapes: dict, dtype: torch.dtype, device: torch.device)
             A[col: col + a.shape[0]] = a
             B[offsets[shard]: offsets[shard] + outs[shard], col: col + a.shape[0]] = b
             col += a.shape[0]
-        weights[(layer, target)] = (A.t().to(device=device, dtype=dtype).contiguous(), B.t().to(device=device, dtype=dtype).contiguous())
+        weights[(layer, site)] = (A.t().to(device=device, dtype=dtype).contiguous(), B.t().to(device=device, dtype=dtype).contiguous())
     return weights
 
 
@@ -218,5 +200,6 @@ def native_lora(weights: dict, num_layers: int, dtype: torch.dtype, device: torc
         return None
     native = ops.NativeLoRA(num_layers)
     for (layer, module), (a, b) in weights.items():
-        native.set(layer, MODULES.index(module), a, b)
+        if module in MODULES:
+            native.set(layer, MODULES.index(module), a, b)
     return native

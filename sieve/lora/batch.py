@@ -56,10 +56,11 @@ class LoRABatch:
         return [a.native for a, _ in self.spans], triples
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` (the base projection of `x`, [T, out]) with each adapter's rows' low-rank product added in place: with
-        sieve's CPU kernels, by the C++ layer loop's own kernel (the same bits either way); with slots, every adapter's
-        rows in one pair of Triton launches."""
-        if self.slots is not None:
+        """`y` (the base projection of `x`, [T, out]) with each adapter's rows' low-rank product at site `module` of
+        `layer` added in place: with sieve's CPU kernels, by the C++ layer loop's own kernel (the same bits either way);
+        with slots, every adapter's rows in one pair of Triton launches (the dense sites; the rest by PyTorch's
+        matmuls)."""
+        if self.slots is not None and module in self.slots.a:
             if any((layer, module) in adapter.modules for adapter, _ in self.spans):
                 if self.row_slots.shape[0] < x.shape[0]:  # rows past the last adapter's run the base model alone
                     pad = self.row_slots.new_full((x.shape[0] - self.row_slots.shape[0],), -1)
@@ -69,7 +70,7 @@ class LoRABatch:
         for (adapter, rows), (_, spans) in zip(self.groups, self.spans):
             if (layer, module) not in adapter.modules:
                 continue
-            if adapter.native is not None:
+            if adapter.native is not None and module in MODULES:
                 for start, end in spans:
                     adapter.native.apply(layer, MODULES.index(module), x, y, start, end)
                 continue
@@ -79,3 +80,24 @@ class LoRABatch:
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.to(x.dtype)) @ b.to(x.dtype))
         return y
+
+    def each(self, layer: int, module: str) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+        """(rows, A^T, B^T) of each adapter that changes site `module` of `layer`: for a site whose product the model
+        applies in a form of its own (latent attention's absorbed kv_b_proj)."""
+        return [(rows, *adapter.weights[(layer, module)]) for adapter, rows in self.groups if (layer, module) in adapter.modules]
+
+    def at(self, layer: int) -> "LayerLoRA":
+        return LayerLoRA(self, layer)
+
+
+class LayerLoRA:
+    """A step's adapters at one layer, as the layer's modules take them: `adapt(site, x, y)` adds the products to `y`."""
+
+    def __init__(self, batch: LoRABatch, layer: int):
+        self.batch, self.layer = batch, layer
+
+    def __call__(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.batch.apply(self.layer, module, x, y)
+
+    def each(self, module: str) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+        return self.batch.each(self.layer, module)

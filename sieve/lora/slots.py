@@ -20,7 +20,8 @@ import functools
 import torch
 
 from sieve.layers.attention_triton import next_pow2
-from sieve.lora.adapter import LoRAAdapter, dense_layers, module_shapes
+from sieve.lora.adapter import LoRAAdapter
+from sieve.lora.sites import dense_sites, layer_sites
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,9 +35,12 @@ def _kernels():
 class LoRASlots:
     def __init__(self, arch, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.device = max_loras, device
-        layers = max(dense_layers(arch), default=-1) + 1
+        layers = arch.num_layers
         self.rank, self.a, self.b = {}, {}, {}
-        for module, (inp, outs) in module_shapes(arch).items():
+        present = {site for layer in range(layers) for site in layer_sites(arch, layer)}
+        for module, (inp, outs) in dense_sites(arch).items():
+            if module not in present:  # (latent attention's model has no qkv_proj; its sites run through PyTorch)
+                continue
             r = max_rank * len(outs)
             self.rank[module] = r
             self.a[module] = torch.zeros(max_loras, layers, inp, r, dtype=dtype, device=device)
@@ -68,6 +72,8 @@ class LoRASlots:
             self.a[module][slot].zero_()
             self.b[module][slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
+            if module not in self.a:  # (a site outside the dense ones runs through PyTorch's matmuls)
+                continue
             self.a[module][slot, layer, :, : a.shape[1]].copy_(a)
             self.b[module][slot, layer, : b.shape[0]].copy_(b)
         self.resident[slot] = adapter.fingerprint

@@ -77,10 +77,11 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
+        adapt = None if lora is None else lora.at(self.index)  # the step's adapters at this layer's other sites
         if self.mamba is not None:
-            attn = self.mamba(h, cache, meta)
+            attn = self.mamba(h, cache, meta, adapt)
         elif self.mla is not None:
-            attn = self.mla(h, rope, cache, meta)
+            attn = self.mla(h, rope, cache, meta, adapt)
         else:
             attn = self._attention(h, rope, cache, meta, lora)
         if self.a.gemma:  # Gemma's sandwich: the attention output is normed before the residual add, the MLP both sides
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self._mlp(h, lora)), residual
         h, residual = self.post_attention_layernorm(attn, residual)
         if self.moe is not None:
-            return self.moe(h), residual
+            return self.moe(h, adapt), residual
         return self._mlp(h, lora), residual
 
     def _mlp(self, h: torch.Tensor, lora) -> torch.Tensor:
