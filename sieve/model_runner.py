@@ -339,6 +339,7 @@ class ModelRunner:
         aux_layers = self.aux_hidden_layers if self.keep_hidden == "all" else ()
         # decode-only steps take the capture-ready path (whose output a later step overwrites: a pooled embedding's
         # last row, which its pooler keeps, stays eager), the rest the eager one
+        lora = None  # the step's adapters (LoRABatch), the head's rows among them
         if self.static_decode is not None and not aux_layers and not adapters and all(
                 i.is_decode and i.seq.request.pooler is None for i in items):
             hidden = self.forward_decodes(input_ids, positions, *rows[0][:2])
@@ -348,7 +349,7 @@ class ModelRunner:
             meta.lora = None
             if adapters:  # (on a CPU without slots, the two-argument call the tests watch)
                 slots = (self.lora_slots,) if self.lora_slots is not None else ()
-                meta.lora = LoRABatch.of(adapters, self.device, *slots)
+                meta.lora = lora = LoRABatch.of(adapters, self.device, *slots)
             hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                                 self.caches, meta, aux_layers)
         features = hidden
@@ -357,11 +358,11 @@ class ModelRunner:
             features = torch.cat([hidden, aux], dim=1)
         if sched.block_copies:  # forked choices take their own copy of a shared partial block, now written
             self.copy_blocks(sched.block_copies)
-        plan, prompt_lps, first_rows = self._plan_samples(items, hidden)
+        plan, prompt_lps, first_rows = self._plan_samples(items, hidden, lora)
         if not plan.seqs:
             return StepResult([], prompt_lps, hidden=self._kept_hidden(first_rows, features))
         sampled_hidden = hidden[plan.rows]
-        out, meta_s, mask_seconds, masked = self._sample(plan, sampled_hidden)
+        out, meta_s, mask_seconds, masked = self._sample(plan, sampled_hidden, lora.take(plan.rows) if lora else None)
         result, last_rows = verify(plan, out, meta_s.seeds if meta_s is not None else None, self.generator)
         kept = self._kept_hidden(first_rows, features)
         if self.keep_hidden == "last":  # the row that sampled each sequence's last emitted token, at its position
@@ -411,13 +412,13 @@ class ModelRunner:
             writes.append((branch, start, b_end))
             decodes += [(branch, p + 1, -(-b_end // bs)) for p in range(start, b_end)]
 
-    def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> tuple[SamplePlan, list, list]:
+    def _plan_samples(self, items: list[ScheduledSeq], hidden: torch.Tensor, lora=None) -> tuple[SamplePlan, list, list]:
         """The rows to sample (the last token of each item that reaches its sequence's end, and its drafted
         positions: SamplePlan), the prompt logprobs asked for, and each item's first row (and its chains')."""
         plan, prompt_lps, first_rows, row = SamplePlan(), [], [], 0
         for item in items:
             if item.seq.needs_prompt_logprobs:
-                prompt_lps += self._prompt_logprobs(item, hidden, row)
+                prompt_lps += self._prompt_logprobs(item, hidden, row, lora)
             if item.seq.request.pooler is not None:  # embeddings: the prompt chunk's rows, pooled (its last token alone
                 # is scheduled like a decode)
                 item.seq.request.pooler.add(item.seq.num_computed_tokens, hidden[row: row + item.num_real_tokens])
@@ -429,14 +430,15 @@ class ModelRunner:
             row += item.num_rows
         return plan, prompt_lps, first_rows
 
-    def _sample(self, plan: SamplePlan, sampled_hidden: torch.Tensor):
+    def _sample(self, plan: SamplePlan, sampled_hidden: torch.Tensor, head_lora=None):
         """(SamplerOutput, its SamplingMetadata or None, grammar mask seconds, rows masked). Plain greedy rows without
-        a grammar take the raw argmax: their logits are never needed."""
+        a grammar take the raw argmax: their logits are never needed. `head_lora`: the adapters that change the head,
+        over the sampled rows."""
         seqs, mask_seconds, masked, meta_s = plan.seqs, 0.0, 0, None
         grammars, plain = any(s.grammar is not None for s in seqs), SamplingMetadata.plain_greedy(seqs, plan.pending)
         if plain and not grammars:
-            return SamplerOutput(self.model.greedy_tokens(sampled_hidden), None, None, None, None), None, 0.0, 0
-        logits = self.model.compute_logits(sampled_hidden)
+            return SamplerOutput(self.model.greedy_tokens(sampled_hidden, head_lora), None, None, None, None), None, 0.0, 0
+        logits = self.model.compute_logits(sampled_hidden, head_lora)
         if grammars:
             mask_seconds, masked = self._apply_grammars(logits, plan.groups)
         if plain:
@@ -582,7 +584,7 @@ class ModelRunner:
                 flat = flat.view(-1, *plane.shape[2:])  # [slots, KVH, ...]
                 flat.index_copy_(0, dst, flat[src, heads].transpose(0, 1).contiguous())
 
-    def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, rows_per_pass: int = 256) -> list:
+    def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, lora=None, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.
         Computed from the rows of positions not scored yet (a chunk after preemption may have scored them),
         `rows_per_pass` at a time so a long prompt never holds [prompt, vocab] logits at once."""
@@ -594,7 +596,9 @@ class ModelRunner:
         dicts = []
         for a in range(lo, hi, rows_per_pass):
             b = min(a + rows_per_pass, hi)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + a - start : row + b - start]), dim=-1)
+            rows = range(row + a - start, row + b - start)
+            head = lora.take(rows) if lora is not None else None
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows.start : rows.stop], head), dim=-1)
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
             dicts += logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
         return [(seq, lo + 1, dicts)] if dicts else []

@@ -1,6 +1,6 @@
 """LoRA adapters (sieve/lora) against PEFT on the same adapter: identical greedy tokens and logprobs within 1e-3 in
 float32 (every target module, rsLoRA, alpha and rank patterns; every family's sites: mixture-of-experts attention and
-shared experts, latent attention with kv_b_proj absorbed, Mamba-2's projections), and over the default model's quantized weights within the
+shared experts, latent attention with kv_b_proj absorbed, Mamba-2's projections, the head and the embeddings), and over the default model's quantized weights within the
 default path's tolerance; a batch mixing adapters and the base model equals each request alone; the prefix cache never
 crosses adapters; --max-loras and --max-cpu-loras hold; a bad adapter is refused by name and changes nothing."""
 
@@ -38,7 +38,7 @@ def make_adapter(base, folder, seed: int, scale: float = 3.0, **config):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(scale)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, save_embedding_layers=False)  # (the LoRA matrices alone, not the base's embeddings)
     model.unload()
     return str(folder)
 
@@ -91,6 +91,9 @@ FAMILIES = {  # (the test module's checkpoint fixture, its name there, PEFT's ta
     "deepseek-v3-plain": ("mla_checkpoints", "v3-plain", ["q_proj", "kv_b_proj", "o_proj"], ["q_proj", "kv_b_proj"]),
     # a hybrid: Mamba-2's in_proj and out_proj, the attention layer, every layer's MLP
     "bamba": ("bamba", None, ["in_proj", "out_proj", *ALL], ["mamba.in_proj", "mamba.out_proj", "self_attn.q_proj"]),
+    # the model's own: the head and the embeddings (an untied head; a tied one, Qwen2's)
+    "llama-head": ("checkpoints", "llama", ["lm_head", "embed_tokens", "v_proj"], ["lm_head", "embed_tokens.lora_embedding"]),
+    "qwen2-tied-head": ("checkpoints", "qwen2", ["lm_head", "embed_tokens"], ["lm_head", "embed_tokens.lora_embedding"]),
 }
 
 
@@ -117,6 +120,15 @@ def test_every_family_s_linears_take_an_adapter_as_peft_does(request, tmp_path, 
     assert [o.outputs[0].token_ids for o in base_outs] != [o.outputs[0].token_ids for o in outs], "the adapter changes nothing"
     mixed = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], GREEDY, lora_request=[lora, lora, None, None])
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in outs + base_outs]
+    # the prompt's logprobs (the head's other caller) against PEFT's forward pass, beside the base model's prompt
+    scored = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          lora_request=[lora, lora, None, None])
+    ref = peft_model(path, folder)
+    for p, out in zip(prompts, scored):
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([p])).logits[0].float(), dim=-1)
+        got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], p[1:])]
+        assert got == pytest.approx([want[i, t].item() for i, t in enumerate(p[1:])], abs=1e-3)
 
 
 def test_routed_experts_are_refused_by_name(request, tmp_path):

@@ -98,9 +98,9 @@ def test_quantized_weights_shard(tmp_path, demo_dir, tp_pair):
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_lora_adapters_split_with_the_model(tmp_path, demo_dir, tp_pair, quantization):
-    """Three PEFT adapters (every target module; attention only with rsLoRA; MLP only) and the base model in the same
-    steps: on two ranks, each rank's shard of each adapter (B's rows where the weight's rows split, A's columns where
-    its columns do) gives the unsplit engine's tokens and logprobs. With max_cpu_loras 2 the ranks drop one adapter and
+    """Three PEFT adapters (every target module; attention only with rsLoRA; the head, the embeddings and down_proj)
+    and the base model in the same steps: on two ranks, each rank's shard of each adapter (B's rows where the weight's
+    rows split, the vocabulary-parallel head's included; A's columns where its columns do) gives the unsplit engine's tokens and logprobs. With max_cpu_loras 2 the ranks drop one adapter and
     are sent it again. Over int4 weights (groups of 32 that split alike) the adapters are bf16 on every rank, as unsplit."""
     import copy
 
@@ -110,8 +110,10 @@ def test_lora_adapters_split_with_the_model(tmp_path, demo_dir, tp_pair, quantiz
 
     path = _checkpoint(tmp_path / "ckpt", demo_dir, intermediate_size=192)
     base = copy.deepcopy(reference_model(path))
-    names = ["all", "attention-rslora", "mlp-r16"]
-    folders = {n: make_adapter(base, tmp_path / n, i, **ADAPTERS[n]) for i, n in enumerate(names)}
+    configs = {"all": ADAPTERS["all"], "attention-rslora": ADAPTERS["attention-rslora"],
+               "head": dict(r=8, lora_alpha=16, target_modules=["lm_head", "embed_tokens", "down_proj"])}
+    names = list(configs)
+    folders = {n: make_adapter(base, tmp_path / n, i, **configs[n]) for i, n in enumerate(names)}
     groups = dict(quantization=quantization, quantization_group_size=32) if quantization else {}
     one, two = tp_pair(path, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16, **groups)
     loras = [None] + [LoRARequest(n, i + 1, folders[n]) for i, n in enumerate(names)]

@@ -41,8 +41,12 @@ class DriverAdapters:
         """`meta` as the workers get it: its LoRABatch as AdapterRows, once every adapter in it was sent to them."""
         if meta.lora is None:
             return meta
-        wanted = {adapter.fingerprint for adapter, _ in meta.lora.spans}
-        for adapter, _ in meta.lora.spans:
+        return dataclasses.replace(meta, lora=self.rows(group, meta.lora))
+
+    def rows(self, group, batch) -> AdapterRows:
+        """`batch` (a LoRABatch) as AdapterRows, once every adapter in it was sent to the ranks."""
+        wanted = {adapter.fingerprint for adapter, _ in batch.spans}
+        for adapter, _ in batch.spans:
             if adapter.fingerprint in self.held:
                 self.held.move_to_end(adapter.fingerprint)
                 continue
@@ -55,8 +59,7 @@ class DriverAdapters:
             config, tensors = adapter.source
             group.announce(("lora_add", adapter.name, adapter.path, adapter.fingerprint, config, tensors, self.weight_dtype))
             self.held[adapter.fingerprint] = None
-        rows = AdapterRows(tuple((adapter.fingerprint, tuple(spans)) for adapter, spans in meta.lora.spans))
-        return dataclasses.replace(meta, lora=rows)
+        return AdapterRows(tuple((adapter.fingerprint, tuple(spans)) for adapter, spans in batch.spans))
 
 
 class WorkerAdapters:
@@ -87,5 +90,9 @@ class WorkerAdapters:
         """`meta` with its AdapterRows turned back into a LoRABatch over this rank's shards."""
         if not isinstance(meta.lora, AdapterRows):
             return meta
-        groups = [(self.held[fp], list(spans)) for fp, spans in meta.lora.groups]
-        return dataclasses.replace(meta, lora=LoRABatch(groups, self.device, self.slots))
+        return dataclasses.replace(meta, lora=self.batch(meta.lora, self.slots))
+
+    def batch(self, rows: AdapterRows | None, slots=None) -> LoRABatch | None:
+        if rows is None:
+            return None
+        return LoRABatch([(self.held[fp], list(spans)) for fp, spans in rows.groups], self.device, slots)

@@ -100,6 +100,11 @@ class TensorParallelGroup:
             meta = self.adapters.outgoing(self, meta)
         self.announce(("forward", input_ids, positions, meta))
 
+    def announce_logits(self, hidden: torch.Tensor, lora=None) -> None:
+        """Driver: score `hidden` with the head (`lora`: the adapters that change it, over these rows)."""
+        rows = self.adapters.rows(self, lora) if self.adapters is not None and lora is not None else None
+        self.announce(("logits", hidden, rows))
+
     def next_command(self) -> tuple:
         """Worker: wait for the driver's next command."""
         size = torch.zeros(1, dtype=torch.int64)

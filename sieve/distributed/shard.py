@@ -84,6 +84,10 @@ def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, arch: ModelArch, t
     columns its weight loses, and B stays whole: each rank's x_s A_s^T B^T is then a partial sum, and the all-reduce
     the layer already runs adds them up to x A^T B^T, with no collective of its own."""
     size = {"q": arch.num_heads * arch.head_dim, "kv": arch.num_kv_heads * arch.head_dim, "mlp": arch.intermediate_size}
+    if module == "lm_head":  # vocab-parallel: this rank's rows of the vocabulary, padded as the head's
+        return a, vocab_rows(b, arch.vocab_size, tp)
+    if module == "embed_tokens":  # every rank holds the embedding whole
+        return a, b
     if module in _COLUMN:
         start, n = tp.split(size[_COLUMN[module]], module)
         return a, b[start : start + n].contiguous()

@@ -236,7 +236,7 @@ def run_worker(config: EngineConfig, rank: int | None = None, world: int | None 
             elif kind == "lora_drop":
                 adapters.drop(command[1])
             elif kind == "logits":
-                model.compute_logits(command[1])
+                model.compute_logits(command[1], adapters.batch(command[2]) if adapters else None)
             elif kind == "copy_blocks":
                 runner.copy_blocks(command[1])
             elif kind == "stop":

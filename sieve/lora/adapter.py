@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sieve.lora.sites import KEY, NAMES, layer_sites, site_of
+from sieve.lora.sites import KEY, MODEL, MODEL_KEY, NAMES, layer_sites, site_of
 
 
 class LoRAError(ValueError):
@@ -87,10 +87,14 @@ def pairs(path: Path, tensors: dict[str, torch.Tensor], arch) -> dict[tuple[int,
     """(layer, PEFT module path in it) -> {"A": ..., "B": ...}, every key named and every module a site of the model."""
     found = {}
     for key, tensor in tensors.items():
-        m = KEY.match(key)
-        if m is None:
-            raise LoRAError(f"{path}: {key}: not a LoRA weight of a decoder layer's linear (sieve runs LoRA on {NAMES})")
-        layer, module, which = int(m[1]), m[2], m[3]
+        m, head = KEY.match(key), MODEL_KEY.match(key)
+        if key.endswith(".base_layer.weight"):
+            raise LoRAError(f"{path}: {key}: the adapter carries a whole weight of the model (PEFT's save_embedding_layers, "
+                            "for a resized vocabulary); sieve serves adapters over the base model's own weights (save it "
+                            "with save_embedding_layers=False where the vocabulary is the base model's)")
+        if m is None and head is None:
+            raise LoRAError(f"{path}: {key}: not a LoRA weight of a linear sieve runs LoRA on ({NAMES})")
+        layer, module, which = (int(m[1]), m[2], m[3]) if m is not None else (MODEL, head[1], head[2])
         try:
             site_of(arch, layer, module)
         except ValueError as e:
@@ -168,6 +172,8 @@ def lay_out(parts: list, arch, dtype: torch.dtype, device: torch.device) -> dict
     weights = {}
     for (layer, site), group in per_site.items():
         in_features, outs = layer_sites(arch, layer)[site]
+        if len(outs) == 1:  # (a vocab-parallel head's rows are this rank's share, padded)
+            outs = [group[0][2].shape[0]]
         offsets = [sum(outs[:i]) for i in range(len(outs))]
         total = sum(a.shape[0] for _, a, _ in group)
         A, B, col = torch.zeros(total, in_features), torch.zeros(sum(outs), total), 0

@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 
 from sieve.lora.adapter import MODULES, LoRAAdapter
+from sieve.lora.sites import MODEL
 
 
 class LoRABatch:
     def __init__(self, groups: list[tuple[LoRAAdapter, list[tuple[int, int]]]], device: torch.device, slots=None):
         """`slots` (CUDA: sieve/lora/slots.py LoRASlots): every adapter's rows in one launch per projection."""
-        self.spans = groups
+        self.spans, self.device = groups, device
         self.slots, self.row_slots = slots, None
         if slots is not None:  # each row's slot (-1: the base model alone), for as many rows as the spans reach
             ids = slots.assign([adapter for adapter, _ in groups])
@@ -85,6 +86,22 @@ class LoRABatch:
         """(rows, A^T, B^T) of each adapter that changes site `module` of `layer`: for a site whose product the model
         applies in a form of its own (latent attention's absorbed kv_b_proj)."""
         return [(rows, *adapter.weights[(layer, module)]) for adapter, rows in self.groups if (layer, module) in adapter.modules]
+
+    def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`x` (the embeddings of `input_ids`) with each adapter's embed_tokens product added to its rows, in place:
+        A's column of each token (a row of A^T), times B."""
+        for rows, at, bt in self.each(MODEL, "embed_tokens"):
+            x[rows] += at[input_ids[rows]].to(x.dtype) @ bt.to(x.dtype)
+        return x
+
+    def take(self, rows: list[int]) -> "LoRABatch | None":
+        """The adapters that change the head, over step rows `rows` numbered 0 .. len(rows) - 1 (the rows the head
+        scores); None where none of the step's adapters changes the head."""
+        heads = [(adapter, spans) for adapter, spans in self.spans if (MODEL, "lm_head") in adapter.modules]
+        if not heads:
+            return None
+        owner = {r: adapter for adapter, spans in heads for a, b in spans for r in range(a, b)}
+        return LoRABatch.of([(owner.get(r), i, i + 1) for i, r in enumerate(rows)], self.device)
 
     def at(self, layer: int) -> "LayerLoRA":
         return LayerLoRA(self, layer)

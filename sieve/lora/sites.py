@@ -10,10 +10,12 @@ A site is named as the model calls it, per layer:
   `shared_expert.gate_up_proj` and `shared_expert.down_proj`;
 - latent attention (DeepSeek): `mla.q_proj` (or `mla.q_a_proj` and `mla.q_b_proj`), `mla.kv_a_proj_with_mqa`,
   `mla.kv_b_proj` (whose product is absorbed as its weight is: sieve/layers/mla.py) and `mla.o_proj`;
-- a Mamba-2 mixer: `mamba.in_proj` and `mamba.out_proj`.
+- a Mamba-2 mixer: `mamba.in_proj` and `mamba.out_proj`;
+and the model's own, at layer MODEL (-1): `lm_head` (the logits of an adapter's rows) and `embed_tokens` (PEFT's
+lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r]: a row's A column, times B, added to its embedding).
 
 The model's routed experts are 3-D parameters in transformers (no linear PEFT's `target_modules` reaches), and its
-routers, the embeddings and the head are refused by name."""
+routers are refused by name."""
 
 from __future__ import annotations
 
@@ -21,12 +23,16 @@ import re
 
 # PEFT's key of a decoder layer's LoRA matrix: (layer, the module's path inside the layer, A or B)
 KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+# PEFT's key of the head's or the embedding's: (the module, A or B)
+MODEL_KEY = re.compile(r"^base_model\.model\.(?:model\.)?(lm_head|embed_tokens)\.lora_(?:embedding_)?([AB])(?:\.weight)?$")
+MODEL = -1  # the layer index of the model's own sites
 ATTENTION = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0)}
 MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 MLP_BLOCKS = ("mlp", "feed_forward", "block_sparse_moe")  # what the families call a layer's MLP block
 SHARED_EXPERT = ("shared_expert", "shared_experts")
 MAMBA = ("in_proj", "out_proj")
-NAMES = "q/k/v/o_proj, gate/up/down_proj (shared experts' too), latent attention's projections, Mamba's in/out_proj"
+NAMES = ("q/k/v/o_proj, gate/up/down_proj (shared experts' too), latent attention's projections, Mamba's in/out_proj, "
+         "lm_head, embed_tokens")
 
 
 def dense_sites(arch) -> dict[str, tuple[int, list[int]]]:
@@ -37,8 +43,11 @@ def dense_sites(arch) -> dict[str, tuple[int, list[int]]]:
 
 
 def layer_sites(arch, layer: int) -> dict[str, tuple[int, list[int]]]:
-    """The sites layer `layer` of a model of `arch` has -> (in features, their shards' out features)."""
+    """The sites layer `layer` (MODEL: the model's own) of a model of `arch` has -> (in features, their shards' out
+    features)."""
     a, dense, out = arch, dense_sites(arch), {}
+    if layer == MODEL:
+        return {"lm_head": (a.hidden_size, [a.vocab_size]), "embed_tokens": (a.vocab_size, [a.hidden_size])}
     if layer in a.mamba_layers:
         out["mamba.in_proj"] = (a.hidden_size, [a.mamba_intermediate + a.mamba_conv_dim + a.mamba_n_heads])
         out["mamba.out_proj"] = (a.mamba_intermediate, [a.hidden_size])
@@ -63,7 +72,10 @@ def layer_sites(arch, layer: int) -> dict[str, tuple[int, list[int]]]:
 
 def site_of(arch, layer: int, path: str) -> tuple[str, int]:
     """(site, shard) of the module PEFT names `path` inside layer `layer` ("self_attn.q_proj",
-    "mlp.shared_expert.up_proj", ...); a ValueError saying why where LoRA does not run on it here."""
+    "mlp.shared_expert.up_proj", ...; at MODEL, "lm_head" or "embed_tokens"); a ValueError saying why where LoRA
+    does not run on it here."""
+    if layer == MODEL:
+        return path, 0
     if not 0 <= layer < arch.num_layers:
         raise ValueError(f"layer {layer} is out of range (the model has layers 0 .. {arch.num_layers - 1})")
     sites = layer_sites(arch, layer)

@@ -167,8 +167,12 @@ class DecoderModel(nn.Module):
         if a.tie_word_embeddings and tp is None:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: the embedding is the head (sharded: its rows)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, lora=None) -> torch.Tensor:
+        """`lora`: the step's adapters (sieve/lora LoRABatch), whose embed_tokens products are added (before Gemma's
+        scale, which PEFT applies to them too)."""
         x = self._embed_rows(input_ids)
+        if lora is not None:
+            x = lora.embed(input_ids, x)
         if self.arch.gemma:  # times sqrt(hidden), rounded to the model dtype first (as Gemma does)
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
         return x
@@ -193,7 +197,7 @@ class DecoderModel(nn.Module):
             if aux_layers:
                 raise ValueError("the residual stream of inner layers is not gathered under tensor parallelism")
             self.tp.announce_forward(input_ids, positions, meta)
-        x, residual = self.embed(input_ids), None
+        x, residual = self.embed(input_ids, meta.lora), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
         lora_native = meta.lora.native() if meta.lora is not None else ([], [])
         if self.native is not None and meta.write_kv and meta.capture is None and lora_native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
@@ -234,13 +238,15 @@ class DecoderModel(nn.Module):
             first += tap.num_rows
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] -> float32 logits [B, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, lora=None) -> torch.Tensor:
+        """hidden [B, hidden] -> float32 logits [B, vocab]. `lora`: the adapters that change the head, over these
+        rows (sieve/lora LoRABatch.take)."""
+        head = self.lm_head(hidden) if lora is None else lora.apply(-1, "lm_head", hidden, self.lm_head(hidden))
         if self.tp is None:
-            logits = self.lm_head(hidden).float()
+            logits = head.float()
         else:  # vocab-parallel head: each rank scores its slice, every rank gets them all
-            self.tp.announce(("logits", hidden))
-            logits = self.tp.gather_vocab(self.lm_head(hidden).float(), self.arch.vocab_size)
+            self.tp.announce_logits(hidden, lora)
+            logits = self.tp.gather_vocab(head.float(), self.arch.vocab_size)
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -266,11 +272,12 @@ class DecoderModel(nn.Module):
         elif greedy_head and self.tp is None and GreedyHeadQ8.supported(self.lm_head, self.arch.final_logit_softcapping):
             self.greedy_head = GreedyHeadQ8(self.lm_head.native)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, lora=None) -> torch.Tensor:
         """hidden [B, hidden] -> the first index of each row's max logit: what `compute_logits` then an argmax
-        give, from the head's int8 sketch where it can answer (sieve/layers/greedy_head.py)."""
-        ids = self.greedy_head(hidden) if self.greedy_head is not None else None
-        return ids if ids is not None else self.compute_logits(hidden).max(dim=-1).indices
+        give, from the head's int8 sketch where it can answer (sieve/layers/greedy_head.py; not where an adapter
+        changes the head)."""
+        ids = self.greedy_head(hidden) if self.greedy_head is not None and lora is None else None
+        return ids if ids is not None else self.compute_logits(hidden, lora).max(dim=-1).indices
 
     def _build_native(self):
         """The C++ layer loop, where every piece of a layer has a native kernel: CPU, bf16 activations, or
