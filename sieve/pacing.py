@@ -25,6 +25,9 @@ from sieve.tenancy import BACKGROUND
 # under a share of 0.8 the ladder's users saw TPOT p99 at 0.94 of the target (SmolLM2, int8, 38 to 40 users), and
 # the fifth left unused was what new users' prompts needed (their TTFT p99 bound there, at 4 s).
 STEP_SHARE = 0.9
+# A step of background work alone (the Batch API's, with nothing interactive running) is sized to this share of the
+# objective's step: an interactive request that arrives waits for it to end.
+BACKGROUND_STEP_SHARE = 0.5
 
 
 class SloPacer:
@@ -37,6 +40,7 @@ class SloPacer:
         (each with its drafts), and at least those decodes and one minimal chunk. Background rows do not count
         where others run: they take only what they are allowed beyond (`background_allowance`)."""
         rows = keys = 0
+        alone = all(s.request.priority >= BACKGROUND for s in running)  # background work alone: a shorter step
         for s in foreground(running):
             if s.num_tokens - s.num_computed_tokens == 1:
                 n = 1 + len(s.draft_state.token_ids)
@@ -45,7 +49,7 @@ class SloPacer:
         if not rows or not self.cost.ready:
             return self.max_budget
         floor = min(rows + self.min_chunk, self.max_budget)
-        return max(floor, self._fit(rows, keys))
+        return max(floor, self._fit(rows, keys, BACKGROUND_STEP_SHARE * self.target if alone else self.target))
 
     def admits(self, running: list[Sequence], seq: Sequence) -> bool:
         """May `seq` join the running batch: is the decode step with it still predicted within the share?"""
@@ -72,11 +76,11 @@ class SloPacer:
         decoding user its whole context again (a 4k-token document: seconds on a CPU)."""
         return seq.num_tokens - seq.num_computed_tokens + block_size * (num_running + 1) <= free_tokens
 
-    def _fit(self, rows: int, keys: int) -> int:
-        """The largest token count in [rows, max_budget] whose step is predicted within the share (`rows` if none)."""
-        if self.cost.predict(rows, keys) > self.target:
+    def _fit(self, rows: int, keys: int, target: float) -> int:
+        """The largest token count in [rows, max_budget] whose step is predicted within `target` (`rows` if none)."""
+        if self.cost.predict(rows, keys) > target:
             return rows
-        return self._largest(rows, lambda n: self.cost.predict(n, keys) <= self.target)
+        return self._largest(rows, lambda n: self.cost.predict(n, keys) <= target)
 
     def _largest(self, lo: int, fits) -> int:
         """The largest n in [lo, max_budget] that `fits` (`lo` fitting): a bisection, the prediction being

@@ -174,8 +174,10 @@ class Scheduler:
             budget = self._continue_deferred(deferred, out, budget)
         if shared:
             budget = self._admit_waiting(out, budget, BACKGROUND)
-            room = min(budget, self.pacer.background_allowance(out.num_batched_tokens, decode_keys(out),
-                                                               self.config.background_slowdown))
+            # (none beside an interactive prompt's chunk: its time is a time to first token)
+            prompts = any(not item.is_decode for item in out.scheduled)
+            room = 0 if prompts else min(budget, self.pacer.background_allowance(out.num_batched_tokens, decode_keys(out),
+                                                                                 self.config.background_slowdown))
             left = self._admit_waiting(out, self._continue_deferred(background, out, room))
             budget -= room - left
         else:

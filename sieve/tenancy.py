@@ -17,8 +17,10 @@ Requests without a tier (no --tenants, or the offline API) are one tier, "defaul
 
 **Background work.** A request of priority `BACKGROUND` or past it (the Batch API's) runs only in the capacity the
 others leave: in a step that computes anything for them, its rows may slow that step by at most
-`EngineConfig.background_slowdown` (a tenth, by default), as the step-cost model predicts; the rest of its rows wait
-for a later step. A step with nothing else in it is all its own.
+`EngineConfig.background_slowdown` (a tenth, by default), as the step-cost model predicts, and it has no row in a
+step that runs an interactive prompt's chunk (a time to first token); the rest of its rows wait for a later step. A
+step with nothing else in it is its own, sized to half the objective's step (sieve/pacing.py BACKGROUND_STEP_SHARE):
+an interactive request that arrives waits for it to end.
 """
 
 from __future__ import annotations

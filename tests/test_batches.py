@@ -152,6 +152,37 @@ def test_cancel_and_expiry_are_reported(batch_server):
         aengine.step_delay = 0
 
 
+def test_the_runner_reads_only_the_requests_it_sends(tmp_path, monkeypatch):
+    """The runner asks for pending requests 20 times a second: the store reads and parses only the `limit` it can send
+    (those in flight left out), not every pending line of a large batch."""
+    from sieve.server import batch_store
+    from sieve.server.batch_store import BatchStore
+
+    store = BatchStore(tmp_path)
+    f = store.add_file("t", "batch", "in.jsonl", lines(500))
+    bid = store.create_batch("t", f["id"], "/v1/completions", "24h", None)["id"]
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(batch_store.json, "loads", lambda text, **kw: parsed.append(1) or loads(text, **kw))
+    got = store.pending(bid, {(bid, 0), (bid, 2), ("other", 1)}, 3)
+    assert [n for n, _, _ in got] == [1, 3, 4] and got[0][2]["prompt"] == "story number 1:"
+    assert len(parsed) == 3
+    store.record(bid, 1, True, {"response": {}, "error": None})
+    assert [n for n, _, _ in store.pending(bid, set(), 2)] == [0, 2]
+    assert store.endpoint(bid) == "/v1/completions"
+
+
+def test_the_benchmark_s_batch_is_one_the_server_takes():
+    """`sieve bench serve --batch-requests N` (sieve/bench/batch_load.py) writes N chat requests the store accepts."""
+    from sieve.bench.batch_load import batch_lines
+    from sieve.server.batch_store import parse_lines
+
+    good, bad = parse_lines(batch_lines(MODEL, 5, 32, seed=1), "/v1/chat/completions")
+    assert len(good) == 5 and not bad
+    assert all(body["max_tokens"] == 32 and body["messages"][0]["role"] == "user" for _, _, body in good)
+    assert batch_lines(MODEL, 5, 32, seed=1) == batch_lines(MODEL, 5, 32, seed=1) != batch_lines(MODEL, 5, 32, seed=2)
+
+
 def test_a_restart_mid_batch_loses_no_request_and_runs_none_twice(llama_dir, tmp_path):
     from sieve.server.batch_store import BatchStore
 

@@ -52,6 +52,22 @@ def test_the_budget_is_what_fits_in_the_share_of_the_objective():
     assert steep.admits([], new)  # alone it always runs
 
 
+def test_a_step_of_background_work_alone_is_half_an_interactive_one():
+    """Hand arithmetic as above: background decodes alone (the Batch API's, nothing interactive running) fit their step
+    in half the share, 45 ms: 175 tokens, so that an interactive request arriving waits at most that long for it to
+    end; one interactive decode among them and the step is the interactive one's again (400)."""
+    from sieve.pacing import BACKGROUND_STEP_SHARE
+    from sieve.tenancy import BACKGROUND
+
+    assert BACKGROUND_STEP_SHARE == 0.5
+    pacer = SloPacer(linear_cost(0.0099, 0.0002), 0.100, max_budget=2048, min_chunk=16)
+    batch = decoding(8)
+    for s in batch:
+        s.request = SimpleNamespace(priority=BACKGROUND)
+    assert pacer.token_budget(batch) == 175
+    assert pacer.token_budget(batch + decoding(1)) == 400
+
+
 def chunks_of_a_long_prompt(engine, short: int, long_prompt: list[int]) -> list[int]:
     """Tokens of `long_prompt` computed in each step, started while `short` sequences decode."""
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

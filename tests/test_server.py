@@ -153,8 +153,13 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
     assert value('sieve:request_success_total{finished_reason="length"', text) >= value('sieve:request_success_total{finished_reason="length"', before) + 1
     assert value("sieve:generation_tokens_total", text) >= value("sieve:generation_tokens_total", before) + 5
     assert value("sieve:prompt_tokens_total", text) >= value("sieve:prompt_tokens_total", before) + 3
-    for hist in ("sieve:time_to_first_token_seconds_count", "sieve:time_per_output_token_seconds_count", "sieve:e2e_request_latency_seconds_count"):
+    for hist in ("sieve:time_to_first_token_seconds_count", "sieve:time_per_output_token_seconds_count", "sieve:e2e_request_latency_seconds_count",
+                 *(f"sieve:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference"))):
         assert value(hist, text) > value(hist, before)
+    # the phases add up: queue + inference is the request's whole time, as prefill + decode is its inference
+    total = {phase: value(f"sieve:request_{phase}_time_seconds_sum", text) for phase in ("queue", "prefill", "decode", "inference")}
+    assert total["queue"] + total["inference"] == pytest.approx(value("sieve:e2e_request_latency_seconds_sum", text), rel=1e-6)
+    assert total["prefill"] + total["decode"] == pytest.approx(total["inference"], rel=1e-6)
     for gauge in ("sieve:num_requests_running", "sieve:num_requests_waiting", "sieve:kv_cache_usage_perc"):
         assert gauge + "{" in text
 

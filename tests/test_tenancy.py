@@ -242,9 +242,10 @@ def test_a_paced_engine_knows_its_step_cost_before_the_first_request(llama_dir):
 
 def test_background_work_slows_a_step_with_others_in_it_by_at_most_its_share(llama_dir):
     """An injected step cost of 20 ms + 0.5 ms a token: background rows may make a step with f other tokens at most
-    a tenth slower, so they take at most 4 + f / 10 tokens of it (hand arithmetic). Four interactive requests run
-    beside six background ones: every step with interactive tokens keeps to that, the background still progresses
-    in them, and takes whole steps once the interactive ones are done; each request's tokens are its own alone."""
+    a tenth slower, so they take at most 4 + f / 10 tokens of it (hand arithmetic), and none where an interactive
+    prompt's chunk runs. Four interactive requests run beside six background ones: every step with interactive tokens
+    keeps to that, the background still progresses in them, and takes whole steps once the interactive ones are done;
+    each request's tokens are its own alone."""
     from sieve.tenancy import BACKGROUND
     from tests.test_pacing import linear_cost
 
@@ -258,11 +259,14 @@ def test_background_work_slows_a_step_with_others_in_it_by_at_most_its_share(lla
 
     def recorded(out):
         fg = sum(i.num_rows for i in out.scheduled if i.seq.request.priority < BACKGROUND)
-        steps.append((fg, out.num_batched_tokens - fg))
+        prompt = any(not i.is_decode for i in out.scheduled if i.seq.request.priority < BACKGROUND)
+        steps.append((fg, out.num_batched_tokens - fg, prompt))
 
     watch(engine, recorded)
     outputs = finish(engine)
-    shared = [(fg, bg) for fg, bg in steps if fg]
+    shared = [(fg, bg) for fg, bg, _ in steps if fg]
     assert all(bg <= 4 + fg / 10 for fg, bg in shared), shared
-    assert sum(bg for _, bg in shared) > 0 and max(bg for fg, bg in steps if not fg) >= 6
+    assert sum(bg for _, bg in shared) > 0 and max(bg for fg, bg, _ in steps if not fg) >= 6
+    # none beside an interactive prompt's chunk: its step's time is a time to first token
+    assert all(bg == 0 for fg, bg, prompt in steps if prompt) and any(prompt for *_, prompt in steps)
     assert_as_alone(llama_dir, outputs, [("bg5", 0, 12)], max_num_seqs=16)

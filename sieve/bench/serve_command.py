@@ -70,6 +70,11 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ask a sieve server for each request's expected wait (stream_options.include_queue) and report "
                         "its error against the wait the server measured")
     add_workload_args(p)
+    b = p.add_argument_group("a Batch API job beside the load (sieve/bench/batch_load.py)")
+    b.add_argument("--batch-requests", type=int, default=0, help="submit this many chat requests through /v1/batches "
+                   "as the load starts, and report what the server finished of them meanwhile")
+    b.add_argument("--batch-output-len", type=int, default=32, help="output tokens of each batch request")
+    b.add_argument("--batch-wait", action="store_true", help="after the load, wait for the batch to complete and report when")
     f = p.add_argument_group("bandwidth floor (when the server runs on this machine)")
     f.add_argument("--floor-model", default=None, help="checkpoint whose weight bytes set the floor")
     f.add_argument("--floor-dtype", default="auto")
@@ -184,8 +189,18 @@ def run_bench_serve(args) -> int:
                     queue_eta=args.queue_eta)
     n_req = sum(len(s.turns) for s in sessions[0])
     print(f"bench serve: {model} at {args.base_url}, {args.dataset} workload ({len(sessions[0])} sessions, {n_req} requests per load point)")
+    batch = None
+    if args.batch_requests:
+        from sieve.bench.batch_load import BackgroundBatch
+
+        batch = BackgroundBatch(args.base_url, model, args.api_key, args.batch_requests, args.batch_output_len, args.workload_seed)
+        batch.submit()
+        print(f"batch {batch.id}: {args.batch_requests} chat requests of {args.batch_output_len} tokens submitted")
     result = sweep(target, sessions, loads, slo, floor_step_s=floor, seed=args.workload_seed, progress=args.progress,
                    sessions_per_user=args.prompts_per_user)
+    if batch is not None:
+        result["batch"] = batch.report(args.batch_wait)
+        print(f"batch: {json.dumps(result['batch'])}")
     key = next(k for k in result if k.startswith("max_"))
     if slo.ttft_s is not None or slo.tpot_s is not None:
         print(f"{key.replace('_', ' ')} (p99 TTFT/TPOT within the SLO, no errors): {result[key]}")

@@ -71,7 +71,7 @@ class BatchRunner:
                 task.add_done_callback(lambda _, k=(bid, line): self.in_flight.pop(k, None))
 
     async def send(self, client: httpx.AsyncClient, bid: str, tenant: str, line: int, body: dict) -> None:
-        endpoint = self.store.batch(None, bid)["endpoint"]
+        endpoint = self.store.endpoint(bid)
         self.num_sent += 1
         try:
             r = await client.post(endpoint, json={**body, "stream": False} if endpoint in STREAMING else body,
@@ -80,10 +80,12 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the request fails, its batch goes on
-            self.store.record(bid, line, False, {"error": {"code": "server_error", "message": f"{type(e).__name__}: {e}"}})
-            return
-        response = {"status_code": r.status_code, "request_id": payload.get("id", ""), "body": payload}
-        self.store.record(bid, line, r.status_code == 200, {"response": response, "error": None})
+            result, ok = {"error": {"code": "server_error", "message": f"{type(e).__name__}: {e}"}}, False
+        else:
+            result = {"response": {"status_code": r.status_code, "request_id": payload.get("id", ""), "body": payload}, "error": None}
+            ok = r.status_code == 200
+        # (on a thread: a commit's disk write must not hold up the event loop, which streams interactive tokens)
+        await asyncio.to_thread(self.store.record, bid, line, ok, result)
 
     async def stop(self, task: asyncio.Task) -> None:
         task.cancel()

@@ -27,6 +27,14 @@ class Metrics:
         self.ttft = Histogram("sieve:time_to_first_token_seconds", "Time to first token", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
         self.tpot = Histogram("sieve:time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
         self.e2e = Histogram("sieve:e2e_request_latency_seconds", "End-to-end request latency", ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+        # vLLM's phases of a request: waiting (arrival to first scheduled), prefill (to its first token), decode (to
+        # its end), inference (prefill and decode)
+        self.phases = {phase: Histogram(f"sieve:request_{phase}_time_seconds", what, ["model_name"], buckets=_LATENCY_BUCKETS,
+                                        registry=r).labels(**label)
+                       for phase, what in (("queue", "Time from arrival to first scheduled"),
+                                           ("prefill", "Time from first scheduled to the first token"),
+                                           ("decode", "Time from the first token to the last"),
+                                           ("inference", "Time from first scheduled to the last token"))}
         self.rejected = Counter("sieve:request_rejected", "Requests refused with 429 (queue full, or --slo-reject)", ["model_name"], registry=r).labels(**label)
         limits = Counter("sieve:limit_refusals", "Requests refused (400) and streams cut by a server limit, by limit",
                          ["model_name", "limit"], registry=r)
@@ -67,6 +75,12 @@ class Metrics:
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.phases["queue"].observe(m.first_scheduled_time - m.arrival_time)
+            self.phases["inference"].observe(m.finished_time - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.phases["prefill"].observe(m.first_token_time - m.first_scheduled_time)
+                self.phases["decode"].observe(m.finished_time - m.first_token_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
             if tenant is not None:
