@@ -604,9 +604,10 @@ class LLMEngine:
         with self._borrowed_blocks(len(token_ids)) as table:
             return score_hidden(self.runner, token_ids, 0, len(token_ids), table, aux_layers)
 
-    def check_alive(self) -> None:
-        """EngineDead when a tensor-parallel rank this engine started is gone: no later step can succeed."""
-        gone = self.tp_workers.gone() if self.tp_workers is not None else None
+    def check_alive(self, wait_s: float = 0.0) -> None:
+        """EngineDead when a tensor-parallel rank this engine started is gone (waiting up to `wait_s` to see it gone):
+        no later step can succeed."""
+        gone = self.tp_workers.gone(wait_s) if self.tp_workers is not None else None
         if gone:
             raise EngineDead(gone)
 
@@ -628,7 +629,7 @@ class LLMEngine:
             failed = list(dict.fromkeys(item.seq.request.request_id for item in sched.scheduled))
             for rid in failed:
                 self.abort(rid)
-            self.check_alive()  # ...unless a rank it needs is gone
+            self.check_alive(wait_s=1.0)  # ...unless a rank it needs is gone (named, with the error it reported)
             raise StepFailed(failed, e) from e
         self.num_steps += 1
         if self.kv_premise is not None:  # the pool at its fullest: the step's blocks held, none freed yet

@@ -162,6 +162,20 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(checkpoints):
         llm.shutdown()
 
 
+def test_a_rank_s_own_error_reaches_the_caller(checkpoints):
+    """A worker that fails (here on a command it does not know) exits with its error in the spawn queue; the step that
+    then fails on the collective reports it by name, not as gloo's closed connection."""
+    from sieve.engine import EngineDead
+
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=64)
+    try:
+        llm.llm_engine.tp_workers.group.announce(("bogus",))
+        with pytest.raises(EngineDead, match="unknown command 'bogus'"):
+            _run(llm, PROMPTS[:1], max_tokens=4)
+    finally:
+        llm.shutdown()
+
+
 def test_shutdown_with_a_dead_rank_never_waits_on_the_groups_destructors():
     """A gloo group's destructor joins its threads, and one blocked on a send to a killed rank never returns: it hung
     `test_a_dead_rank_fails_the_step_instead_of_hanging` in full `make test` runs, aborted or not. Where a rank is gone,

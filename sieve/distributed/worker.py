@@ -42,6 +42,7 @@ class TensorParallelWorkers:
     def __init__(self, group: TensorParallelGroup | None, processes: list, errors, ray_refs: list | None = None):
         self.group, self.processes, self._errors, self.ray_refs = group, processes, errors, ray_refs or []
         self._ready = 0  # spawned workers that reported their pool built
+        self.reported: str | None = None  # the last error a spawned worker reported before it exited
 
     @classmethod
     def start(cls, config: EngineConfig, device: torch.device) -> "TensorParallelWorkers":
@@ -87,19 +88,36 @@ class TensorParallelWorkers:
         handle.group.gone = handle.gone
         return handle
 
-    def gone(self) -> str | None:
-        """A rank this driver started that is no longer running, named; None while they all run. No side effects
-        (the group asks it while a command is out)."""
-        dead = [p for p in self.processes if not p.is_alive()]
-        if dead:
-            return f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})"
-        if self.ray_refs:
-            import ray
+    def gone(self, wait_s: float = 0.0) -> str | None:
+        """A rank this driver started that is no longer running, named, with the error it reported; None while they
+        all run (after waiting up to `wait_s` for one to be seen gone: a step that failed on a collective may have
+        failed before the rank that broke it has exited). The group asks it while a command is out."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                detail = self._reported_error()
+                return f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})" + (f": {detail}" if detail else "")
+            if self.ray_refs:
+                import ray
 
-            done, _ = ray.wait(self.ray_refs, timeout=0)
-            if done:
-                return "a tensor-parallel Ray task ended"
-        return None
+                done, _ = ray.wait(self.ray_refs, timeout=0)
+                if done:
+                    return "a tensor-parallel Ray task ended"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def _reported_error(self) -> str | None:
+        """The last error a spawned worker put in the queue (kept: the queue is read once)."""
+        while self._errors is not None:
+            try:
+                kind, rank, detail = self._errors.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                break
+            if kind == "error":
+                self.reported = f"rank {rank}: {detail}"
+        return self.reported
 
     def _joined(self, store, timeout_s: float = 600.0) -> None:
         """Before the driver waits for the ranks it started: each has signed in on the store, or it fails here, naming
@@ -140,6 +158,9 @@ class TensorParallelWorkers:
         dead = [p for p in self.processes if not p.is_alive()]
         if dead:
             self.shutdown()
+            detail = self._reported_error()  # (read here, or by `gone` while a command was out)
+            if detail:
+                raise ConfigError(f"tensor-parallel {detail}")
             raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode}) before it was {what}")
 
     def ready(self, num_blocks: tuple[int, int], timeout_s: float = 600.0) -> None:
