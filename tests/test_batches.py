@@ -172,6 +172,22 @@ def test_the_runner_reads_only_the_requests_it_sends(tmp_path, monkeypatch):
     assert store.endpoint(bid) == "/v1/completions"
 
 
+def test_bench_serve_submits_a_batch_beside_its_load_and_reports_it(batch_server, llama_dir, tmp_path, capsys):
+    """`sieve bench serve --batch-requests N --batch-wait`: the batch goes through /v1/files and /v1/batches as the load
+    starts, and the run file says what it did; bad values and a server without the Batch API end with status 2."""
+    from sieve.cli import main
+
+    out = tmp_path / "r.json"
+    common = ["bench", "serve", "--base-url", batch_server[0], "--model", MODEL, "--api-key", API_KEY, "--tokenizer",
+              str(llama_dir), "--num-prompts", "3", "--input-len", "8:8", "--output-len", "2:2", "--concurrency", "1",
+              "--no-progress"]
+    assert main(common + ["--batch-requests", "4", "--batch-output-len", "3", "--batch-wait", "--output-json", str(out)]) == 0
+    batch = json.loads(out.read_text())["batch"]
+    assert batch["status"] == "completed" and batch["completed"] == 4 and batch["failed"] == 0
+    assert 0 <= batch["during_load"]["completed"] <= 4 and batch["output_tokens_per_s"] > 0
+    assert main(common + ["--batch-requests", "-1"]) == 2 and main(common + ["--batch-requests", "2", "--batch-output-len", "0"]) == 2
+
+
 def test_the_benchmark_s_batch_is_one_the_server_takes():
     """`sieve bench serve --batch-requests N` (sieve/bench/batch_load.py) writes N chat requests the store accepts."""
     from sieve.bench.batch_load import batch_lines

@@ -231,6 +231,8 @@ def test_cli_bench_serve_writes_json_and_plot(live, llama_dir, tmp_path, capsys)
     assert png.stat().st_size > 10_000
     assert "rate=50/s" in capsys.readouterr().out
     assert main(["bench", "serve", "--base-url", url, "--model", MODEL, "--concurrency", "1"]) == 2  # no key for /tokenize
+    assert main(["bench", "serve", "--base-url", url, "--model", MODEL, "--api-key", API_KEY, "--tokenizer", str(llama_dir),
+                 "--concurrency", "1", "--batch-requests", "2"]) == 2  # a server without --batch-dir has no /v1/files
     # no --tokenizer: the server's /tokenize and /detokenize size the prompts; --endpoint picks the chat API
     rc = main(["bench", "serve", "--base-url", url, "--api-key", API_KEY, "--endpoint", "/v1/chat/completions",
                "--num-prompts", "3", "--input-len", "20:20", "--output-len", "2:2", "--concurrency", "1", "--no-progress",

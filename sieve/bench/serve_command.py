@@ -193,8 +193,15 @@ def run_bench_serve(args) -> int:
     if args.batch_requests:
         from sieve.bench.batch_load import BackgroundBatch
 
+        if args.batch_requests < 0 or args.batch_output_len < 1:
+            print("error: --batch-requests must be >= 0 and --batch-output-len >= 1", file=sys.stderr)
+            return 2
         batch = BackgroundBatch(args.base_url, model, args.api_key, args.batch_requests, args.batch_output_len, args.workload_seed)
-        batch.submit()
+        try:
+            batch.submit()
+        except httpx.HTTPError as e:  # (a server without --batch-dir answers 404)
+            print(f"error: the batch could not be submitted: {e}", file=sys.stderr)
+            return 2
         print(f"batch {batch.id}: {args.batch_requests} chat requests of {args.batch_output_len} tokens submitted")
     result = sweep(target, sessions, loads, slo, floor_step_s=floor, seed=args.workload_seed, progress=args.progress,
                    sessions_per_user=args.prompts_per_user)
