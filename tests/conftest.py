@@ -32,7 +32,8 @@ def _user_kernel_cache() -> Path | None:
 if "SIEVE_KERNEL_CACHE" not in os.environ and (_kernels := _user_kernel_cache()) is not None:
     os.environ["SIEVE_KERNEL_CACHE"] = str(_kernels)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# ../shared beside the checkout; SIEVE_SHARED names a copy where it is not there (the device machine: scripts/gpu_prepare.sh)
+SHARED = Path(os.environ.get("SIEVE_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
 def cpu_flags() -> set[str]:

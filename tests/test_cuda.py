@@ -270,3 +270,113 @@ def test_multi_lora_on_the_gpu_equals_peft_and_each_request_alone(llama_dir, tmp
     for prompt, lora, out in zip(prompts, loras, together):
         assert out.outputs[0].token_ids == llm.generate(prompt, GREEDY, lora_request=lora)[0].outputs[0].token_ids
     assert llm.llm_engine.runner.lora_slots.num_loads >= 4
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 16, 17, 100])
+def test_w8a8_on_the_gpu_is_the_integer_arithmetic_exactly(rows):
+    """W8A8 on CUDA (torch._int_mm, rows padded): the int32 sums are the exact int64 ones, and the output is the CPU's
+    arithmetic to the bit (per-token codes and scales, then (float(sum) x token scale) x channel scale + bias), so a
+    row's result is the CPU's and does not depend on the rows beside it."""
+    from sieve.quant.formats import quantize
+    from sieve.quant.kernels import make_kernel
+    from sieve.quant.w8a8 import W8A8Kernel, int8_matmul, quantize_tokens
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 200, 320
+    w = quantize(torch.randn(n, k, generator=g), "w8a8")
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+    x[0, : k // 2] = 0.0
+    q, s = quantize_tokens(x)
+    acc = q.long() @ w.q.long().t()
+    gpu_w = w.to(torch.device("cuda"))
+    assert torch.equal(int8_matmul(q.cuda(), gpu_w.q).cpu().long(), acc)
+    kernel = make_kernel(gpu_w, torch.float32, bias.cuda())
+    assert isinstance(kernel, W8A8Kernel) and "torch._int_mm" in kernel.name
+    want = acc.float() * s[:, None] * w.scale[None, :] + bias
+    got = kernel(x.cuda()).cpu()
+    assert torch.equal(got, want)
+    assert torch.equal(kernel(x[-1:].cuda()).cpu(), want[-1:])
+
+
+@cuda
+def test_fp8_w8a8_on_the_gpu_is_its_dequantized_arithmetic():
+    """FP8 W8A8 (`_scaled_mm`, an activation scale per row and a weight scale per channel) on GPUs with FP8 tensor
+    cores: the e4m3 codes of both operands multiplied and scaled, against the same codes widened to float32."""
+    from sieve.quant.formats import quantize
+    from sieve.quant.kernels import make_kernel
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU has no FP8 tensor cores (compute capability 8.9 and later)")
+    g = torch.Generator().manual_seed(0)
+    n, k = 256, 576
+    w = quantize(torch.randn(n, k, generator=g) * 0.05, "fp8").to(torch.device("cuda"))
+    bias = torch.randn(n, generator=g).cuda().bfloat16()
+    kernel = make_kernel(w, torch.bfloat16, bias)
+    assert "_scaled_mm" in kernel.name
+    for rows in (1, 64, 512):
+        x = (torch.randn(rows, k, generator=g) * 3).cuda().bfloat16()
+        a_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+        xq = (x / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        want = (xq * a_scale) @ (w.q.float() * w.scale.float()[:, None]).t() + bias.float()
+        got = kernel(x).float()
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), rows
+
+
+@cuda
+def test_w8a8_engine_on_the_gpu_gives_the_cpus_tokens(llama_dir):
+    """`--quantization w8a8` on the GPU (torch._int_mm) against the same on the CPU (sieve's kernels), float32:
+    identical greedy tokens up to the CPU's first near-tie, logprobs within 5e-3 (a float32 difference upstream can
+    move an activation code by one)."""
+    from sieve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": [5, 99, 1234, 7, 300]}, {"prompt_token_ids": list(range(40, 90))}]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(llama_dir), device=device, dtype="float32", quantization="w8a8", num_gpu_blocks_override=64)
+        outs[device] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        del llm
+    compared = 0
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"]):
+        for step, (token, lps) in enumerate(zip(cpu.token_ids, cpu.logprobs)):
+            top = sorted((lp.logprob for lp in lps.values()), reverse=True)
+            assert gpu.token_ids[step] == token, step
+            assert gpu.logprobs[step][token].logprob == pytest.approx(lps[token].logprob, abs=5e-3)
+            compared += 1
+            if top[0] - top[1] < 1e-2:  # a near-tie: the sequences may part after it
+                break
+    assert compared >= 6
+
+
+@cuda
+def test_kv_compression_on_the_gpu_is_attention_with_dropped_positions_masked(monkeypatch):
+    """A press on CUDA (its scores, the compacted copy, the Triton decode attention over the kept slots): every decode
+    step after it against transformers on the CPU with the positions it dropped masked, float32, within 1e-4."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+
+    from sieve import LLM, SamplingParams
+    from test_kv_compression import STORIES, kept_only_attention, record_kept, story_prompt
+
+    ids = story_prompt(200, seed=1)
+    seen = record_kept(monkeypatch)
+    llm = LLM(str(STORIES), dtype="float32", device="cuda", num_gpu_blocks_override=256)
+    for press in ("snapkv", "expected_attention"):
+        seen.clear()
+        params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True,
+                                kv_compression={"press": press, "ratio": 0.6})
+        out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+        kept, T = [k.cpu() for k in seen[0]], len(ids)
+        AttentionInterface.register("sieve_kept_only_gpu", kept_only_attention(dict(enumerate(kept)), T))
+        model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sieve_kept_only_gpu").eval()
+        cache, tokens = DynamicCache(), ids + out.token_ids
+        with torch.no_grad():
+            logits = [model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]]
+            for t in tokens[T:-1]:
+                logits.append(model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1])
+        ref = torch.log_softmax(torch.stack(logits), dim=-1)
+        for i, (token, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert ref[i].max() - ref[i, token] < 1e-4, (press, i)
+            for tid, lp in lps.items():
+                assert abs(lp.logprob - ref[i, tid].item()) < 1e-4, (press, i, tid)

@@ -421,3 +421,22 @@ def test_a_request_naming_no_registered_adapter_reads_no_path(llm, monkeypatch):
         manager.resolve(LoRARequest("gone", 0, ""))
     with pytest.raises(Exception, match="no adapter named 'gone'"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=LoRARequest("gone", 0, ""))
+
+
+def test_bench_lora_runs_on_a_checkpoint_without_a_tokenizer(llama_dir, tmp_path):
+    """`sieve bench lora` on a random checkpoint written without a tokenizer (the GPU check's 1B shape): prompts of
+    token ids, the three throughputs measured and compared."""
+    import argparse
+    import shutil
+
+    from sieve.bench.lora import throughput_parts
+
+    model = tmp_path / "bare"
+    model.mkdir()
+    for f in llama_dir.iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, model / f.name)
+    args = argparse.Namespace(users=2, kv_cache_memory_gb=0.05, adapters=2, rank=4, requests=4, max_tokens=3, repeats=1)
+    result = throughput_parts(args, str(model))
+    assert set(result["median_tok_s"]) == {"base_no_lora", "base_lora_enabled", "adapters"}
+    assert all(v > 0 for v in result["median_tok_s"].values()) and result["adapters_vs_base"] > 0
