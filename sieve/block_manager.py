@@ -268,8 +268,8 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """After a step: enter `seq`'s newly completed full blocks into the prefix cache. A block whose
         content another block already holds stays private (and is freed as usual)."""
-        if not self.enable_prefix_caching or seq.kv_dropped:  # a compressed sequence's blocks are never exact
-            return
+        if not self.enable_prefix_caching or seq.kv_dropped or getattr(seq, "kv_cells", None) is not None:
+            return  # a compressed sequence's blocks are never exact
         table = self.table_of(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         if full <= self.registered_of(seq):
@@ -298,6 +298,8 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.set_registered(seq, 0)
         seq.kv_compressed, seq.kv_dropped = False, 0  # preempted: its prompt is computed, and pressed, again
+        if getattr(seq, "kv_cells", None) is not None:
+            seq.kv_cells = None
 
     def compact(self, seq: Sequence, num_kept: int) -> tuple[list[int], list[int]] | None:
         """KV compression: `seq` (its prompt computed) keeps `num_kept` slots. Its new table is fresh blocks where the

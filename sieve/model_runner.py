@@ -10,6 +10,7 @@ every sequence in the batch.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -105,6 +106,8 @@ class ModelRunner:
             self.kv_scale_pools.append(scales)
             for j, i in enumerate(layers):
                 self.caches[i] = self._cache_layer(model, pool, scales, j, i)
+                if layers is self.layer_groups[0] and not arch.is_mla:  # per-layer KV budgets read across the planes
+                    self.caches[i].flat = _flat_view(self.caches[i], pool, scales)
         self.kv_pool = self.kv_pools[0]
         for i in arch.mamba_layers:  # a recurrent state per running sequence (slots from the block manager)
             self.caches[i] = RecurrentState(config.max_num_seqs, arch.mamba_conv_dim, arch.mamba_d_conv, arch.mamba_n_heads,
@@ -275,6 +278,7 @@ class ModelRunner:
             return build_metadata(slots, rows, chunks, self.block_size, self.device, windows)
 
         meta = group(lambda h: h.block_table, ())
+        meta.layers = self._layer_views(meta, writes, decodes, prefills)
         if len(self.layer_groups) > 1:
             writes, decodes, prefills = window_rows or (writes, decodes, prefills)
             meta.windows = group(lambda h: h.window.table, tuple(w for w in self.arch.layer_windows if w is not None)).windows
@@ -288,6 +292,39 @@ class ModelRunner:
                 torch.tensor([h.state_slot for h, _, _ in decodes], dtype=torch.int64, device=self.device) if decodes else None,
                 [(row, n, holder.state_slot) for row, n, _, holder in prefills])
         return meta
+
+    def _layer_views(self, meta: AttentionMetadata, writes: list[tuple], decodes: list[tuple],
+                     prefills: list[tuple]) -> dict[int, AttentionMetadata] | None:
+        """Where a holder keeps per-layer budgets (`kv_cells`, sieve/kv_compression/cells.py), each full-attention
+        layer's view of the step: every row's table over the pool flattened across planes, and each budgeted row's
+        length in its layer's table; None where no holder does."""
+        if all(getattr(h, "kv_cells", None) is None for h, _, _ in writes):
+            return None
+        bs, plane = self.block_size, self.kv_pools[0].shape[2]
+        views = {}
+        for a, layer in enumerate(self.layer_groups[0]):
+            tables: dict[int, list[int]] = {}
+
+            def table_of(h, a=a, tables=tables) -> list[int]:
+                if id(h) not in tables:
+                    cells = getattr(h, "kv_cells", None)
+                    tables[id(h)] = cells.table(a, h.block_table, plane) if cells else [a * plane + b for b in h.block_table]
+                return tables[id(h)]
+
+            def length(h, slots: int, a=a) -> int:
+                cells = getattr(h, "kv_cells", None)
+                return cells.context(a, slots, bs) if cells else slots
+
+            def blocks(h, nb: int, a=a) -> int:
+                cells = getattr(h, "kv_cells", None)
+                return cells.blocks(a, nb) if cells else nb
+
+            rows = [(table_of(h)[: blocks(h, nb)], length(h, ctx)) for h, ctx, nb in decodes]
+            chunks = [(row, n, length(h, ctx), table_of(h)) for row, n, ctx, h in prefills]
+            view = build_metadata([], rows, chunks, bs, self.device)
+            view.slot_mapping, view.flat = meta.slot_mapping, True
+            views[layer] = view
+        return views
 
     def _slots_and_rows(self, table_of, writes: list[tuple], decodes: list[tuple]) -> tuple[list[int], list[tuple[list[int], int]]]:
         """The cache slots `writes` write, and each decode row's (block table, context length), from the tables
@@ -309,7 +346,7 @@ class ModelRunner:
     def forward_decodes(self, input_ids: list[int], positions: list[int], writes: list[tuple], decodes: list[tuple]) -> torch.Tensor:
         """Final hidden states of a decode-only step (`writes` and `decodes` as for `metadata`; one group of full-attention
         layers): through the capture-ready path where it fits the step, else eagerly."""
-        if self.static_decode is not None:
+        if self.static_decode is not None and all(getattr(h, "kv_cells", None) is None for h, _, _ in writes):
             slots, rows = self._slots_and_rows(lambda h: h.block_table, writes, decodes)
             if self.static_decode.fits(len(rows), max(len(t) for t, _ in rows)):
                 hidden = self.static_decode.run(input_ids, positions, slots, [t for t, _ in rows], [c for _, c in rows])
@@ -584,6 +621,27 @@ class ModelRunner:
                 flat = flat.view(-1, *plane.shape[2:])  # [slots, KVH, ...]
                 flat.index_copy_(0, dst, flat[src, heads].transpose(0, 1).contiguous())
 
+    def compact_kv_cells(self, old_table: list[int], new_table: list[int], kept: list[torch.Tensor], cells) -> None:
+        """As `compact_kv`, where each attention layer keeps its own count (`kept[a]` [KVH, n_a]) in the blocks
+        `cells` (LayerCells) gives it, some in other layers' planes of `new_table`: every layer's kept K/V is gathered
+        before any is written (a plane of a block the tables share may hold another layer's positions still to read)."""
+        bs, dev, pool, scales = self.block_size, self.device, self.kv_pools[0], self.kv_scale_pools[0]
+        old = torch.tensor(old_table, dtype=torch.int64, device=dev)
+        heads = torch.arange(self.arch.num_kv_heads, device=dev)[:, None]
+        planes = [pool[0], pool[1]] + ([scales[0], scales[1]] if scales is not None else [])
+        flats = [(p.view(torch.uint8) if p.dtype.itemsize == 1 else p).reshape(-1, *p.shape[3:]) for p in planes]
+        per_plane = pool.shape[2] * bs  # slots in one layer's plane
+        gathered = []
+        for a, positions in enumerate(kept):
+            src = a * per_plane + old[positions.to(dev) // bs] * bs + positions.to(dev) % bs  # [KVH, n_a]
+            gathered.append([f[src, heads].transpose(0, 1).contiguous() for f in flats])
+        for a, rows in enumerate(gathered):
+            blocks = torch.tensor(cells.table(a, new_table, pool.shape[2])[: len(cells.cells[a])], dtype=torch.int64, device=dev)
+            n = torch.arange(rows[0].shape[0], device=dev)
+            dst = blocks[n // bs] * bs + n % bs
+            for f, x in zip(flats, rows):
+                f.index_copy_(0, dst, x)
+
     def _prompt_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, row: int, lora=None, rows_per_pass: int = 256) -> list:
         """Logprobs of the prompt tokens this chunk predicts: the logits at position p score token p + 1.
         Computed from the rows of positions not scored yet (a chunk after preemption may have scored them),
@@ -602,6 +660,19 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1], device=self.device)
             dicts += logprob_dicts(logprobs_of(logprobs, targets, n), [n] * (b - a))
         return [(seq, lo + 1, dicts)] if dicts else []
+
+
+def _flat_view(cache: KVCacheLayer, pool: torch.Tensor, scales: torch.Tensor | None) -> KVCacheLayer:
+    """`cache` (a layer of the group `pool` holds) reading the whole pool flattened across its layers' planes (block
+    b of plane a is block a x blocks + b), with the layer's own scales (fp8's per layer; int8's, beside the codes,
+    flattened alike)."""
+    flat = copy.copy(cache)
+    layers, blocks = pool.shape[1], pool.shape[2]
+    flat.k, flat.v = (pool[e].view(layers * blocks, *pool.shape[3:]) for e in (0, min(1, pool.shape[0] - 1)))
+    if scales is not None:
+        flat.k_scale, flat.v_scale = (scales[e].view(layers * blocks, *scales.shape[3:]) for e in (0, 1))
+    flat.flat = None
+    return flat
 
 
 def _passing(meta: AttentionMetadata) -> AttentionMetadata:

@@ -43,6 +43,7 @@ class DraftBranch:
 
     draft: list[int]
     fork: BlockFork
+    kv_cells: object = None  # its sequence's per-layer budgets (sieve/kv_compression/cells.py): the fork shares those blocks
 
     @property
     def block_table(self) -> list[int]:
@@ -337,7 +338,7 @@ class Scheduler:
             if fork is None:
                 break
             seen.add(tuple(alt))
-            item.branches.append(DraftBranch(alt, fork))
+            item.branches.append(DraftBranch(alt, fork, seq.kv_cells))
             out.branch_copies += fork.copies
             taken += 1 + len(alt)
         return taken

@@ -92,6 +92,7 @@ class Sequence:
     # p's K/V is in slot p - kv_dropped of block_table; its rotary position stays p.
     kv_compressed: bool = False
     kv_dropped: int = 0
+    kv_cells: Any = None  # with per-layer budgets, where each layer's kept positions are (LayerCells), else None
     query_stats: Any = None  # a press's statistics of the prompt's queries, gathered during its prefill (QueryStats)
 
     # Output side (written by the output processor).

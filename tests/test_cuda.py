@@ -352,8 +352,9 @@ def test_w8a8_engine_on_the_gpu_gives_the_cpus_tokens(llama_dir):
 
 @cuda
 def test_kv_compression_on_the_gpu_is_attention_with_dropped_positions_masked(monkeypatch):
-    """A press on CUDA (its scores, the compacted copy, the Triton decode attention over the kept slots): every decode
-    step after it against transformers on the CPU with the positions it dropped masked, float32, within 1e-4."""
+    """A press on CUDA (its scores, the compacted copy, the Triton decode attention over the kept slots; with entropy
+    budgets each layer's own blocks across the pool's planes): every decode step after it against transformers on the
+    CPU with the positions it dropped masked, float32, within 1e-4."""
     from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 
     from sieve import LLM, SamplingParams
@@ -362,10 +363,10 @@ def test_kv_compression_on_the_gpu_is_attention_with_dropped_positions_masked(mo
     ids = story_prompt(200, seed=1)
     seen = record_kept(monkeypatch)
     llm = LLM(str(STORIES), dtype="float32", device="cuda", num_gpu_blocks_override=256)
-    for press in ("snapkv", "expected_attention"):
+    for press in ("snapkv", "expected_attention", "snapkv:0.6:entropy"):  # (the last: each layer its own blocks)
         seen.clear()
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True,
-                                kv_compression={"press": press, "ratio": 0.6})
+                                kv_compression=press if ":" in press else {"press": press, "ratio": 0.6})
         out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
         kept, T = [k.cpu() for k in seen[0]], len(ids)
         AttentionInterface.register("sieve_kept_only_gpu", kept_only_attention(dict(enumerate(kept)), T))

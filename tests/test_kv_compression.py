@@ -296,17 +296,35 @@ def test_expected_attention_in_the_native_layer_loop(monkeypatch):
         assert (c1 - c2).abs().max() < 2e-2 * c2.abs().max()
 
 
-def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_masked(stories_llm, monkeypatch):
+@pytest.mark.parametrize("spec", [{"press": "snapkv", "ratio": 0.6}, {"press": "snapkv", "ratio": 0.6, "budgets": "entropy"},
+                                  {"press": "knorm", "ratio": 0.75, "budgets": "entropy"}], ids=["snapkv", "snapkv-entropy",
+                                                                                               "knorm-entropy"])
+def test_attention_over_compacted_sequence_is_attention_with_dropped_positions_masked(stories_llm, monkeypatch, spec):
     """Each decode step after the press against transformers (float32) with, per layer and KV head, the dropped prompt
-    positions masked out of every later query's attention: every logit within 1e-5."""
+    positions masked out of every later query's attention: every logit within 1e-5. With entropy budgets each layer
+    keeps its own count (whole blocks, the same total), packed across the pool's layer planes."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     ids = story_prompt(200, seed=1)
     seen = record_kept(monkeypatch)
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True,
-                            kv_compression={"press": "snapkv", "ratio": 0.6})
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True, kv_compression=spec)
+    held = []
+    step = stories_llm.llm_engine.step
+
+    def watch():
+        held.extend(len(s.block_table) for s in stories_llm.llm_engine.scheduler.running if s.kv_compressed)
+        return step()
+
+    monkeypatch.setattr(stories_llm.llm_engine, "step", watch)
     out = stories_llm.generate([{"prompt_token_ids": ids}], params)[0]
     kept, T = seen[0], len(ids)
+    counts = [k.shape[1] for k in kept]
+    if "budgets" in spec:  # layers keep different counts, in whole blocks, the uniform total; the blocks held are that
+        assert len(set(counts)) > 1 and all(c % 16 == 0 for c in counts)
+        assert sum(counts) == len(counts) * int(T * (1 - spec["ratio"])) // 16 * 16
+        packed = -(-sum(counts) // (16 * len(counts)))  # the layers' mean in blocks, not the largest layer's count
+        assert packed < max(counts) // 16 and set(held) == {packed + 1}  # (and one block for the 12 tokens after)
+        assert out.kv_kept_tokens == sum(counts) // len(counts)
     AttentionInterface.register("sieve_kept_only", kept_only_attention(dict(enumerate(kept)), T))
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32, attn_implementation="sieve_kept_only").eval()
     tokens = ids + out.outputs[0].token_ids
@@ -359,7 +377,8 @@ def hf_logits_unmasked(tokens: list[int], T: int) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, T - 1: len(tokens) - 1]
 
 
-def mixed_workload(n: int, seed: int = 0) -> tuple[list, list]:
+def mixed_workload(n: int, seed: int = 0, budgets: bool = True) -> tuple[list, list]:
+    """`n` prompts of random ids with every press in turn (and none); `budgets`: entropy budgets among them."""
     rng = random.Random(seed)
     presses = [None, {"press": "snapkv", "ratio": 0.5}, {"press": "knorm", "ratio": 0.75},
                {"press": "streaming_llm", "ratio": 0.5}, {"press": "chunkkv", "ratio": 0.5},
@@ -368,8 +387,10 @@ def mixed_workload(n: int, seed: int = 0) -> tuple[list, list]:
     for i in range(n):
         prompts.append({"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(70, 160))]})
         sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, seed=100 + i)
-        params.append(SamplingParams(max_tokens=rng.randint(5, 25), ignore_eos=True, kv_compression=presses[i % len(presses)],
-                                     **sampling))
+        press = presses[i % len(presses)]
+        if budgets and i >= len(presses) and press and press["press"] in ("snapkv", "knorm"):  # the second round's
+            press = {**press, "budgets": "entropy"}
+        params.append(SamplingParams(max_tokens=rng.randint(5, 25), ignore_eos=True, kv_compression=press, **sampling))
     return prompts, params
 
 
@@ -399,16 +420,46 @@ def test_compressed_and_plain_requests_leave_each_other_unchanged(llama_engine_f
     assert stats.requests == 10 and stats.dropped_tokens > 0 and stats.skipped == 0
 
 
-def test_compression_changes_the_output_and_speculation_does_not(stories_llm):
+def test_a_sequence_with_entropy_budgets_preempted_after_its_press_recomputes_its_tokens(llama_engine_factory, monkeypatch):
+    """Entropy budgets beside plain requests in a pool too small for them all: a budgeted sequence preempted after its
+    press computes its prompt and presses it again, then recomputes its later tokens as a prefill chunk over each
+    layer's own kept blocks (per-layer views of the step); every request's tokens as alone, every block back."""
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(n)]} for n in (90, 150, 120, 140)]
+    presses = (None, {"press": "snapkv", "ratio": 0.5, "budgets": "entropy"}, None,
+               {"press": "knorm", "ratio": 0.75, "budgets": "entropy"})
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, kv_compression=c) for c in presses]
+    alone = [llama_engine_factory().generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    llm = llama_engine_factory(num_gpu_blocks_override=16, block_size=16)
+    runner, chunks = llm.llm_engine.runner, []
+    views = runner._layer_views
+
+    def seen(meta, writes, decodes, prefills):
+        chunks.extend(h for _, _, _, h in prefills if h.kv_cells is not None)
+        return views(meta, writes, decodes, prefills)
+
+    monkeypatch.setattr(runner, "_layer_views", seen)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0 and chunks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("budgets", ["uniform", "entropy"])
+@pytest.mark.parametrize("branches", [1, 3], ids=["chain", "tree"])
+def test_compression_changes_the_output_and_speculation_does_not(stories_llm, budgets, branches):
     """The press is not a no-op (a 4x press changes a long greedy story), and n-gram speculation on a compressed
-    sequence verifies against the compacted cache: the same tokens as without it."""
+    sequence verifies against the compacted cache (with entropy budgets, each layer's own blocks; a draft tree's forks
+    share them): the same tokens as without it."""
     prompt = {"prompt_token_ids": story_prompt(250, seed=2)}
     plain = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    pressed = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, kv_compression={"press": "snapkv", "ratio": 0.75})
+    pressed = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True,
+                             kv_compression={"press": "snapkv", "ratio": 0.75, "budgets": budgets})
     a, b = (stories_llm.generate([prompt], sp)[0].outputs[0].token_ids for sp in (plain, pressed))
     assert a != b
     spec = LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                   "num_branches": branches})
     out = spec.generate([prompt], pressed)[0]
     assert out.outputs[0].token_ids == b
     assert spec.llm_engine.stats().spec_decode.num_accepted_tokens > 0, "drafts must have been verified"
@@ -478,12 +529,46 @@ def test_quantized_kv_cache_compacts_codes_and_scales(llama_engine_factory, kv):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_entropy_budgets_move_each_layers_kept_kv_into_its_cells(monkeypatch, kv):
+    """Right after the press, each layer's table over the flattened pool (its own plane, then the planes it
+    borrows) reads back exactly the K/V (codes and int8's scales) of the positions it kept, in order."""
+    llm = LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256, kv_cache_dtype=kv)
+    runner = llm.llm_engine.runner
+    seen, read, checked = record_kept(monkeypatch), {}, []
+    prompt_kv, compress = runner.prompt_kv, compact.compress_sequence
+
+    def reading(layer, table, T):
+        read[layer] = prompt_kv(layer, table, T)
+        return read[layer]
+
+    def compressing(runner_, blocks, seq, spec):
+        done = compress(runner_, blocks, seq, spec)
+        cells, plane = seq.kv_cells, runner.kv_pools[0].shape[2]
+        for a, (layer, kept) in enumerate(zip(runner.attention_layers, seen[-1])):
+            table = torch.tensor(cells.table(a, seq.block_table, plane)[: len(cells.cells[a])])
+            k, v = runner.caches[layer].flat.read_kv(table, torch.float32)
+            heads = torch.arange(kept.shape[0])[:, None]
+            for got, want in ((k, read[layer][0]), (v, read[layer][1])):
+                assert torch.equal(got[: kept.shape[1]].transpose(0, 1), want[heads, kept]), (kv, a)
+            checked.append(len(cells.cells[a]))
+        return done
+
+    monkeypatch.setattr(runner, "prompt_kv", reading)
+    monkeypatch.setattr(compact, "compress_sequence", compressing)
+    params = SamplingParams(max_tokens=3, temperature=0, kv_compression={"press": "snapkv", "ratio": 0.6, "budgets": "entropy"})
+    llm.generate([{"prompt_token_ids": story_prompt(200, seed=1)}], params)
+    assert len(checked) == 5 and max(checked) > -(-sum(checked) // 5)  # a layer keeps more blocks than the sequence holds
+
+
 def test_bad_kv_compression_is_refused():
     for bad in ({"press": "nope", "ratio": 0.5}, {"press": "snapkv", "ratio": 0}, {"press": "snapkv", "ratio": 1.0},
                 {"press": "snapkv", "ratio": "half"}, {"press": "snapkv"}, {"press": "snapkv", "ratio": 0.5, "window": 3},
-                "snapkv", "snapkv:x", 5):
+                "snapkv", "snapkv:x", 5, "snapkv:0.5:h2o", {"press": "snapkv", "ratio": 0.5, "budgets": "pyramid"},
+                {"press": "snapkv", "ratio": 0.5, "budgets": 1}, {"press": "chunkkv", "ratio": 0.5, "budgets": "entropy"}):
         with pytest.raises(ValueError, match="kv_compression"):
             SamplingParams(kv_compression=bad)
+    assert str(SamplingParams(kv_compression="knorm:0.75:entropy").kv_compression) == "knorm:0.75:entropy"
     with pytest.raises(ValueError, match="n = 1"):
         SamplingParams(n=2, kv_compression={"press": "snapkv", "ratio": 0.5})
     assert str(SamplingParams(kv_compression="snapkv:0.5").kv_compression) == "snapkv:0.5"
@@ -512,7 +597,8 @@ def test_server_field_usage_metrics_and_400s(llama_dir):
         usage = [c.usage for c in chat if c.usage is not None][0]
         assert usage.prompt_tokens_details.kv_kept_tokens == usage.prompt_tokens // 2
         for bad, match in (({"press": "h2o", "ratio": 0.5}, "unknown press"), ({"press": "knorm", "ratio": 1.5}, r"\(0, 1\)"),
-                           ({"press": "knorm", "ratio": 0}, r"\(0, 1\)"), ({"press": "knorm"}, "takes")):
+                           ({"press": "knorm", "ratio": 0}, r"\(0, 1\)"), ({"press": "knorm"}, "takes"),
+                           ({"press": "knorm", "ratio": 0.5, "budgets": "layers"}, "budgets")):
             with pytest.raises(openai.BadRequestError, match=match) as e:
                 client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"kv_compression": bad})
             assert e.value.body["param"] == "kv_compression"
@@ -629,7 +715,7 @@ def test_gemma3_compressed_and_plain_requests_leave_each_other_unchanged(gemma3_
     cached prefix would read): each request's tokens as alone, and every block back."""
     from sieve import LLM
 
-    prompts, params = mixed_workload(12)
+    prompts, params = mixed_workload(12, budgets=False)
     alone = [LLM(str(gemma3_dir), dtype="float32", device="cpu").generate([p], [sp])[0].outputs[0].token_ids
              for p, sp in zip(prompts[:6], params[:6])]
     llm = LLM(str(gemma3_dir), dtype="float32", device="cpu", **options)
@@ -645,3 +731,16 @@ def test_gemma3_compressed_and_plain_requests_leave_each_other_unchanged(gemma3_
     else:
         assert blocks.num_hit_tokens > 0
     assert engine.stats().kv_compression.requests == 20
+
+
+def test_entropy_budgets_on_a_model_with_sliding_window_layers_are_refused_by_name(gemma3_dir):
+    from sieve import EngineConfig, LLMEngine
+    from sieve.config import ConfigError
+    from sieve.engine import RequestError
+
+    options = dict(model=str(gemma3_dir), dtype="float32", num_gpu_blocks_override=64)
+    with pytest.raises(ConfigError, match="entropy budgets are not built for models with sliding-window layers"):
+        LLMEngine(EngineConfig(**options, kv_compression="snapkv:0.5:entropy"))
+    engine = LLMEngine(EngineConfig(**options))
+    with pytest.raises(RequestError, match="entropy budgets"):
+        engine.add_request("r", {"prompt_token_ids": [5] * 100}, SamplingParams(kv_compression="snapkv:0.5:entropy"))

@@ -5,6 +5,9 @@ After it the sequence has `kv_dropped` fewer slots than positions in the full-at
 position p goes to slot p - kv_dropped and attends to every slot before it, while its rotary position stays p. Kept
 keys were rotated at their own positions, so attention over the kept set is exact for that set. Sliding-window layers
 (Gemma 3's local ones) are not pressed: their window already bounds their cache, and their slots stay positions.
+With entropy budgets the layers keep different counts: the kept positions fill `kv_cells.num_blocks` blocks, each
+layer's in blocks of its own and of planes the others leave free (cells.py), and kv_dropped is what lies before the
+first block after them.
 
 The prompt's exact blocks are not overwritten where the pool has room: they stay in the prefix cache for requests
 that share the prompt, and the compacted copy is the sequence's own, never entered in the cache.
@@ -18,6 +21,8 @@ import time
 import torch
 
 from sieve.kv_compression import KVCompression
+from sieve.kv_compression.budgets import WINDOW, attention_entropy, layer_blocks
+from sieve.kv_compression.cells import LayerCells
 from sieve.kv_compression.press import LayerKV
 from sieve.kv_compression.query_stats import QueryStats
 
@@ -25,15 +30,18 @@ log = logging.getLogger("sieve")
 
 
 def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | None:
-    """Per attention layer, [KVH, n_kept] ascending prompt positions the press keeps; None when it keeps them all (a
-    prompt shorter than the press can score, or a ratio that rounds to nothing removed)."""
+    """Per attention layer, [KVH, n_kept] ascending prompt positions the press keeps (n_kept the same in every layer,
+    or with entropy budgets each layer's share, whole blocks); None when it keeps them all (a prompt shorter than the
+    press can score, or a ratio that rounds to nothing removed)."""
     T = seq.num_prompt_tokens
     press = spec.make()
     n_kept = spec.n_kept(T)
-    if n_kept >= T or T < press.min_prompt():
+    entropy = spec.budgets == "entropy"
+    window = press.query_window or (WINDOW if entropy else 0)
+    if n_kept >= T or T < max(press.min_prompt(), window + 1, 2 * runner.block_size if entropy else 0):
         return None
     table = seq.block_table
-    queries = runner.window_queries(seq.token_ids, T, seq, press.query_window) if press.query_window else None
+    queries = runner.window_queries(seq.token_ids, T, seq, window) if window else None
     stats = rotation = None
     if press.query_stats_from is not None:
         stats = seq.query_stats
@@ -41,15 +49,22 @@ def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | Non
             runner.tap_queries(seq.token_ids, start, end, seq, stats)
             stats.take(start, end)
         rotation = runner.future_rotation(T, press.future_positions)
-    kept = []
-    for j, layer in enumerate(runner.attention_layers):
+
+    def layer_kv(j: int, layer: int) -> LayerKV:
         k, v = runner.prompt_kv(layer, table, T)
-        kv = LayerKV(k, v, queries[j] if queries is not None else None, runner.attention_scale(layer), j)
+        kv = LayerKV(k, v, queries[j] if queries is not None and press.query_window else None, runner.attention_scale(layer), j)
         if stats is not None:
             kv.query_mean, kv.query_cov = stats.moments(layer)
             kv.future_rotation = rotation
-        kept.append(press.keep(kv, n_kept))
-    return kept
+        return kv
+
+    layers = runner.attention_layers
+    counts = [n_kept] * len(layers)
+    if entropy:  # a first pass over the layers for their entropies, then each keeps its share
+        entropies = [attention_entropy(LayerKV(*runner.prompt_kv(layer, table, T), queries[j], runner.attention_scale(layer), j))
+                     for j, layer in enumerate(layers)]
+        counts = [b * runner.block_size for b in layer_blocks(entropies, n_kept, T, runner.block_size)]
+    return [press.keep(layer_kv(j, layer), n) for j, (layer, n) in enumerate(zip(layers, counts))]
 
 
 @torch.inference_mode()
@@ -58,16 +73,23 @@ def compress_sequence(runner, blocks, seq, spec: KVCompression) -> bool:
     the compacted copy and the prompt's own blocks are shared (it stays uncompressed; the caller counts it)."""
     kept = kept_positions(runner, seq, spec)
     seq.kv_compressed = True
-    if seq.query_stats is not None:  # (a sequence preempted later gathers them again as its prompt is recomputed)
+    if seq.query_stats is not None:  # (a sequence preempted later gathers them again as its prompt is computed)
         seq.query_stats.clear()
     if kept is None:
         return True
-    moved = blocks.compact(seq, kept[0].shape[1])
+    counts = [k.shape[1] for k in kept]
+    cells = LayerCells.packed(counts, runner.block_size) if spec.budgets == "entropy" else None
+    moved = blocks.compact(seq, cells.num_blocks * runner.block_size if cells else counts[0])
     if moved is None:
         return False
     old_table, new_table = moved
-    runner.compact_kv(old_table, new_table, kept)
-    seq.kv_dropped = seq.num_prompt_tokens - kept[0].shape[1]
+    if cells is None:
+        runner.compact_kv(old_table, new_table, kept)
+        seq.kv_dropped = seq.num_prompt_tokens - counts[0]
+    else:
+        runner.compact_kv_cells(old_table, new_table, kept, cells)
+        seq.kv_cells = cells
+        seq.kv_dropped = seq.num_prompt_tokens - cells.num_blocks * runner.block_size
     return True
 
 
@@ -79,10 +101,12 @@ class KVCompressor:
         self.default = KVCompression.of(default) if default else None
         self.runner, self.blocks = runner, blocks
         self.refusal = self.unsupported(arch, tensor_parallel)
-        if self.default is not None and self.refusal:
+        self.sliding = arch.has_sliding_layers
+        why = self.refusal or (self.budgets_refusal(self.default) if self.default is not None else None)
+        if self.default is not None and why:
             from sieve.config import ConfigError
 
-            raise ConfigError(f"kv_compression: {self.refusal}")
+            raise ConfigError(f"kv_compression: {why}")
         self.num_requests = self.num_prompt_tokens = self.num_dropped_tokens = self.num_skipped = 0
         self.seconds = 0.0
         self.used = False  # a request has asked for a press (until then the per-step scan is skipped)
@@ -100,6 +124,13 @@ class KVCompressor:
             return "not built together with tensor parallelism yet"
         return None
 
+    def budgets_refusal(self, spec: KVCompression) -> str | None:
+        """Why `spec`'s budgets cannot run on this model, or None."""
+        if spec.budgets == "entropy" and self.sliding:
+            return ("entropy budgets are not built for models with sliding-window layers (their pool keeps one table "
+                    "for the window layers)")
+        return None
+
     def admit(self, params) -> None:
         """Give `params` (a request's own copy) the server's default where it asks for nothing and may take it;
         ValueError when it asks for compression this engine cannot give it."""
@@ -109,8 +140,9 @@ class KVCompressor:
             params.kv_compression = self.default
         if params.kv_compression is None:
             return
-        if self.refusal:
-            raise ValueError(f"kv_compression: {self.refusal}")
+        why = self.refusal or self.budgets_refusal(params.kv_compression)
+        if why:
+            raise ValueError(f"kv_compression: {why}")
         if remote_decode:
             raise ValueError("kv_compression: a prefill server's request (kv_transfer_params.do_remote_decode) hands its "
                              "prompt's exact KV on; compress on the decode server")
@@ -146,11 +178,12 @@ class KVCompressor:
                 log.warning("request %s: KV compression skipped: no free blocks for the compacted copy and its prompt's "
                             "blocks are shared", seq.request.request_id)
             first = seq.request.kv_kept_tokens is None
-            seq.request.kv_kept_tokens = seq.num_prompt_tokens - seq.kv_dropped
+            kept = seq.kv_cells.mean_kept if seq.kv_cells is not None else seq.num_prompt_tokens - seq.kv_dropped
+            seq.request.kv_kept_tokens = kept
             if first:  # (a sequence preempted and pressed again counts once)
                 self.num_requests += 1
                 self.num_prompt_tokens += seq.num_prompt_tokens
-                self.num_dropped_tokens += seq.kv_dropped
+                self.num_dropped_tokens += seq.num_prompt_tokens - kept
         return failed
 
     def snapshot(self):

@@ -1,9 +1,10 @@
 """What a press sees and returns: one attention layer's prompt K/V (and, for a press that asks, the queries of the
 prompt's last positions), and the positions each KV head keeps.
 
-Every press keeps the same number of positions in every layer and KV head (`n_kept`, kvpress's
-`int(T * (1 - ratio))`), so a compressed sequence has one length in slots, one block table and one offset between its
-positions and its slots; which positions a head keeps is its own.
+A press keeps the same number of positions in every layer and KV head (`n_kept`, kvpress's `int(T * (1 - ratio))`),
+so a compressed sequence has one length in slots, one block table and one offset between its positions and its slots;
+which positions a head keeps is its own. With entropy budgets (budgets.py) each layer keeps its own count, in whole
+blocks packed across the pool's layer planes (cells.py); the keys are still chosen by the press.
 """
 
 from __future__ import annotations

@@ -64,6 +64,21 @@ class AttentionMetadata:
     capture: list | None = None
     query_taps: list["QueryTap"] = field(default_factory=list)
     lora: object = None  # LoRA: the step's rows grouped by adapter (sieve/lora LoRABatch), or None
+    # KV compression with per-layer budgets (sieve/kv_compression/cells.py): a step with such a sequence gives each
+    # attention layer a view of its own (`layers`, by layer index), whose tables index the pool flattened over its
+    # layers' planes (`flat`: read through the cache's `flat` view; the K/V the step writes go to the layer's own plane)
+    layers: dict[int, "AttentionMetadata"] | None = None
+    flat: bool = False
+
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """Layer `layer`'s view of the step (`layers`), with what the step sets after building it (the K/V write, the
+        captures, the taps, the adapters) the step's own; the step itself where it has no views."""
+        view = self.layers.get(layer) if self.layers else None
+        if view is None:
+            return self
+        view.write_kv, view.capture, view.query_taps, view.lora = self.write_kv, self.capture, self.query_taps, self.lora
+        return view
 
 
 @dataclass
@@ -115,6 +130,7 @@ class KVCacheLayer:
     """One layer's view of the pool: K and V as [num_blocks, block_size, kv_heads, head_dim]."""
 
     native_loop = True  # the C++ layer loop (sieve/kernels/decoder.cpp) reads and writes this cache
+    flat: "KVCacheLayer | None" = None  # the same layer's reads over its group's pool flattened across planes
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
@@ -204,6 +220,8 @@ class Attention(nn.Module):
             cache.write_kv(meta.slot_mapping, k, v)
         if meta.capture is not None:
             meta.capture.append(q)
+        if meta.flat:  # tables over the flattened pool (per-layer budgets): K/V written above, read through it
+            cache = cache.flat
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no output buffer to assemble
             return self._decode(q, cache, meta)
@@ -250,7 +268,7 @@ class Attention(nn.Module):
 
     def decode_written(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows whose K/V the cache already holds (`writes_fused`): q [nd, H, D] -> [nd, H, D]."""
-        return self._decode(q, cache, meta)
+        return self._decode(q, cache.flat if meta.flat else cache, meta)
 
     def _decode(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [nd, H, D], one token per sequence at the end of its context -> [nd, H, D]."""

@@ -200,7 +200,8 @@ class DecoderModel(nn.Module):
         x, residual = self.embed(input_ids, meta.lora), None
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
         lora_native = meta.lora.native() if meta.lora is not None else ([], [])
-        if self.native is not None and meta.write_kv and meta.capture is None and lora_native is not None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
+        native = self.native is not None and meta.write_kv and meta.capture is None and lora_native is not None
+        if native and meta.layers is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
             out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux, lora_native)
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
@@ -210,7 +211,7 @@ class DecoderModel(nn.Module):
             slots.setdefault(l, []).append(j)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if layer.window is None:
-                x, residual = layer(x, residual, rope, cache, meta, meta.lora)
+                x, residual = layer(x, residual, rope, cache, meta.for_layer(i), meta.lora)
             else:
                 x, residual = layer(x, residual, rope_local, cache, meta.windows[layer.window], meta.lora)
             if i in slots:  # the stream after layer i: its output added to everything before it
