@@ -1,7 +1,8 @@
-"""Issue 65's entropy-guided budgets, measured before built: each layer's attention entropy on calibration text
-(transformers, float32, eager attention), the per-layer shares of a total KV budget proportional to it (the seeds'
-"larger cache budgets to higher-entropy attention layers"), and what those shares cost in sieve's paged layout,
-where one block table serves every layer: a sequence holds as many slots as its largest layer keeps.
+"""Issue 65's entropy-guided budgets: each layer's attention entropy on calibration text (transformers, float32,
+eager attention), the profile `sieve serve --kv-budget-profile FILE` shares a press's total by (its "entropy_nats").
+Also the per-layer shares of a total KV budget proportional to it (the seeds' "larger cache budgets to
+higher-entropy attention layers"), and what they would cost if one block table served every layer: as many slots as
+the largest layer keeps (sieve packs the layers' blocks across the pool's planes instead, sieve/kv_compression/cells.py).
 
 python scripts/attention_entropy.py [--model GGUF] [--windows 4] [--tokens 1024] [--ratio 0.5] [--output-json F]
 """

@@ -64,6 +64,9 @@ class EngineConfig:
     kv_tier_dtype: str = "auto"
     # KV compression every request without its own `kv_compression` gets: "PRESS:RATIO" (sieve/kv_compression)
     kv_compression: str | None = None
+    # Entropy budgets' per-layer entropies on calibration text (a JSON file; sieve/kv_compression/budgets.py); None:
+    # each prompt's own
+    kv_budget_profile: str | None = None
 
     @property
     def kv_tiers_on(self) -> bool:
@@ -221,6 +224,13 @@ class EngineConfig:
 
             try:
                 self.kv_compression = str(KVCompression.of(self.kv_compression))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.kv_budget_profile is not None:
+            from sieve.kv_compression.budgets import load_profile
+
+            try:
+                load_profile(self.kv_budget_profile)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.quantization_group_size < 1:

@@ -126,7 +126,7 @@ class LLMEngine:
         tiers = TierPolicy(dict(config.tier_shares), config.max_num_seqs) if config.tier_shares is not None else None
         self.scheduler = Scheduler(config, self.block_manager, pacer, tiers)
         self.kv_compressor = KVCompressor(config.kv_compression, self.arch, self.runner, self.block_manager,
-                                          config.tensor_parallel_size > 1)
+                                          config.tensor_parallel_size > 1, config.kv_budget_profile)
         self.kv_connector = None
         if config.kv_role is not None or config.kv_transfer_config is not None:
             from sieve.distributed.kv_transfer import build_kv_connector  # (the disaggregated roles' only)

@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compress every prompt's KV after its prefill unless the request says otherwise (its "
                         "`kv_compression` field): a press (streaming_llm, knorm, snapkv, chunkkv) and the fraction of "
                         "positions it removes, e.g. snapkv:0.5. Lossy: see docs/kv-compression.md")
+    g.add_argument("--kv-budget-profile", default=None, metavar="FILE",
+                   help="per-layer attention entropies on calibration text (JSON, from scripts/attention_entropy.py) "
+                        "that entropy budgets (`\"budgets\": \"entropy\"`) share a press's total by; default: each "
+                        "prompt's own")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

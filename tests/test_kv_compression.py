@@ -5,6 +5,7 @@ blocks as exact; bad fields are 400s."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -22,8 +23,8 @@ def record_kept(monkeypatch) -> list:
     seen = []
     choose = compact.kept_positions
 
-    def recorded(runner, seq, spec):
-        kept = choose(runner, seq, spec)
+    def recorded(runner, seq, spec, *profile):
+        kept = choose(runner, seq, spec, *profile)
         seen.append(kept)
         return kept
 
@@ -542,8 +543,8 @@ def test_entropy_budgets_move_each_layers_kept_kv_into_its_cells(monkeypatch, kv
         read[layer] = prompt_kv(layer, table, T)
         return read[layer]
 
-    def compressing(runner_, blocks, seq, spec):
-        done = compress(runner_, blocks, seq, spec)
+    def compressing(runner_, blocks, seq, spec, *profile):
+        done = compress(runner_, blocks, seq, spec, *profile)
         cells, plane = seq.kv_cells, runner.kv_pools[0].shape[2]
         for a, (layer, kept) in enumerate(zip(runner.attention_layers, seen[-1])):
             table = torch.tensor(cells.table(a, seq.block_table, plane)[: len(cells.cells[a])])
@@ -744,3 +745,62 @@ def test_entropy_budgets_on_a_model_with_sliding_window_layers_are_refused_by_na
     engine = LLMEngine(EngineConfig(**options))
     with pytest.raises(RequestError, match="entropy budgets"):
         engine.add_request("r", {"prompt_token_ids": [5] * 100}, SamplingParams(kv_compression="snapkv:0.5:entropy"))
+
+
+def test_entropy_budgets_by_a_calibration_profile(tmp_path, monkeypatch):
+    """With `kv_budget_profile` (per-layer entropies on calibration text, scripts/attention_entropy.py's JSON), every
+    prompt's layers keep the shares that profile gives, whatever the prompt; a file that is not such a profile, or one
+    for another number of layers, is refused by name."""
+    from sieve.config import ConfigError
+    from sieve.kv_compression.budgets import layer_blocks
+
+    profile = [1.0, 4.0, 1.0, 2.0, 1.0]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"entropy_nats": profile}))
+    llm = LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=256, kv_budget_profile=str(path))
+    seen = record_kept(monkeypatch)
+    params = SamplingParams(max_tokens=2, temperature=0, kv_compression="knorm:0.6:entropy")
+    for seed in (1, 2):
+        llm.generate([{"prompt_token_ids": story_prompt(200, seed=seed)}], params)
+    want = [16 * b for b in layer_blocks(profile, int(200 * 0.4), 200, 16)]
+    assert [k.shape[1] for k in seen[0]] == [k.shape[1] for k in seen[1]] == want and len(set(want)) > 1
+    for bad, match in ((json.dumps([1.0, 2.0]), "5 attention layers"), ("[1, -2, 3, 4, 5]", "positive"), ("{", "JSON")):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match=match):
+            LLM(str(STORIES), dtype="float32", device="cpu", num_gpu_blocks_override=64, kv_budget_profile=str(path))
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_entropy_budgets_in_the_native_layer_loop(llama_dir, monkeypatch, kv):
+    """In bfloat16 the C++ layer loop runs steps with per-layer budgets too (each layer reads its own tables over the
+    pool's planes: LayerReads): decode rows beside plain requests, and a budgeted sequence preempted after its press
+    recomputing its tokens as a chunk. Every token and logprob is the PyTorch layer loop's, bit for bit."""
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(n)]} for n in (90, 150, 120, 140)]
+    presses = (None, {"press": "snapkv", "ratio": 0.5, "budgets": "entropy"}, None,
+               {"press": "knorm", "ratio": 0.75, "budgets": "entropy"})
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2, kv_compression=c) for c in presses]
+
+    def run(native: bool):
+        llm = LLM(str(llama_dir), dtype="bfloat16", device="cpu", num_gpu_blocks_override=16, block_size=16, kv_cache_dtype=kv)
+        engine, steps = llm.llm_engine, {"budgeted": 0, "chunks": 0}
+        model = engine.runner.model
+        assert model.native is not None
+        if not native:
+            model.native = None
+        forward_native = model._forward_native
+
+        def counted(x, positions, caches, meta, *rest):
+            if meta.layers:
+                steps["budgeted"] += 1
+                steps["chunks"] += bool(meta.prefills)
+            return forward_native(x, positions, caches, meta, *rest)
+
+        monkeypatch.setattr(model, "_forward_native", counted)
+        outs = llm.generate(prompts, params)
+        assert engine.scheduler.num_preemptions > 0
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs], steps
+
+    native, steps = run(True)
+    assert steps["budgeted"] > 20 and steps["chunks"] > 0, steps
+    assert run(False)[0] == native

@@ -131,7 +131,7 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
                                      std::vector<torch::Tensor> v_scales, std::vector<int64_t> aux_layers,
                                      c10::optional<torch::Tensor> aux, std::vector<int64_t> tap_rows,
                                      c10::optional<torch::Tensor> taps, std::vector<std::shared_ptr<NativeLoRA>> loras,
-                                     std::vector<int64_t> lora_spans) const {
+                                     std::vector<int64_t> lora_spans, std::shared_ptr<LayerReads> reads) const {
   TORCH_CHECK(x.scalar_type() == dtype, "x must be ", c10::toString(dtype), " like the model's norms");
   TORCH_CHECK(aux_layers.empty() == !aux.has_value(), "aux layers and their output tensor come together");
   for (int64_t l : aux_layers) TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(layers.size()), "aux layer ", l, " out of range");
@@ -153,11 +153,25 @@ torch::Tensor NativeDecoder::forward(torch::Tensor x, torch::Tensor positions, t
     TORCH_CHECK(lora && lora->num_layers() == static_cast<int64_t>(layers.size()), "a LoRA adapter must have one entry per layer");
     TORCH_CHECK(lora->takes(dtype), "LoRA weights must be float32 or bf16 (bf16 activations: bf16)");
   }
+  if (reads) {
+    const size_t L = layers.size(), chunks = chunk_starts.size();
+    TORCH_CHECK(reads->k.size() == L && reads->v.size() == L && reads->decode_tables.size() == (num_decodes ? L : 0) &&
+                    reads->decode_lens.size() == reads->decode_tables.size() && reads->chunk_tables.size() == L * chunks &&
+                    reads->chunk_ctx.size() == L * chunks && (k_scales.empty() || k_scales[0].numel() == 1 ||
+                                                              (reads->k_scales.size() == L && reads->v_scales.size() == L)),
+                "layer reads: per layer a K and V pool (int8: and scales) and its decode tables and lengths, per layer and "
+                "chunk a table and a context length");
+    for (size_t l = 0; l < reads->decode_tables.size(); ++l)
+      TORCH_CHECK(reads->decode_tables[l].scalar_type() == at::kLong && reads->decode_tables[l].is_contiguous() &&
+                      reads->decode_tables[l].size(0) == num_decodes && reads->decode_lens[l].scalar_type() == at::kLong &&
+                      reads->decode_lens[l].is_contiguous() && reads->decode_lens[l].numel() == num_decodes,
+                  "layer reads: decode tables [decodes, blocks] and lengths [decodes], int64");
+  }
   if (dtype == at::kFloat)
     return run<float>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans);
+                      k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans, reads.get());
   return run<bf16>(x, positions, slots, num_decodes, decode_tables, decode_lens, chunk_starts, chunk_lens, chunk_ctx, chunk_tables,
-                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans);
+                   k_pools, v_pools, k_scales, v_scales, aux_layers, aux, tap_rows, taps, loras, lora_spans, reads.get());
 }
 
 template <class E>
@@ -169,7 +183,7 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
                                  const std::vector<torch::Tensor>& v_scales, const std::vector<int64_t>& aux_layers,
                                  const c10::optional<torch::Tensor>& aux, const std::vector<int64_t>& tap_rows,
                                  const c10::optional<torch::Tensor>& taps, const std::vector<std::shared_ptr<NativeLoRA>>& loras,
-                                 const std::vector<int64_t>& lora_spans) const {
+                                 const std::vector<int64_t>& lora_spans, const LayerReads* reads) const {
   TORCH_CHECK(k_pools.size() == layers.size() && v_pools.size() == layers.size(), "one K and one V pool per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [T, hidden]");
   const int64_t T = x.size(0), hid = x.size(1), qs = H * D, kvs = KVH * D, width = qs + 2 * kvs;
@@ -217,16 +231,17 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
   // of every layer, and PyTorch's CPU SDPA with a mask on top (SmolLM2 under an SLO's small chunks: an FP8 cache's
   // prefill fell to a fraction of the bf16 cache's, its TTFT p99 from 0.5 to 6.7 s at 35 users).
   const bool chunk_kernel = dtype == at::kFloat || int8 || fp8 || (same_kv && decode_attention_takes_prefill(dtype, kv, D));
-  std::vector<torch::Tensor> masks(chunks), row_tables(chunks), row_lens(chunks);  // the same for every layer
-  for (size_t c = 0; c < chunks; ++c) {
+  std::vector<torch::Tensor> masks(chunks), row_tables(chunks), row_lens(chunks);  // the same for every layer (but with
+  auto chunk_rows = [&](size_t c, const torch::Tensor& chunk_table, int64_t ctx) {  // per-layer reads: each layer's)
     if (chunk_kernel) {
-      const auto table = chunk_tables[c].to(at::kLong).contiguous();
+      const auto table = chunk_table.to(at::kLong).contiguous();
       row_tables[c] = table.unsqueeze(0).expand({chunk_lens[c], table.numel()}).contiguous();
-      row_lens[c] = torch::arange(chunk_ctx[c] - chunk_lens[c] + 1, chunk_ctx[c] + 1, torch::TensorOptions().dtype(at::kLong));
-    } else if (chunk_ctx[c] != chunk_lens[c]) {
-      masks[c] = causal_mask_bottom_right(chunk_lens[c], chunk_ctx[c], x.options());
+      row_lens[c] = torch::arange(ctx - chunk_lens[c] + 1, ctx + 1, torch::TensorOptions().dtype(at::kLong));
+    } else {
+      masks[c] = ctx != chunk_lens[c] ? causal_mask_bottom_right(chunk_lens[c], ctx, x.options()) : torch::Tensor();
     }
-  }
+  };
+  for (size_t c = 0; c < chunks && !reads; ++c) chunk_rows(c, chunk_tables[c], chunk_ctx[c]);
 
   // every buffer of the step, allocated once
   const int64_t inter = layers.empty() ? 0 : layers[0].gate_up->n / 2;
@@ -294,18 +309,25 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
       store_rows<E>(k_pools[l], slot, k, T, k_stride, kvs);
       store_rows<E>(v_pools[l], slot, v, T, width, kvs);
     }
+    // what this layer reads: the pools it writes, or with per-layer reads its group's pool across planes and its tables
+    const torch::Tensor& kr = reads ? reads->k[l] : k_pools[l];
+    const torch::Tensor& vr = reads ? reads->v[l] : v_pools[l];
+    c10::Half* ks = int8 ? (reads ? reads->k_scales[l] : k_scales[l]).data_ptr<c10::Half>() : nullptr;
+    c10::Half* vs = int8 ? (reads ? reads->v_scales[l] : v_scales[l]).data_ptr<c10::Half>() : nullptr;
     if (num_decodes)
-      paged_decode_attention_into<E>(q, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D, tables, max_blocks,
-                                     lens, num_decodes, H, static_cast<float>(scale), A,
-                                     int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr, int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr,
-                                     k8[l], v8[l]);
+      paged_decode_attention_into<E>(q, q_stride, kr.data_ptr(), vr.data_ptr(), kv, block_size, KVH, D,
+                                     reads ? reads->decode_tables[l].data_ptr<int64_t>() : tables,
+                                     reads ? reads->decode_tables[l].size(1) : max_blocks,
+                                     reads ? reads->decode_lens[l].data_ptr<int64_t>() : lens, num_decodes, H, static_cast<float>(scale),
+                                     A, ks, vs, k8[l], v8[l]);
     for (size_t c = 0; c < chunks; ++c) {  // prefill chunks: SDPA over the earlier context (read through the table) and the chunk
-      const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = chunk_ctx[c];
+      const int64_t s = chunk_starts[c], n = chunk_lens[c], ctx = reads ? reads->chunk_ctx[l * chunks + c] : chunk_ctx[c];
+      const torch::Tensor& chunk_table = reads ? reads->chunk_tables[l * chunks + c] : chunk_tables[c];
+      if (reads) chunk_rows(c, chunk_table, ctx);
       if (chunk_kernel) {
-        paged_decode_attention_into<E>(q + s * q_stride, q_stride, k_pools[l].data_ptr(), v_pools[l].data_ptr(), kv, block_size, KVH, D,
+        paged_decode_attention_into<E>(q + s * q_stride, q_stride, kr.data_ptr(), vr.data_ptr(), kv, block_size, KVH, D,
                                        row_tables[c].data_ptr<int64_t>(), row_tables[c].size(1), row_lens[c].data_ptr<int64_t>(), n, H,
-                                       static_cast<float>(scale), A + s * qs, int8 ? k_scales[l].data_ptr<c10::Half>() : nullptr,
-                                       int8 ? v_scales[l].data_ptr<c10::Half>() : nullptr, k8[l], v8[l]);
+                                       static_cast<float>(scale), A + s * qs, ks, vs, k8[l], v8[l]);
         continue;
       }
       auto qc = strided(q + s * q_stride, n, H, D, q_stride).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
@@ -314,16 +336,18 @@ torch::Tensor NativeDecoder::run(torch::Tensor x, torch::Tensor positions, torch
         kc = strided(k + s * k_stride, n, KVH, D, k_stride);
         vc = strided(v + s * width, n, KVH, D, width);
       } else if (int8) {  // as QuantizedKVCacheLayer.read_kv: codes x their scales, in float32
-        kc = (k_pools[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat) *
-              k_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
-        vc = (v_pools[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat) *
-              v_scales[l].index({chunk_tables[c]}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
+        const torch::Tensor& ksr = reads ? reads->k_scales[l] : k_scales[l];
+        const torch::Tensor& vsr = reads ? reads->v_scales[l] : v_scales[l];
+        kc = (kr.index({chunk_table}).flatten(0, 1).to(at::kFloat) *
+              ksr.index({chunk_table}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
+        vc = (vr.index({chunk_table}).flatten(0, 1).to(at::kFloat) *
+              vsr.index({chunk_table}).flatten(0, 1).to(at::kFloat).unsqueeze(-1)).to(dtype).narrow(0, 0, ctx);
       } else if (fp8) {  // as QuantizedKVCacheLayer.read_kv: codes x the layer's scale, in float32 (gathered as bytes)
-        kc = (k_pools[l].view(at::kByte).index({chunk_tables[c]}).view(kv).flatten(0, 1).to(at::kFloat) * k8[l]).to(dtype).narrow(0, 0, ctx);
-        vc = (v_pools[l].view(at::kByte).index({chunk_tables[c]}).view(kv).flatten(0, 1).to(at::kFloat) * v8[l]).to(dtype).narrow(0, 0, ctx);
+        kc = (kr.view(at::kByte).index({chunk_table}).view(kv).flatten(0, 1).to(at::kFloat) * k8[l]).to(dtype).narrow(0, 0, ctx);
+        vc = (vr.view(at::kByte).index({chunk_table}).view(kv).flatten(0, 1).to(at::kFloat) * v8[l]).to(dtype).narrow(0, 0, ctx);
       } else {
-        kc = k_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
-        vc = v_pools[l].index({chunk_tables[c]}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
+        kc = kr.index({chunk_table}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
+        vc = vr.index({chunk_table}).flatten(0, 1).narrow(0, 0, ctx).to(dtype);
       }
       auto oc = at::scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
                                                  masks[c].defined() ? c10::optional<torch::Tensor>(masks[c]) : c10::nullopt, 0.0,

@@ -371,6 +371,15 @@ class NativeLoRA {
   std::vector<std::array<Mat, 4>> mats;
 };
 
+// KV compression with per-layer budgets (sieve/kv_compression/cells.py): what each layer reads in a step, where the
+// layers keep different counts in blocks packed across the pool's planes. Per layer: the pool it reads (its group's,
+// flattened across planes) and int8's scales alike, its decode rows' tables and lengths; per layer and prefill chunk
+// (index layer * chunks + chunk), the chunk's context length and table. The step's K/V are written as without it.
+struct LayerReads {
+  std::vector<torch::Tensor> k, v, k_scales, v_scales, decode_tables, decode_lens, chunk_tables;
+  std::vector<int64_t> chunk_ctx;
+};
+
 class NativeDecoder {
  public:
   NativeDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor cos,
@@ -386,7 +395,8 @@ class NativeDecoder {
                         std::vector<torch::Tensor> v_scales = {}, std::vector<int64_t> aux_layers = {},
                         c10::optional<torch::Tensor> aux = c10::nullopt, std::vector<int64_t> tap_rows = {},
                         c10::optional<torch::Tensor> taps = c10::nullopt,
-                        std::vector<std::shared_ptr<NativeLoRA>> loras = {}, std::vector<int64_t> lora_spans = {}) const;
+                        std::vector<std::shared_ptr<NativeLoRA>> loras = {}, std::vector<int64_t> lora_spans = {},
+                        std::shared_ptr<LayerReads> reads = nullptr) const;
 
  private:
   template <class T>
@@ -397,7 +407,8 @@ class NativeDecoder {
                     const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
                     const std::vector<int64_t>& aux_layers, const c10::optional<torch::Tensor>& aux,
                     const std::vector<int64_t>& tap_rows, const c10::optional<torch::Tensor>& taps,
-                    const std::vector<std::shared_ptr<NativeLoRA>>& loras, const std::vector<int64_t>& lora_spans) const;
+                    const std::vector<std::shared_ptr<NativeLoRA>>& loras, const std::vector<int64_t>& lora_spans,
+                    const LayerReads* reads) const;
   struct Layer {
     torch::Tensor input_norm, post_norm, q_norm, k_norm;
     std::shared_ptr<NativeLinear> qkv, o, gate_up, down;

@@ -83,7 +83,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_scales") = std::vector<torch::Tensor>{}, py::arg("v_scales") = std::vector<torch::Tensor>{},
            py::arg("aux_layers") = std::vector<int64_t>{}, py::arg("aux") = py::none(),
            py::arg("tap_rows") = std::vector<int64_t>{}, py::arg("taps") = py::none(),
-           py::arg("loras") = std::vector<std::shared_ptr<sieve::NativeLoRA>>{}, py::arg("lora_spans") = std::vector<int64_t>{});
+           py::arg("loras") = std::vector<std::shared_ptr<sieve::NativeLoRA>>{}, py::arg("lora_spans") = std::vector<int64_t>{},
+           py::arg("reads") = nullptr);
+  py::class_<sieve::LayerReads, std::shared_ptr<sieve::LayerReads>>(m, "LayerReads")
+      .def(py::init<>())
+      .def_readwrite("k", &sieve::LayerReads::k)
+      .def_readwrite("v", &sieve::LayerReads::v)
+      .def_readwrite("k_scales", &sieve::LayerReads::k_scales)
+      .def_readwrite("v_scales", &sieve::LayerReads::v_scales)
+      .def_readwrite("decode_tables", &sieve::LayerReads::decode_tables)
+      .def_readwrite("decode_lens", &sieve::LayerReads::decode_lens)
+      .def_readwrite("chunk_tables", &sieve::LayerReads::chunk_tables)
+      .def_readwrite("chunk_ctx", &sieve::LayerReads::chunk_ctx);
   py::class_<sieve::NativeLoRA, std::shared_ptr<sieve::NativeLoRA>>(m, "NativeLoRA")
       .def(py::init<int64_t>())
       .def("set", &sieve::NativeLoRA::set)

@@ -2,8 +2,11 @@
 layers, what a uniform press keeps) in proportion to how spread out its attention is, so a layer whose queries look
 at many positions keeps more of them and a layer that looks at few keeps fewer. The same bytes as the uniform press.
 
-A layer's attention entropy is measured on the prompt itself: the softmax attention of its last `WINDOW` queries
-(SnapKV's observation window) over every position, its entropy averaged over the window and the heads. A layer's
+A layer's attention entropy is measured on calibration text where the engine has a profile (`--kv-budget-profile
+FILE`: per-layer entropies, as `python scripts/attention_entropy.py --output-json FILE` writes them from WikiText
+windows), the same shares for every prompt; else on the prompt itself: the softmax attention of its last `WINDOW`
+queries (SnapKV's observation window) over every position, its entropy averaged over the window and the heads (then
+the budgets, and so the press, depend on the prompt's end: question-aware). A layer's
 share is counted in whole blocks (its kept positions fill whole blocks of the sequence's table, so later tokens
 start on a block in every layer), at least one block and at most the prompt's whole blocks; the layers' blocks are
 packed across the pool's layer planes (sieve/kv_compression/compact.py), so the sequence holds about L x n_kept
@@ -12,7 +15,9 @@ positions of KV, not as many as its largest layer keeps.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -59,3 +64,18 @@ def layer_blocks(entropies: list[float], n_kept: int, num_tokens: int, block_siz
         if blocks[i] < cap:
             blocks[i] += 1
     return blocks
+
+
+def load_profile(path: str) -> list[float]:
+    """Per-layer attention entropies from a JSON file: a list of numbers, or an object whose "entropy_nats" is one
+    (scripts/attention_entropy.py's output). ValueError naming the file when it is not that."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_budget_profile {path!r}: not a readable JSON file ({e})") from None
+    values = data.get("entropy_nats") if isinstance(data, dict) else data
+    if not isinstance(values, list) or not values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"kv_budget_profile {path!r}: want a list of positive per-layer entropies "
+                         "(or an object with one as \"entropy_nats\")")
+    return [float(v) for v in values]

@@ -21,7 +21,7 @@ import time
 import torch
 
 from sieve.kv_compression import KVCompression
-from sieve.kv_compression.budgets import WINDOW, attention_entropy, layer_blocks
+from sieve.kv_compression.budgets import WINDOW, attention_entropy, layer_blocks, load_profile
 from sieve.kv_compression.cells import LayerCells
 from sieve.kv_compression.press import LayerKV
 from sieve.kv_compression.query_stats import QueryStats
@@ -29,15 +29,16 @@ from sieve.kv_compression.query_stats import QueryStats
 log = logging.getLogger("sieve")
 
 
-def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | None:
+def kept_positions(runner, seq, spec: KVCompression, profile: list[float] | None = None) -> list[torch.Tensor] | None:
     """Per attention layer, [KVH, n_kept] ascending prompt positions the press keeps (n_kept the same in every layer,
-    or with entropy budgets each layer's share, whole blocks); None when it keeps them all (a prompt shorter than the
+    or with entropy budgets each layer's share, whole blocks, by `profile`'s entropies or the prompt's own); None when
+    it keeps them all (a prompt shorter than the
     press can score, or a ratio that rounds to nothing removed)."""
     T = seq.num_prompt_tokens
     press = spec.make()
     n_kept = spec.n_kept(T)
     entropy = spec.budgets == "entropy"
-    window = press.query_window or (WINDOW if entropy else 0)
+    window = press.query_window or (WINDOW if entropy and profile is None else 0)
     if n_kept >= T or T < max(press.min_prompt(), window + 1, 2 * runner.block_size if entropy else 0):
         return None
     table = seq.block_table
@@ -61,17 +62,17 @@ def kept_positions(runner, seq, spec: KVCompression) -> list[torch.Tensor] | Non
     layers = runner.attention_layers
     counts = [n_kept] * len(layers)
     if entropy:  # a first pass over the layers for their entropies, then each keeps its share
-        entropies = [attention_entropy(LayerKV(*runner.prompt_kv(layer, table, T), queries[j], runner.attention_scale(layer), j))
-                     for j, layer in enumerate(layers)]
+        entropies = profile or [attention_entropy(LayerKV(*runner.prompt_kv(layer, table, T), queries[j],
+                                                          runner.attention_scale(layer), j)) for j, layer in enumerate(layers)]
         counts = [b * runner.block_size for b in layer_blocks(entropies, n_kept, T, runner.block_size)]
     return [press.keep(layer_kv(j, layer), n) for j, (layer, n) in enumerate(zip(layers, counts))]
 
 
 @torch.inference_mode()
-def compress_sequence(runner, blocks, seq, spec: KVCompression) -> bool:
+def compress_sequence(runner, blocks, seq, spec: KVCompression, profile: list[float] | None = None) -> bool:
     """Apply `spec` to `seq`, whose prompt is computed (and nothing after it). False when the pool has no room for
     the compacted copy and the prompt's own blocks are shared (it stays uncompressed; the caller counts it)."""
-    kept = kept_positions(runner, seq, spec)
+    kept = kept_positions(runner, seq, spec, profile)
     seq.kv_compressed = True
     if seq.query_stats is not None:  # (a sequence preempted later gathers them again as its prompt is computed)
         seq.query_stats.clear()
@@ -97,8 +98,14 @@ class KVCompressor:
     """The engine's side: which requests may be compressed (and the server's default for the rest), the press run
     after each step on every sequence whose prompt it completed, and the counters /metrics reads."""
 
-    def __init__(self, default: str | None, arch, runner, blocks, tensor_parallel: bool):
+    def __init__(self, default: str | None, arch, runner, blocks, tensor_parallel: bool, profile: str | None = None):
         self.default = KVCompression.of(default) if default else None
+        self.profile = load_profile(profile) if profile is not None else None
+        if self.profile is not None and len(self.profile) != len(runner.attention_layers):
+            from sieve.config import ConfigError
+
+            raise ConfigError(f"kv_budget_profile {profile!r} has {len(self.profile)} layers' entropies; this model "
+                              f"has {len(runner.attention_layers)} attention layers")
         self.runner, self.blocks = runner, blocks
         self.refusal = self.unsupported(arch, tensor_parallel)
         self.sliding = arch.has_sliding_layers
@@ -167,7 +174,7 @@ class KVCompressor:
                 continue
             started = time.perf_counter()
             try:
-                done = compress_sequence(self.runner, self.blocks, seq, seq.params.kv_compression)
+                done = compress_sequence(self.runner, self.blocks, seq, seq.params.kv_compression, self.profile)
             except Exception:  # noqa: BLE001 - the request fails, the engine goes on
                 log.exception("request %s: KV compression failed", seq.request.request_id)
                 failed.append(seq)

@@ -201,7 +201,7 @@ class DecoderModel(nn.Module):
         aux = x.new_empty(x.shape[0], len(aux_layers) * x.shape[1]) if aux_layers else None
         lora_native = meta.lora.native() if meta.lora is not None else ([], [])
         native = self.native is not None and meta.write_kv and meta.capture is None and lora_native is not None
-        if native and meta.layers is None and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
+        if native and all(isinstance(c, KVCacheLayer) and c.native_loop for c in caches):
             out = self._forward_native(x, positions, caches, meta, list(aux_layers), aux, lora_native)
             return (out, aux) if aux_layers else out
         rope = self.rotary(positions, x.dtype)
@@ -231,13 +231,30 @@ class DecoderModel(nn.Module):
             [c.start for c in chunks], [c.num_tokens for c in chunks], [c.context_len for c in chunks],
             [c.block_table for c in chunks], [c.k for c in caches], [c.v for c in caches],
             [c.k_scale for c in caches if c.k_scale is not None], [c.v_scale for c in caches if c.v_scale is not None],
-            aux_layers or [], aux, rows, taps, lora[0], lora[1])
+            aux_layers or [], aux, rows, taps, lora[0], lora[1], self._layer_reads(caches, meta))
         first = 0
         for tap in meta.query_taps:  # each layer's tapped queries to their sinks, as the Python loop hands them over
             for layer in range(len(self.layers)):
                 tap.sink.add(layer, taps[layer, first: first + tap.num_rows].view(tap.num_rows, self.arch.num_heads, -1))
             first += tap.num_rows
         return out
+
+    @staticmethod
+    def _layer_reads(caches, meta: AttentionMetadata):
+        """With per-layer views (KV compression's per-layer budgets): what each layer reads in the C++ loop, its
+        views' tables over its cache's `flat` pool (sieve/kernels/kernels.h LayerReads); None without them."""
+        if not meta.layers:
+            return None
+        reads, views = cpu_ops().LayerReads(), [meta.layers[i] for i in range(len(caches))]
+        reads.k, reads.v = [c.flat.k for c in caches], [c.flat.v for c in caches]
+        if getattr(caches[0], "kind", None) == "int8":
+            reads.k_scales, reads.v_scales = [c.flat.k_scale for c in caches], [c.flat.v_scale for c in caches]
+        if meta.num_decodes:
+            reads.decode_tables = [v.decode_block_tables for v in views]
+            reads.decode_lens = [v.decode_context_lens for v in views]
+        reads.chunk_tables = [c.block_table for v in views for c in v.prefills]
+        reads.chunk_ctx = [c.context_len for v in views for c in v.prefills]
+        return reads
 
     def compute_logits(self, hidden: torch.Tensor, lora=None) -> torch.Tensor:
         """hidden [B, hidden] -> float32 logits [B, vocab]. `lora`: the adapters that change the head, over these
