@@ -70,7 +70,6 @@ class AttentionMetadata:
     layers: dict[int, "AttentionMetadata"] | None = None
     flat: bool = False
 
-
     def for_layer(self, layer: int) -> "AttentionMetadata":
         """Layer `layer`'s view of the step (`layers`), with what the step sets after building it (the K/V write, the
         captures, the taps, the adapters) the step's own; the step itself where it has no views."""
