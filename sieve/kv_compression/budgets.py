@@ -19,9 +19,8 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from sieve.kv_compression.press import LayerKV
+from sieve.kv_compression.snapkv import window_attention
 
 WINDOW = 64  # queries whose attention measures a layer's entropy (where the press reads none of its own)
 
@@ -29,13 +28,8 @@ WINDOW = 64  # queries whose attention measures a layer's entropy (where the pre
 def attention_entropy(kv: LayerKV) -> float:
     """The mean entropy (nats) of the attention of `kv.queries` [H, w, D], the prompt's last w positions, over its
     keys (causal)."""
-    q, k = kv.queries, kv.keys
-    H, w, _ = q.shape
-    KVH, T, _ = k.shape
-    logits = torch.matmul(q, k.repeat_interleave(H // KVH, dim=0).transpose(1, 2)) * kv.scale  # [H, w, T]
-    causal = torch.ones(w, T, dtype=torch.bool, device=q.device).triu(T - w + 1)
-    logp = torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-    return float(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).mean())
+    p = window_attention(kv, own_columns=True)
+    return float(-(p * p.clamp_min(1e-30).log()).sum(-1).mean())
 
 
 def layer_blocks(entropies: list[float], n_kept: int, num_tokens: int, block_size: int) -> list[int]:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from sieve.kv_compression.press import LayerKV, Press
 
 
-def window_attention(kv: LayerKV) -> torch.Tensor:
+def window_attention(kv: LayerKV, own_columns: bool = False) -> torch.Tensor:
     """[H, w, T - w]: the softmax attention of the last w queries over the prompt's keys (causal inside the window),
-    the window's own columns dropped."""
+    the window's own columns dropped ([H, w, T] with `own_columns`)."""
     q, k = kv.queries, kv.keys
     H, w, _ = q.shape
     KVH, T, _ = k.shape
@@ -23,7 +23,8 @@ def window_attention(kv: LayerKV) -> torch.Tensor:
     logits = torch.matmul(q, k.transpose(1, 2)) * kv.scale  # [H, w, T]
     causal = torch.ones(w, T, dtype=torch.bool, device=q.device).triu(T - w + 1)
     logits = logits.masked_fill(causal, float("-inf"))
-    return torch.softmax(logits, dim=-1, dtype=torch.float32)[..., : T - w]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    return probs if own_columns else probs[..., : T - w]
 
 
 @dataclass
