@@ -9,7 +9,7 @@ queries (SnapKV's observation window) over every position, its entropy averaged 
 the budgets, and so the press, depend on the prompt's end: question-aware). A layer's
 share is counted in whole blocks (its kept positions fill whole blocks of the sequence's table, so later tokens
 start on a block in every layer), at least one block and at most the prompt's whole blocks; the layers' blocks are
-packed across the pool's layer planes (sieve/kv_compression/compact.py), so the sequence holds about L x n_kept
+packed across the pool's layer planes (sieve/kv_compression/cells.py), so the sequence holds about L x n_kept
 positions of KV, not as many as its largest layer keeps.
 """
 
